@@ -1,0 +1,166 @@
+//! A loaded engine: the model, its tokenizer, the paged KV cache and the pool of its blocks.
+//! `Engine::load` turns validated options into that, logging what it chose (weight types,
+//! attention implementation, cache bytes per token).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+
+use crate::default_model;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{BlockPool, KvCache, KvCacheSpec};
+use crate::model::attention::{self, AttentionImpl};
+use crate::model::loader::{GgufSource, HfSource, LoadOptions, WeightSource};
+use crate::model::Llama;
+use crate::tokenizer::TextTokenizer;
+
+/// How much memory the KV cache gets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheSize {
+    Mib(usize),
+    Tokens(usize),
+}
+
+/// Everything needed to load an engine.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// A `.gguf` file or a Hugging Face folder; `None` = the embedded default model.
+    pub model: Option<PathBuf>,
+    /// A `tokenizer.json` to use instead of the model's own.
+    pub tokenizer: Option<PathBuf>,
+    pub device: Device,
+    pub block_size: usize,
+    pub cache: CacheSize,
+    /// Longest sequence served; `None` = the model's own limit.
+    pub max_context: Option<usize>,
+    /// `None` = the fastest for the device.
+    pub attention: Option<AttentionImpl>,
+    pub requantize: bool,
+}
+
+impl EngineOptions {
+    /// Options for tests and tools: CPU, given model, small cache.
+    pub fn for_model(model: impl Into<PathBuf>) -> Self {
+        EngineOptions {
+            model: Some(model.into()),
+            tokenizer: None,
+            device: Device::Cpu,
+            block_size: 16,
+            cache: CacheSize::Tokens(4096),
+            max_context: None,
+            attention: None,
+            requantize: true,
+        }
+    }
+}
+
+/// What was loaded, for logs and the `ready` frame.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub name: String,
+    pub path: PathBuf,
+    pub format: &'static str,
+    pub weight_types: Vec<String>,
+}
+
+pub struct Engine {
+    pub model: Llama,
+    pub tokenizer: TextTokenizer,
+    pub cache: KvCache,
+    pub pool: BlockPool,
+    pub info: ModelInfo,
+}
+
+fn is_gguf(path: &Path) -> bool {
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        return true;
+    }
+    let mut magic = [0u8; 4];
+    std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && &magic == b"GGUF"
+}
+
+impl Engine {
+    pub fn load(opts: &EngineOptions) -> Result<Self> {
+        let path = match &opts.model {
+            Some(p) => p.clone(),
+            None => default_model::ensure_default_model()?,
+        };
+        if !path.exists() {
+            return Err(EngineError::ModelNotFound { path });
+        }
+        let load_opts = LoadOptions {
+            device: opts.device.clone(),
+            requantize: opts.requantize,
+        };
+        let (mut src, cfg, tokenizer, format): (Box<dyn WeightSource>, _, _, _) = if path.is_dir() {
+            let (src, cfg) = HfSource::open(&path, load_opts)?;
+            let tok = match &opts.tokenizer {
+                Some(t) => TextTokenizer::from_hf_files(&path, t, &cfg.eos_token_ids)?,
+                None => TextTokenizer::from_hf_dir(&path, &cfg.eos_token_ids)?,
+            };
+            (Box::new(src), cfg, tok, "safetensors")
+        } else if is_gguf(&path) {
+            let (src, cfg) = GgufSource::open(&path, load_opts)?;
+            let tok = match &opts.tokenizer {
+                Some(t) => {
+                    TextTokenizer::from_file_with_gguf(t, src.content(), &cfg.eos_token_ids)?
+                }
+                None => TextTokenizer::from_gguf(src.content(), &cfg.eos_token_ids)?,
+            };
+            (Box::new(src), cfg, tok, "gguf")
+        } else {
+            return Err(EngineError::bad_file(
+                &path,
+                "neither a GGUF file nor a folder with config.json and safetensors",
+            ));
+        };
+        let max_positions = match opts.max_context {
+            Some(m) => m.min(cfg.max_position_embeddings),
+            None => cfg.max_position_embeddings,
+        };
+        let imp = attention::choose(&opts.device, opts.attention)?;
+        let model = Llama::load(src.as_mut(), &cfg, max_positions, imp, &opts.device)?;
+        let weight_types = src.load_summary();
+        let spec = match opts.cache {
+            CacheSize::Mib(m) => KvCacheSpec::from_bytes(&cfg, opts.block_size, m << 20),
+            CacheSize::Tokens(t) => KvCacheSpec::from_tokens(opts.block_size, t),
+        };
+        let cache = KvCache::new(&cfg, spec, &opts.device)?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        tracing::info!(
+            model = %name, format, layers = cfg.num_layers, hidden = cfg.hidden_size,
+            heads = cfg.num_heads, kv_heads = cfg.num_kv_heads, vocab = cfg.vocab_size,
+            context = max_positions, attention = ?imp, weights = %weight_types.join(", "),
+            "model loaded"
+        );
+        tracing::info!(
+            bytes_per_token = KvCacheSpec::bytes_per_token(&cfg),
+            block_size = spec.block_size,
+            blocks = spec.num_blocks,
+            tokens = spec.num_slots(),
+            mib = cache.bytes() >> 20,
+            "KV cache allocated"
+        );
+        Ok(Engine {
+            pool: BlockPool::new(spec.num_blocks),
+            model,
+            tokenizer,
+            cache,
+            info: ModelInfo {
+                name,
+                path,
+                format,
+                weight_types,
+            },
+        })
+    }
+}

@@ -1,0 +1,23 @@
+//! The paged KV cache: per-layer K and V tensors cut into fixed-size blocks (`storage`), and the
+//! pure bookkeeping of which blocks are free (`block_pool`).
+//!
+//! The layout follows vLLM's PagedAttention: a sequence owns a block table (a list of block ids);
+//! token position `p` lives in slot `table[p / block_size] * block_size + p % block_size`. Storage
+//! holds tensors and nothing else; the pool holds ids and nothing else, so it is tested alone.
+
+pub mod block_pool;
+pub mod storage;
+
+pub use block_pool::BlockPool;
+pub use storage::{KvCache, KvCacheSpec};
+
+/// Number of blocks needed to hold `tokens` tokens.
+pub fn blocks_for(tokens: usize, block_size: usize) -> usize {
+    tokens.div_ceil(block_size)
+}
+
+/// The slot of position `pos` for a sequence with this block table.
+#[inline]
+pub fn slot_of(block_table: &[u32], pos: usize, block_size: usize) -> usize {
+    block_table[pos / block_size] as usize * block_size + pos % block_size
+}

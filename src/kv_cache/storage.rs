@@ -1,0 +1,109 @@
+//! The KV cache tensors: for each layer one K and one V tensor of shape `[num_blocks * block_size,
+//! num_kv_heads * head_dim]`, F32. Rows are slots; a block is `block_size` consecutive rows.
+//!
+//! Writes go through candle's in-place `scatter_set`, so they work on every device; the CPU fast
+//! attention path reads the same tensors as plain slices.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::{EngineError, Result};
+use crate::model::config::ModelConfig;
+
+/// How big the cache is and how it is cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheSpec {
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+impl KvCacheSpec {
+    /// Bytes one token takes across all layers (K and V, F32).
+    pub fn bytes_per_token(cfg: &ModelConfig) -> usize {
+        2 * cfg.num_layers * cfg.kv_dim() * DType::F32.size_in_bytes()
+    }
+
+    /// The largest whole number of blocks that fits in `bytes`.
+    pub fn from_bytes(cfg: &ModelConfig, block_size: usize, bytes: usize) -> Self {
+        let per_block = Self::bytes_per_token(cfg) * block_size;
+        KvCacheSpec {
+            block_size,
+            num_blocks: bytes / per_block,
+        }
+    }
+
+    pub fn from_tokens(block_size: usize, tokens: usize) -> Self {
+        KvCacheSpec {
+            block_size,
+            num_blocks: tokens.div_ceil(block_size),
+        }
+    }
+
+    pub fn num_slots(&self) -> usize {
+        self.num_blocks * self.block_size
+    }
+}
+
+/// Per-layer K/V tensors.
+pub struct KvCache {
+    spec: KvCacheSpec,
+    kv_dim: usize,
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+}
+
+impl KvCache {
+    pub fn new(cfg: &ModelConfig, spec: KvCacheSpec, device: &Device) -> Result<Self> {
+        if spec.block_size == 0 || spec.num_blocks == 0 {
+            return Err(EngineError::KvCache(format!(
+                "the cache needs at least one block of at least one token (block_size {}, blocks {})",
+                spec.block_size, spec.num_blocks
+            )));
+        }
+        let shape = (spec.num_slots(), cfg.kv_dim());
+        let mut k = Vec::with_capacity(cfg.num_layers);
+        let mut v = Vec::with_capacity(cfg.num_layers);
+        for _ in 0..cfg.num_layers {
+            k.push(Tensor::zeros(shape, DType::F32, device)?);
+            v.push(Tensor::zeros(shape, DType::F32, device)?);
+        }
+        Ok(KvCache {
+            spec,
+            kv_dim: cfg.kv_dim(),
+            k,
+            v,
+        })
+    }
+
+    pub fn spec(&self) -> KvCacheSpec {
+        self.spec
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.spec.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.spec.num_blocks
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    /// Total bytes of K and V over all layers.
+    pub fn bytes(&self) -> usize {
+        2 * self.k.len() * self.spec.num_slots() * self.kv_dim * DType::F32.size_in_bytes()
+    }
+
+    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
+        (&self.k[layer], &self.v[layer])
+    }
+
+    /// Writes `k`, `v` (`[tokens, kv_dim]`) into the rows `slot_index` (`[tokens, kv_dim]` u32, each
+    /// row filled with its slot id, as candle's scatter wants).
+    pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
+        self.k[layer].scatter_set(slot_index, &k.contiguous()?, 0)?;
+        self.v[layer].scatter_set(slot_index, &v.contiguous()?, 0)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,151 @@
+//! The `llama-relay` binary: command line, settings, logging. `anyhow` lives here only.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use llama_relay::engine::Engine;
+use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::settings::{apply_process_settings, Settings};
+use llama_relay::tokenizer::{IncrementalDecoder, Message};
+
+#[derive(Parser)]
+#[command(
+    name = "llama-relay",
+    version,
+    about = "Streams Llama-3-family chat completions, batched on one machine"
+)]
+struct Cli {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Args, Clone)]
+struct Common {
+    /// A settings file layered over config/default.toml.
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// A .gguf file or a Hugging Face folder (overrides model.path).
+    #[arg(long, global = true)]
+    model: Option<PathBuf>,
+    /// Threads for the model (overrides engine.threads).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// The user message (or the raw prompt with --raw).
+    #[arg(short, long, default_value = "What is the capital of France?")]
+    prompt: String,
+    /// A system message for the chat template.
+    #[arg(long)]
+    system: Option<String>,
+    /// Send the prompt as it is, without the chat template.
+    #[arg(long)]
+    raw: bool,
+    #[arg(short = 'n', long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(short, long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Keep going past end-of-turn tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> anyhow::Result<()> {
+    init_tracing();
+    let cli = Cli::parse();
+    let mut settings = Settings::load(cli.common.config.as_deref())?;
+    if let Some(m) = &cli.common.model {
+        settings.model.path = m.display().to_string();
+    }
+    if let Some(t) = cli.common.threads {
+        settings.engine.threads = t;
+    }
+    let opts = settings.engine_options()?;
+    apply_process_settings(settings.threads(), settings.engine.malloc_tuning);
+    match cli.command {
+        Some(Command::Generate(args)) => run_generate(&opts, args),
+        None => bail!("the server (`serve`) is not built yet; try `llama-relay generate --help`"),
+    }
+}
+
+fn run_generate(opts: &llama_relay::engine::EngineOptions, a: GenerateArgs) -> anyhow::Result<()> {
+    let mut engine = Engine::load(opts).context("loading the model")?;
+    let ids = if a.raw || !engine.tokenizer.has_chat_template() {
+        engine.tokenizer.encode_prompt(&a.prompt)?
+    } else {
+        let mut msgs = Vec::new();
+        if let Some(s) = &a.system {
+            msgs.push(Message::new("system", s));
+        }
+        msgs.push(Message::new("user", &a.prompt));
+        engine.tokenizer.encode_chat(&msgs, true)?.1
+    };
+    let params = GenerateParams {
+        max_new_tokens: a.max_tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        seed: a.seed,
+        prefill_chunk: a.prefill_chunk,
+        stop_at_eos: !a.ignore_eos,
+    };
+    let mut detok = IncrementalDecoder::new(true);
+    let mut out = std::io::stdout().lock();
+    let stats = generate(&mut engine, &ids, &params, |tok, id| {
+        if let Some(text) = detok.push(tok, id)? {
+            let _ = out.write_all(text.as_bytes());
+            let _ = out.flush();
+        }
+        Ok(())
+    });
+    let stats = stats?;
+    if let Some(rest) = detok.finish(&engine.tokenizer)? {
+        let _ = out.write_all(rest.as_bytes());
+    }
+    let _ = writeln!(out);
+    eprintln!(
+        "prompt: {} tokens in {:.0} ms ({:.1} tok/s); generated: {} tokens, decode {:.1} tok/s{}",
+        stats.prompt_tokens,
+        stats.prefill.as_secs_f64() * 1e3,
+        stats.prompt_tokens_per_s(),
+        stats.generated.len(),
+        stats.decode_tokens_per_s(),
+        if stats.stopped_at_eos {
+            " (end of turn)"
+        } else {
+            ""
+        }
+    );
+    Ok(())
+}

@@ -1,0 +1,238 @@
+//! Attention over the paged KV cache for a flat step batch: causal within a sequence, never across
+//! sequences, each sequence reading its history through its block table.
+//!
+//! Two implementations of the same function:
+//! - `fast_cpu`: reads the cache tensors as slices and runs one task per (token, KV head) on the
+//!   rayon pool; the query heads of a GQA group share one pass over K and V. Written by hand
+//!   because candle has no paged attention on CPU and gathering blocks into a fresh tensor per
+//!   sequence per layer costs more than the attention itself at decode time.
+//! - `generic`: gathers each sequence's slots with `index_select` and runs standard masked
+//!   attention with candle ops, so it runs on any device (CUDA). Tests compare the two on CPU.
+
+use candle_core::{DType, Device, Storage, Tensor};
+use rayon::prelude::*;
+
+use crate::engine::step::SeqMeta;
+use crate::error::{EngineError, Result};
+use crate::kv_cache::slot_of;
+
+/// Which attention implementation a model uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionImpl {
+    /// Hand-written CPU kernel (CPU only).
+    FastCpu,
+    /// candle ops, any device.
+    Generic,
+}
+
+/// Shapes that attention needs.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnDims {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+/// `q`: `[tokens, heads*head_dim]` (RoPE applied); `k_cache`/`v_cache`: `[slots, kv_heads*head_dim]`
+/// already holding this step's keys and values. Returns `[tokens, heads*head_dim]`.
+pub fn paged_attention(
+    imp: AttentionImpl,
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    seqs: &[SeqMeta],
+    dims: AttnDims,
+) -> Result<Tensor> {
+    match imp {
+        AttentionImpl::FastCpu => fast_cpu(q, k_cache, v_cache, seqs, dims),
+        AttentionImpl::Generic => generic(q, k_cache, v_cache, seqs, dims),
+    }
+}
+
+/// Runs `f` on the F32 contents of a contiguous CPU tensor.
+fn with_cpu_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if !t.is_contiguous() {
+        return Err(EngineError::InvalidBatch(
+            "fast attention needs contiguous tensors".into(),
+        ));
+    }
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
+            let start = layout.start_offset();
+            Ok(f(&v[start..start + t.elem_count()]))
+        }
+        _ => Err(EngineError::InvalidBatch(
+            "fast attention runs on F32 CPU tensors only".into(),
+        )),
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent lanes so the compiler keeps one vector accumulator (AVX2: one ymm).
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i];
+    }
+    s
+}
+
+#[inline]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+fn fast_cpu(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    seqs: &[SeqMeta],
+    d: AttnDims,
+) -> Result<Tensor> {
+    let n_tokens = q.dim(0)?;
+    let (h, kvh, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    let group = h / kvh;
+    let kv_dim = kvh * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Which sequence and position each flat row belongs to.
+    let mut row_seq = vec![(0usize, 0usize); n_tokens];
+    for (si, s) in seqs.iter().enumerate() {
+        for j in 0..s.q_len {
+            row_seq[s.q_start + j] = (si, s.start_pos + j);
+        }
+    }
+    let q = q.contiguous()?;
+    let mut out = vec![0f32; n_tokens * h * hd];
+    with_cpu_slice(&q, |qs| {
+        with_cpu_slice(k_cache, |ks| {
+            with_cpu_slice(v_cache, |vs| {
+                // One task per (token, kv head): its `group` query heads are contiguous in `out`.
+                out.par_chunks_mut(group * hd)
+                    .enumerate()
+                    .for_each(|(i, o)| {
+                        let (t, g) = (i / kvh, i % kvh);
+                        let (si, pos) = row_seq[t];
+                        let table = &seqs[si].block_table;
+                        let ctx = pos + 1;
+                        let qrow =
+                            &qs[t * h * hd + g * group * hd..t * h * hd + (g + 1) * group * hd];
+                        let mut scores = vec![0f32; group * ctx];
+                        for p in 0..ctx {
+                            let slot = slot_of(table, p, bs);
+                            let krow = &ks[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd];
+                            for qh in 0..group {
+                                scores[qh * ctx + p] =
+                                    dot(&qrow[qh * hd..(qh + 1) * hd], krow) * scale;
+                            }
+                        }
+                        for qh in 0..group {
+                            let s = &mut scores[qh * ctx..(qh + 1) * ctx];
+                            let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            let mut sum = 0f32;
+                            for x in s.iter_mut() {
+                                *x = (*x - m).exp();
+                                sum += *x;
+                            }
+                            let inv = 1.0 / sum;
+                            for x in s.iter_mut() {
+                                *x *= inv;
+                            }
+                        }
+                        for p in 0..ctx {
+                            let slot = slot_of(table, p, bs);
+                            let vrow = &vs[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd];
+                            for qh in 0..group {
+                                axpy(&mut o[qh * hd..(qh + 1) * hd], scores[qh * ctx + p], vrow);
+                            }
+                        }
+                    });
+            })
+        })
+    })???;
+    Ok(Tensor::from_vec(out, (n_tokens, h * hd), q.device())?)
+}
+
+fn generic(
+    q: &Tensor,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    seqs: &[SeqMeta],
+    d: AttnDims,
+) -> Result<Tensor> {
+    let (h, kvh, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    let group = h / kvh;
+    let device = q.device();
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut outs = Vec::with_capacity(seqs.len());
+    for s in seqs {
+        let ctx = s.context_len();
+        let slots: Vec<u32> = (0..ctx)
+            .map(|p| slot_of(&s.block_table, p, bs) as u32)
+            .collect();
+        let idx = Tensor::from_vec(slots, ctx, device)?;
+        // [ctx, kvh, hd] -> [kvh, ctx, hd] -> [kvh, group, ctx, hd] -> [h, ctx, hd]
+        let expand = |cache: &Tensor| -> candle_core::Result<Tensor> {
+            cache
+                .index_select(&idx, 0)?
+                .reshape((ctx, kvh, hd))?
+                .transpose(0, 1)?
+                .unsqueeze(1)?
+                .expand((kvh, group, ctx, hd))?
+                .reshape((h, ctx, hd))
+        };
+        let k = expand(k_cache)?;
+        let v = expand(v_cache)?;
+        let qs = q
+            .narrow(0, s.q_start, s.q_len)?
+            .reshape((s.q_len, h, hd))?
+            .transpose(0, 1)?
+            .contiguous()?; // [h, q_len, hd]
+        let scores = (qs.matmul(&k.t()?)? * scale)?; // [h, q_len, ctx]
+                                                     // Causal: row j (position start_pos + j) sees positions 0..=start_pos + j.
+        let mask: Vec<f32> = (0..s.q_len)
+            .flat_map(|j| {
+                (0..ctx).map(move |p| {
+                    if p <= s.start_pos + j {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (1, s.q_len, ctx), device)?;
+        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        let o = probs.matmul(&v)?; // [h, q_len, hd]
+        outs.push(o.transpose(0, 1)?.reshape((s.q_len, h * hd))?);
+    }
+    let out = Tensor::cat(&outs, 0)?;
+    debug_assert_eq!(out.dtype(), DType::F32);
+    Ok(out)
+}
+
+/// Picks the implementation for a device and a request (`auto` = fast on CPU).
+pub fn choose(device: &Device, requested: Option<AttentionImpl>) -> Result<AttentionImpl> {
+    match (requested, device.is_cpu()) {
+        (Some(AttentionImpl::FastCpu), false) => Err(EngineError::InvalidSetting {
+            key: "engine.attention".into(),
+            value: "\"fast\"".into(),
+            allowed: "the fast attention kernel runs on CPU only; use \"auto\" or \"generic\""
+                .into(),
+        }),
+        (Some(imp), _) => Ok(imp),
+        (None, true) => Ok(AttentionImpl::FastCpu),
+        (None, false) => Ok(AttentionImpl::Generic),
+    }
+}

@@ -1,0 +1,308 @@
+//! A Llama decoder whose forward pass takes a flat step batch and reads and writes the paged KV
+//! cache, instead of candle-transformers' per-model cache of one sequence.
+//!
+//! Laid out as candle's model files are: config (in `config.rs`), small blocks each with `load` and
+//! `forward`, weight names as in Hugging Face, then the public model. The matmuls run once over
+//! every token of the step; attention (see `attention.rs`) is the only per-sequence part; logits are
+//! computed only for the rows the caller will sample.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor};
+
+use super::attention::{paged_attention, AttentionImpl, AttnDims};
+use super::config::{inv_freqs, ModelConfig};
+use super::loader::{Embedding, WeightSource};
+use crate::engine::step::{StepBatch, StepPlan};
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCache;
+
+/// cos/sin tables for every position up to the context limit, `[positions, head_dim/2]`.
+#[derive(Debug, Clone)]
+struct RotaryEmbedding {
+    cos: Tensor,
+    sin: Tensor,
+}
+
+impl RotaryEmbedding {
+    fn load(cfg: &ModelConfig, max_positions: usize, device: &Device) -> Result<Self> {
+        let freqs = inv_freqs(cfg);
+        let half = freqs.len();
+        let mut cos = Vec::with_capacity(max_positions * half);
+        let mut sin = Vec::with_capacity(max_positions * half);
+        for p in 0..max_positions {
+            for f in &freqs {
+                // Angles in f64: at position 100k an f32 angle is off by ~1e-2 rad.
+                let a = p as f64 * f;
+                cos.push(a.cos() as f32);
+                sin.push(a.sin() as f32);
+            }
+        }
+        Ok(RotaryEmbedding {
+            cos: Tensor::from_vec(cos, (max_positions, half), device)?,
+            sin: Tensor::from_vec(sin, (max_positions, half), device)?,
+        })
+    }
+
+    /// The rows for this step's positions.
+    fn select(&self, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((
+            self.cos.index_select(positions, 0)?,
+            self.sin.index_select(positions, 0)?,
+        ))
+    }
+
+    /// Applies the half-split (Hugging Face) rotation to `[tokens, heads*head_dim]`.
+    fn forward(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (t, width) = x.dims2()?;
+        let x = x.reshape((1, t, heads, width / heads))?;
+        let y = candle_nn::rotary_emb::rope_thd(&x, cos, sin)?;
+        Ok(y.reshape((t, width))?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn load(src: &mut dyn WeightSource, name: &str, cfg: &ModelConfig) -> Result<Self> {
+        Ok(RmsNorm {
+            weight: src.vector(name, cfg.hidden_size)?,
+            eps: cfg.rms_norm_eps as f32,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate_proj: QMatMul,
+    up_proj: QMatMul,
+    down_proj: QMatMul,
+}
+
+impl Mlp {
+    fn load(src: &mut dyn WeightSource, p: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        Ok(Mlp {
+            gate_proj: src.linear(&format!("{p}.gate_proj"), i, h)?,
+            up_proj: src.linear(&format!("{p}.up_proj"), i, h)?,
+            down_proj: src.linear(&format!("{p}.down_proj"), h, i)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.silu()?;
+        let up = self.up_proj.forward(x)?;
+        Ok(self.down_proj.forward(&(gate * up)?)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct SelfAttention {
+    q_proj: QMatMul,
+    k_proj: QMatMul,
+    v_proj: QMatMul,
+    o_proj: QMatMul,
+    num_heads: usize,
+    num_kv_heads: usize,
+}
+
+/// What every layer's attention shares in one step.
+struct StepContext<'a> {
+    cos: Tensor,
+    sin: Tensor,
+    /// `[tokens, kv_dim]` u32, each row its slot id (candle's scatter index layout).
+    slot_index: Tensor,
+    plan: &'a StepPlan,
+    cache: &'a KvCache,
+    imp: AttentionImpl,
+    dims: AttnDims,
+}
+
+impl SelfAttention {
+    fn load(src: &mut dyn WeightSource, p: &str, cfg: &ModelConfig) -> Result<Self> {
+        let (h, qd, kvd) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.kv_dim());
+        Ok(SelfAttention {
+            q_proj: src.linear(&format!("{p}.q_proj"), qd, h)?,
+            k_proj: src.linear(&format!("{p}.k_proj"), kvd, h)?,
+            v_proj: src.linear(&format!("{p}.v_proj"), kvd, h)?,
+            o_proj: src.linear(&format!("{p}.o_proj"), h, qd)?,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, layer: usize, ctx: &StepContext) -> Result<Tensor> {
+        let q = self.q_proj.forward(x)?;
+        let k = self.k_proj.forward(x)?;
+        let v = self.v_proj.forward(x)?;
+        let q = RotaryEmbedding::forward(&q, self.num_heads, &ctx.cos, &ctx.sin)?;
+        let k = RotaryEmbedding::forward(&k, self.num_kv_heads, &ctx.cos, &ctx.sin)?;
+        ctx.cache.write(layer, &ctx.slot_index, &k, &v)?;
+        let (kc, vc) = ctx.cache.layer(layer);
+        let o = paged_attention(ctx.imp, &q, kc, vc, &ctx.plan.seqs, ctx.dims)?;
+        Ok(self.o_proj.forward(&o)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct DecoderLayer {
+    input_layernorm: RmsNorm,
+    self_attn: SelfAttention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(src: &mut dyn WeightSource, i: usize, cfg: &ModelConfig) -> Result<Self> {
+        let p = format!("model.layers.{i}");
+        Ok(DecoderLayer {
+            input_layernorm: RmsNorm::load(src, &format!("{p}.input_layernorm"), cfg)?,
+            self_attn: SelfAttention::load(src, &format!("{p}.self_attn"), cfg)?,
+            post_attention_layernorm: RmsNorm::load(
+                src,
+                &format!("{p}.post_attention_layernorm"),
+                cfg,
+            )?,
+            mlp: Mlp::load(src, &format!("{p}.mlp"), cfg)?,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, layer: usize, ctx: &StepContext) -> Result<Tensor> {
+        let h = self
+            .self_attn
+            .forward(&self.input_layernorm.forward(x)?, layer, ctx)?;
+        let x = (x + h)?;
+        let h = self
+            .mlp
+            .forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok((x + h)?)
+    }
+}
+
+/// The public model: one forward over a flat step batch.
+pub struct Llama {
+    cfg: ModelConfig,
+    embed_tokens: Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: QMatMul,
+    rotary: RotaryEmbedding,
+    max_positions: usize,
+    attention: AttentionImpl,
+    device: Device,
+}
+
+impl Llama {
+    /// Loads every weight from `src`. `max_positions` bounds the RoPE tables (the served context).
+    pub fn load(
+        src: &mut dyn WeightSource,
+        cfg: &ModelConfig,
+        max_positions: usize,
+        attention: AttentionImpl,
+        device: &Device,
+    ) -> Result<Self> {
+        let embed_tokens = src.embedding(cfg.vocab_size, cfg.hidden_size)?;
+        let layers = (0..cfg.num_layers)
+            .map(|i| DecoderLayer::load(src, i, cfg))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::load(src, "model.norm", cfg)?;
+        // Tied embeddings: configs say so, and GGUF files say so by having no `output.weight`.
+        let lm_head = if src.has("lm_head") && !cfg.tie_word_embeddings {
+            src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?
+        } else {
+            embed_tokens.as_linear()?
+        };
+        Ok(Llama {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary: RotaryEmbedding::load(cfg, max_positions, device)?,
+            max_positions,
+            attention,
+            device: device.clone(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
+    }
+
+    pub fn attention(&self) -> AttentionImpl {
+        self.attention
+    }
+
+    pub fn set_attention(&mut self, imp: AttentionImpl) -> Result<()> {
+        self.attention = super::attention::choose(&self.device, Some(imp))?;
+        Ok(())
+    }
+
+    /// Runs one step. Returns `[rows, vocab]` F32 logits for the sequences with `want_logits`, in
+    /// batch order, or `None` when no sequence wants them (a step of prefill chunks only).
+    pub fn forward(&self, batch: &StepBatch, cache: &KvCache) -> Result<Option<Tensor>> {
+        let plan = batch.plan(
+            self.cfg.vocab_size,
+            self.max_positions,
+            cache.block_size(),
+            cache.num_blocks(),
+        )?;
+        if cache.kv_dim() != self.cfg.kv_dim() {
+            return Err(EngineError::KvCache(format!(
+                "cache rows are {} wide, the model needs {}",
+                cache.kv_dim(),
+                self.cfg.kv_dim()
+            )));
+        }
+        let n = plan.token_ids.len();
+        let dev = &self.device;
+        let ids = Tensor::from_slice(&plan.token_ids, n, dev)?;
+        let positions = Tensor::from_slice(&plan.positions, n, dev)?;
+        let (cos, sin) = self.rotary.select(&positions)?;
+        let slot_index = Tensor::from_slice(&plan.slots, (n, 1), dev)?
+            .broadcast_as((n, self.cfg.kv_dim()))?
+            .contiguous()?;
+        let ctx = StepContext {
+            cos,
+            sin,
+            slot_index,
+            plan: &plan,
+            cache,
+            imp: self.attention,
+            dims: AttnDims {
+                num_heads: self.cfg.num_heads,
+                num_kv_heads: self.cfg.num_kv_heads,
+                head_dim: self.cfg.head_dim,
+                block_size: cache.block_size(),
+            },
+        };
+        let mut x = self.embed_tokens.forward(&ids)?;
+        if x.dtype() != DType::F32 {
+            x = x.to_dtype(DType::F32)?;
+        }
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, i, &ctx)?;
+        }
+        if plan.logit_rows.is_empty() {
+            return Ok(None);
+        }
+        let rows = Tensor::from_slice(&plan.logit_rows, plan.logit_rows.len(), dev)?;
+        let x = self.norm.forward(&x.index_select(&rows, 0)?)?;
+        Ok(Some(self.lm_head.forward(&x)?))
+    }
+}

@@ -1,0 +1,10 @@
+//! The Llama-family decoder on candle, its configuration, its weight loading and its attention.
+
+pub mod attention;
+pub mod config;
+pub mod llama;
+pub mod loader;
+
+pub use attention::AttentionImpl;
+pub use config::ModelConfig;
+pub use llama::Llama;

@@ -1,0 +1,274 @@
+//! Settings: `config/default.toml` (every key, with a comment) is compiled in, `--config FILE`
+//! layers on top, `LLAMA_RELAY__SECTION__KEY` environment variables override, CLI flags last.
+//! `validate()` turns them into engine options or an error naming the key, the value and what is
+//! allowed; the server refuses to start on a bad value.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+use serde::Deserialize;
+
+use crate::engine::loaded::{CacheSize, EngineOptions};
+use crate::error::{EngineError, Result};
+use crate::model::AttentionImpl;
+
+/// The shipped defaults, also the documentation of every key.
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+
+/// Upper bound on a KV block: attention walks blocks slot by slot, and a block larger than
+/// this wastes most of a sequence's last block.
+const MAX_BLOCK_SIZE: usize = 256;
+/// Upper bound on threads: more than the machine has only adds contention.
+const MAX_THREADS: usize = 1024;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSettings {
+    /// A .gguf file or a Hugging Face folder; empty = the embedded default model.
+    pub path: String,
+    /// A tokenizer.json to use instead of the model's own; empty = the model's.
+    pub tokenizer: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSettings {
+    pub device: String,
+    pub threads: usize,
+    pub block_size: usize,
+    pub cache_mib: usize,
+    pub cache_tokens: usize,
+    pub max_context: usize,
+    pub attention: String,
+    pub requantize: bool,
+    pub malloc_tuning: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub model: ModelSettings,
+    pub engine: EngineSettings,
+}
+
+fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
+    EngineError::InvalidSetting {
+        key: key.into(),
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+impl Settings {
+    /// Defaults, then `file`, then the environment.
+    pub fn load(file: Option<&Path>) -> Result<Self> {
+        let mut b = config::Config::builder().add_source(config::File::from_str(
+            DEFAULT_TOML,
+            config::FileFormat::Toml,
+        ));
+        if let Some(f) = file {
+            if !f.exists() {
+                return Err(EngineError::ModelNotFound { path: f.into() });
+            }
+            b = b.add_source(config::File::from(f).format(config::FileFormat::Toml));
+        }
+        b = b.add_source(
+            config::Environment::with_prefix("LLAMA_RELAY")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true),
+        );
+        let c = b
+            .build()
+            .map_err(|e| invalid("config", "(file)", &e.to_string()))?;
+        c.try_deserialize::<Settings>()
+            .map_err(|e| invalid("config", "(file or environment)", &e.to_string()))
+    }
+
+    pub fn threads(&self) -> usize {
+        if self.engine.threads == 0 {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        } else {
+            self.engine.threads
+        }
+    }
+
+    /// Checks every value and builds the engine options.
+    pub fn engine_options(&self) -> Result<EngineOptions> {
+        let e = &self.engine;
+        let device = parse_device(&e.device)?;
+        if e.threads > MAX_THREADS {
+            return Err(invalid(
+                "engine.threads",
+                e.threads,
+                &format!("0 (all cores) to {MAX_THREADS}"),
+            ));
+        }
+        if e.block_size == 0 || e.block_size > MAX_BLOCK_SIZE {
+            return Err(invalid(
+                "engine.block_size",
+                e.block_size,
+                &format!("1 to {MAX_BLOCK_SIZE} tokens"),
+            ));
+        }
+        let cache = match (e.cache_mib, e.cache_tokens) {
+            (0, 0) => {
+                return Err(invalid(
+                    "engine.cache_mib",
+                    0,
+                    "set engine.cache_mib or engine.cache_tokens to more than 0",
+                ))
+            }
+            (_, t) if t > 0 => CacheSize::Tokens(t),
+            (m, _) => CacheSize::Mib(m),
+        };
+        let attention = match e.attention.as_str() {
+            "auto" => None,
+            "fast" => Some(AttentionImpl::FastCpu),
+            "generic" => Some(AttentionImpl::Generic),
+            other => {
+                return Err(invalid(
+                    "engine.attention",
+                    format!("{other:?}"),
+                    "\"auto\", \"fast\" (CPU) or \"generic\"",
+                ))
+            }
+        };
+        if attention == Some(AttentionImpl::FastCpu) && !device.is_cpu() {
+            return Err(invalid(
+                "engine.attention",
+                "\"fast\"",
+                "the fast kernel runs on CPU only; use \"auto\" or \"generic\"",
+            ));
+        }
+        let path = |s: &str| {
+            if s.is_empty() {
+                None
+            } else {
+                Some(PathBuf::from(s))
+            }
+        };
+        Ok(EngineOptions {
+            model: path(&self.model.path),
+            tokenizer: path(&self.model.tokenizer),
+            device,
+            block_size: e.block_size,
+            cache,
+            max_context: if e.max_context == 0 {
+                None
+            } else {
+                Some(e.max_context)
+            },
+            attention,
+            requantize: e.requantize,
+        })
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device> {
+    let allowed = "\"cpu\", \"cuda\" or \"cuda:N\"";
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        _ if s == "cuda" || s.starts_with("cuda:") => {
+            let ordinal = match s.strip_prefix("cuda:") {
+                Some(n) => n
+                    .parse::<usize>()
+                    .map_err(|_| invalid("engine.device", format!("{s:?}"), allowed))?,
+                None => 0,
+            };
+            if !cfg!(feature = "cuda") {
+                return Err(invalid(
+                    "engine.device",
+                    format!("{s:?}"),
+                    "this binary was built without the `cuda` feature (cargo build --release --features cuda)",
+                ));
+            }
+            Device::new_cuda(ordinal).map_err(|e| {
+                invalid(
+                    "engine.device",
+                    format!("{s:?}"),
+                    &format!("no such CUDA device: {e}"),
+                )
+            })
+        }
+        other => Err(invalid("engine.device", format!("{other:?}"), allowed)),
+    }
+}
+
+/// Applies process-wide settings that must come before any model work: the rayon pool size
+/// (candle's matmuls and our attention share it) and glibc's allocator tuning.
+pub fn apply_process_settings(threads: usize, malloc_tuning: bool) {
+    // candle's gemm reads RAYON_NUM_THREADS; set it before any pool exists.
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global();
+    if malloc_tuning {
+        tune_malloc();
+    }
+}
+
+/// candle allocates a fresh buffer per op; glibc maps every buffer above its mmap threshold with
+/// mmap and unmaps it on free, so each step pays page faults for its activations. Raising the
+/// threshold to its maximum and keeping freed memory (trim threshold) makes those buffers reuse
+/// heap memory instead. Measured in `benches/engine.rs` (`--no-malloc-tuning` for the baseline).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn tune_malloc() {
+    // SAFETY: mallopt only changes allocator parameters; it is called before threads allocate.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);
+        libc::mallopt(libc::M_TOP_PAD, 64 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn tune_malloc() {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid() {
+        let s = Settings::load(None).unwrap();
+        let o = s.engine_options().unwrap();
+        assert!(o.model.is_none());
+        assert!(o.device.is_cpu());
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let mut s = Settings::load(None).unwrap();
+        s.engine.block_size = 0;
+        let e = s.engine_options().unwrap_err().to_string();
+        assert!(
+            e.contains("engine.block_size") && e.contains("1 to 256"),
+            "{e}"
+        );
+        let mut s = Settings::load(None).unwrap();
+        s.engine.device = "tpu".into();
+        let e = s.engine_options().unwrap_err().to_string();
+        assert!(e.contains("engine.device") && e.contains("\"tpu\""), "{e}");
+        let mut s = Settings::load(None).unwrap();
+        s.engine.attention = "flash".into();
+        assert!(s
+            .engine_options()
+            .unwrap_err()
+            .to_string()
+            .contains("engine.attention"));
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        let dir = std::env::temp_dir().join(format!("lr-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("bad.toml");
+        std::fs::write(&f, "[engine]\nblok_size = 3\n").unwrap();
+        let e = Settings::load(Some(&f)).unwrap_err().to_string();
+        assert!(e.contains("blok_size"), "{e}");
+    }
+}

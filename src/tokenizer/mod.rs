@@ -1,0 +1,210 @@
+//! Text in and out of the model: the tokenizer (from `tokenizer.json` or GGUF metadata), the chat
+//! template, the end-of-turn ids, and the incremental detokenizer for streaming.
+
+pub mod chat_template;
+pub mod detokenizer;
+pub mod gguf;
+
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::Content;
+use serde_json::Value;
+
+pub use chat_template::{ChatTemplate, Message};
+pub use detokenizer::IncrementalDecoder;
+
+use crate::error::{EngineError, Result};
+use crate::model::loader::{md_str, read_json};
+
+/// Token texts that end a turn in the chat formats we serve, looked up in GGUF vocabularies
+/// (llama.cpp does the same: a GGUF names one EOS id, Llama 3 ends turns on several).
+const END_OF_TURN_TOKENS: &[&str] = &[
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+];
+
+/// A tokenizer with the model's conventions around it.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Prepend BOS to plain prompts (GGUF `add_bos_token`; HF folders do it in the post-processor).
+    add_bos: Option<u32>,
+    eos_ids: Vec<u32>,
+    template: Option<ChatTemplate>,
+}
+
+fn token_string(v: Option<&Value>) -> Option<String> {
+    match v {
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(String::from),
+        _ => None,
+    }
+}
+
+fn chat_template_source(v: Option<&Value>) -> Option<String> {
+    match v {
+        Some(Value::String(s)) => Some(s.clone()),
+        // Newer configs hold a list of named templates; "default" is the chat one.
+        Some(Value::Array(a)) => a
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| a.first())
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(String::from),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// From a Hugging Face folder: `tokenizer.json` and (optional) `tokenizer_config.json`.
+    /// `model_eos` are the end-of-turn ids from config.json / generation_config.json.
+    pub fn from_hf_dir(dir: &Path, model_eos: &[u32]) -> Result<Self> {
+        Self::from_hf_files(dir, &dir.join("tokenizer.json"), model_eos)
+    }
+
+    /// As `from_hf_dir`, with the `tokenizer.json` taken from `path`.
+    pub fn from_hf_files(dir: &Path, path: &Path, model_eos: &[u32]) -> Result<Self> {
+        let path = path.to_path_buf();
+        if !path.exists() {
+            return Err(EngineError::ModelNotFound { path });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg = if cfg_path.exists() {
+            read_json(&cfg_path)?
+        } else {
+            Value::Null
+        };
+        let bos = token_string(cfg.get("bos_token")).unwrap_or_default();
+        let eos = token_string(cfg.get("eos_token")).unwrap_or_default();
+        let mut eos_ids = model_eos.to_vec();
+        if eos_ids.is_empty() {
+            eos_ids.extend(inner.token_to_id(&eos));
+        }
+        let template = match chat_template_source(cfg.get("chat_template")) {
+            Some(src) => Some(ChatTemplate::new(&src, &bos, &eos)?),
+            None => None,
+        };
+        Ok(TextTokenizer {
+            inner,
+            add_bos: None,
+            eos_ids,
+            template,
+        })
+    }
+
+    /// From a tokenizer.json given separately (for GGUF files whose own tokenizer we cannot build).
+    pub fn from_file_with_gguf(path: &Path, c: &Content, model_eos: &[u32]) -> Result<Self> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| EngineError::Tokenizer(format!("{}: {e}", path.display())))?;
+        Self::finish_gguf(inner, c, model_eos)
+    }
+
+    /// From GGUF metadata.
+    pub fn from_gguf(c: &Content, model_eos: &[u32]) -> Result<Self> {
+        Self::finish_gguf(gguf::tokenizer_from_gguf(c)?, c, model_eos)
+    }
+
+    fn finish_gguf(inner: tokenizers::Tokenizer, c: &Content, model_eos: &[u32]) -> Result<Self> {
+        let id = |k: &str| c.metadata.get(k).and_then(|v| v.to_u32().ok());
+        let bos_id = id("tokenizer.ggml.bos_token_id");
+        let add_bos = c
+            .metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(true);
+        let mut eos_ids = model_eos.to_vec();
+        for t in END_OF_TURN_TOKENS {
+            if let Some(i) = inner
+                .get_added_vocabulary()
+                .token_to_id(t, inner.get_model())
+            {
+                if !eos_ids.contains(&i) {
+                    eos_ids.push(i);
+                }
+            }
+        }
+        let text = |i: Option<u32>| i.and_then(|i| inner.id_to_token(i)).unwrap_or_default();
+        let template = match md_str(c, "tokenizer.chat_template") {
+            Some(src) => Some(ChatTemplate::new(
+                src,
+                &text(bos_id),
+                &text(id("tokenizer.ggml.eos_token_id")),
+            )?),
+            None => None,
+        };
+        Ok(TextTokenizer {
+            inner,
+            add_bos: if add_bos { bos_id } else { None },
+            eos_ids,
+            template,
+        })
+    }
+
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
+    /// Ids that end a generation.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokenizes raw text with the model's special-token conventions (BOS where the model wants it).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if let Some(bos) = self.add_bos {
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Tokenizes text as it is: special tokens written in it are recognised, nothing is added.
+    pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders the conversation with the chat template (the template writes BOS itself, so the
+    /// text is encoded without adding special tokens, as transformers' `apply_chat_template` does).
+    pub fn encode_chat(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<u32>)> {
+        let t = self
+            .template
+            .as_ref()
+            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
+        let text = t.render(messages, add_generation_prompt)?;
+        let ids = self.encode_raw(&text)?;
+        Ok((text, ids))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
