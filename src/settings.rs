@@ -10,6 +10,7 @@ use serde::Deserialize;
 
 use crate::engine::loaded::{CacheSize, EngineOptions};
 use crate::error::{EngineError, Result};
+use crate::model::loader::WeightMode;
 use crate::model::AttentionImpl;
 
 /// The shipped defaults, also the documentation of every key.
@@ -40,7 +41,7 @@ pub struct EngineSettings {
     pub cache_tokens: usize,
     pub max_context: usize,
     pub attention: String,
-    pub requantize: bool,
+    pub weights: String,
     pub malloc_tuning: bool,
 }
 
@@ -143,6 +144,18 @@ impl Settings {
                 "the fast kernel runs on CPU only; use \"auto\" or \"generic\"",
             ));
         }
+        let weights = match e.weights.as_str() {
+            "auto" => WeightMode::Auto,
+            "keep" => WeightMode::Keep,
+            "f32" => WeightMode::F32,
+            other => {
+                return Err(invalid(
+                    "engine.weights",
+                    format!("{other:?}"),
+                    "\"auto\", \"keep\" or \"f32\"",
+                ))
+            }
+        };
         let path = |s: &str| {
             if s.is_empty() {
                 None
@@ -162,7 +175,7 @@ impl Settings {
                 Some(e.max_context)
             },
             attention,
-            requantize: e.requantize,
+            weights,
         })
     }
 }

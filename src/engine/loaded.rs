@@ -10,7 +10,7 @@ use crate::default_model;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockPool, KvCache, KvCacheSpec};
 use crate::model::attention::{self, AttentionImpl};
-use crate::model::loader::{GgufSource, HfSource, LoadOptions, WeightSource};
+use crate::model::loader::{GgufSource, HfSource, LoadOptions, WeightMode, WeightSource};
 use crate::model::Llama;
 use crate::tokenizer::TextTokenizer;
 
@@ -35,7 +35,7 @@ pub struct EngineOptions {
     pub max_context: Option<usize>,
     /// `None` = the fastest for the device.
     pub attention: Option<AttentionImpl>,
-    pub requantize: bool,
+    pub weights: WeightMode,
 }
 
 impl EngineOptions {
@@ -49,7 +49,7 @@ impl EngineOptions {
             cache: CacheSize::Tokens(4096),
             max_context: None,
             attention: None,
-            requantize: true,
+            weights: WeightMode::Auto,
         }
     }
 }
@@ -96,7 +96,7 @@ impl Engine {
         }
         let load_opts = LoadOptions {
             device: opts.device.clone(),
-            requantize: opts.requantize,
+            weights: opts.weights,
         };
         let (mut src, cfg, tokenizer, format): (Box<dyn WeightSource>, _, _, _) = if path.is_dir() {
             let (src, cfg) = HfSource::open(&path, load_opts)?;

@@ -70,13 +70,13 @@ impl ModelConfig {
                 "num_attention_heads, num_key_value_heads and num_hidden_layers must be > 0".into(),
             );
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return bad(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!(
                 "head_dim must be even and > 0, got {}",
                 self.head_dim
@@ -85,7 +85,7 @@ impl ModelConfig {
         if self.hidden_size == 0 || self.vocab_size == 0 || self.intermediate_size == 0 {
             return bad("hidden_size, vocab_size and intermediate_size must be > 0".into());
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return bad(format!("rope_theta must be > 0, got {}", self.rope_theta));
         }
         if let RopeScaling::FreqFactors(f) = &self.rope_scaling {

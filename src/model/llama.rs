@@ -214,10 +214,10 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(src, "model.norm", cfg)?;
         // Tied embeddings: configs say so, and GGUF files say so by having no `output.weight`.
-        let lm_head = if src.has("lm_head") && !cfg.tie_word_embeddings {
-            src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?
-        } else {
+        let lm_head = if cfg.tie_word_embeddings {
             embed_tokens.as_linear()?
+        } else {
+            src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?
         };
         Ok(Llama {
             cfg: cfg.clone(),

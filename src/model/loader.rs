@@ -27,8 +27,18 @@ use crate::error::{EngineError, Result};
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub device: Device,
-    /// Requantize tensor types that have no SIMD kernel on this CPU (see the module doc).
-    pub requantize: bool,
+    pub weights: WeightMode,
+}
+
+/// What quantized weights become at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightMode {
+    /// The fastest layout on this device: on CPU, types without a SIMD kernel become Q8_0.
+    Auto,
+    /// As stored in the file.
+    Keep,
+    /// Everything dequantized to F32: reference precision, for checking a model against transformers.
+    F32,
 }
 
 /// A token embedding table: quantized rows looked up without dequantizing the whole table, or dense.
@@ -63,8 +73,6 @@ pub trait WeightSource {
     fn vector(&mut self, name: &str, len: usize) -> Result<Tensor>;
     /// The token embedding table `[vocab, hidden]`.
     fn embedding(&mut self, vocab: usize, hidden: usize) -> Result<Embedding>;
-    /// Whether a tensor exists (name without `.weight`).
-    fn has(&self, name: &str) -> bool;
     /// What was done to each tensor type, for the start-up log: "Q4_1 -> Q8_0 (210 tensors)".
     fn load_summary(&self) -> Vec<String>;
 }
@@ -145,7 +153,7 @@ pub fn gguf_config(
     let kv_heads = md_u(c, "llama.attention.head_count_kv").unwrap_or(heads);
     let head_dim = md_u(c, "llama.attention.key_length")
         .or_else(|| md_u(c, "llama.rope.dimension_count"))
-        .unwrap_or(if heads > 0 { hidden / heads } else { 0 });
+        .unwrap_or(hidden.checked_div(heads).unwrap_or(0));
     let vocab = md_u(c, "llama.vocab_size")
         .or_else(|| {
             c.metadata
@@ -159,28 +167,29 @@ pub fn gguf_config(
                 .map(|t| t.shape.dims()[0])
         })
         .ok_or_else(|| EngineError::bad_file(path, "cannot tell the vocabulary size"))?;
-    let rope_scaling =
-        if c.tensor_infos.contains_key("rope_freqs.weight") {
-            let t = c
-                .tensor(reader, "rope_freqs.weight", &Device::Cpu)
-                .and_then(|q| q.dequantize(&Device::Cpu))
-                .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
-                .map_err(|e| bad_tensor(path, "rope_freqs.weight", e.to_string()))?;
-            RopeScaling::FreqFactors(t)
-        } else {
-            match md_str(c, "llama.rope.scaling.type") {
-                Some("linear") => RopeScaling::Linear {
-                    factor: md_f(c, "llama.rope.scaling.factor").unwrap_or(1.0),
-                },
-                Some("none") | None => RopeScaling::None,
-                Some(other) => return Err(EngineError::bad_file(
+    let rope_scaling = if c.tensor_infos.contains_key("rope_freqs.weight") {
+        let t = c
+            .tensor(reader, "rope_freqs.weight", &Device::Cpu)
+            .and_then(|q| q.dequantize(&Device::Cpu))
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .map_err(|e| bad_tensor(path, "rope_freqs.weight", e.to_string()))?;
+        RopeScaling::FreqFactors(t)
+    } else {
+        match md_str(c, "llama.rope.scaling.type") {
+            Some("linear") => RopeScaling::Linear {
+                factor: md_f(c, "llama.rope.scaling.factor").unwrap_or(1.0),
+            },
+            Some("none") | None => RopeScaling::None,
+            Some(other) => {
+                return Err(EngineError::bad_file(
                     path,
                     format!(
                         "unsupported llama.rope.scaling.type `{other}` (supported: none, linear)"
                     ),
-                )),
+                ))
             }
-        };
+        }
+    };
     let mut eos = Vec::new();
     for k in [
         "tokenizer.ggml.eos_token_id",
@@ -253,12 +262,15 @@ fn gguf_name(hf: &str) -> String {
 
 /// The type a stored quantized type is kept in for matmuls on this device.
 fn target_type(stored: GgmlDType, in_dim: usize, opts: &LoadOptions) -> GgmlDType {
-    if !opts.device.is_cpu() || !opts.requantize {
-        return stored;
+    match opts.weights {
+        WeightMode::F32 => return GgmlDType::F32,
+        WeightMode::Keep => return stored,
+        WeightMode::Auto if !opts.device.is_cpu() => return stored,
+        WeightMode::Auto => {}
     }
     match stored {
         // Scalar-only in candle's CPU backend: requantize to Q8_0 (SIMD on AVX2 and NEON).
-        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim % 32 == 0 => GgmlDType::Q8_0,
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim.is_multiple_of(32) => GgmlDType::Q8_0,
         // Half precision weights: candle's CPU matmul for them goes through F32 anyway.
         GgmlDType::F16 | GgmlDType::BF16 => GgmlDType::F32,
         other => other,
@@ -345,7 +357,7 @@ impl GgufSource {
                     .map_err(e)?;
             q = QTensor::new(storage, dims.as_slice()).map_err(e)?;
         }
-        if target != stored {
+        if target != stored && target != GgmlDType::F32 {
             let f = q.dequantize(&Device::Cpu).map_err(e)?;
             q = QTensor::quantize(&f, target).map_err(e)?;
         }
@@ -377,6 +389,12 @@ impl WeightSource for GgufSource {
         let q = self.read(&g, &[out_dim, in_dim])?;
         let heads = rope_heads(name, &self.cfg);
         let q = self.finish(&g, q, heads)?;
+        if self.opts.weights == WeightMode::F32 {
+            let t = q
+                .dequantize(&self.opts.device)
+                .map_err(|e| bad_tensor(&self.path, &g, e.to_string()))?;
+            return Ok(QMatMul::Tensor(t));
+        }
         qtensor_to_matmul(q, &g, &self.path.clone())
     }
 
@@ -392,18 +410,16 @@ impl WeightSource for GgufSource {
         let q = self.read(g, &[vocab, hidden])?;
         let q = self.finish(g, q, None)?;
         match q.dtype() {
+            _ if self.opts.weights == WeightMode::F32 => Ok(Embedding::Dense(
+                q.dequantize(&self.opts.device)
+                    .map_err(|e| bad_tensor(&self.path, g, e.to_string()))?,
+            )),
             GgmlDType::F32 => Ok(Embedding::Dense(
                 q.dequantize(&self.opts.device)
                     .map_err(|e| bad_tensor(&self.path, g, e.to_string()))?,
             )),
             _ => Ok(Embedding::Quantized(Arc::new(q))),
         }
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.content
-            .tensor_infos
-            .contains_key(&format!("{}.weight", gguf_name(name)))
     }
 
     fn load_summary(&self) -> Vec<String> {
@@ -541,10 +557,6 @@ impl WeightSource for HfSource {
         Ok(Embedding::Dense(
             self.load("model.embed_tokens", &[vocab, hidden])?,
         ))
-    }
-
-    fn has(&self, name: &str) -> bool {
-        self.tensors.get(&format!("{name}.weight")).is_ok()
     }
 
     fn load_summary(&self) -> Vec<String> {

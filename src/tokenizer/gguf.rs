@@ -3,9 +3,9 @@
 //! Written here rather than taken from candle because candle-core 0.11.1's `TokenizerFromGguf`
 //! adds a prefix space for `pre = smollm` ("<|im_start|>user" becomes "Ġuser"), which changes ids.
 //! We follow llama.cpp's per-`pre` regex lists instead:
-//! - `smollm`: split every `\p{N}` first, then byte-level with the GPT-2 regex, no prefix space;
 //! - `llama-bpe` / `llama3`: the Llama 3 regex, then byte-level without its own regex;
-//! - `gpt2` / `default`: byte-level with the GPT-2 regex.
+//! - `gpt2` / `default` / `smollm`: byte-level with the GPT-2 regex, no prefix space (for smollm,
+//!   llama.cpp also splits digits first; see the comment at the match for why we do not).
 //!
 //! Control tokens (type 3) become special added tokens, user-defined ones (type 4) added tokens.
 
@@ -97,8 +97,10 @@ pub fn tokenizer_from_gguf(c: &Content) -> Result<Tokenizer> {
     let mut tok = Tokenizer::new(bpe);
     let pre = super::super::model::loader::md_str(c, "tokenizer.ggml.pre").unwrap_or("default");
     let pre_tok: PreTokenizerWrapper = match pre {
-        "default" | "gpt2" => ByteLevel::new(false, true, true).into(),
-        "smollm" => Sequence::new(vec![split(r"\p{N}")?, ByteLevel::new(false, true, true).into()]).into(),
+        // smollm: llama.cpp splits `\p{N}` first, but no multi-character token of that vocabulary
+        // holds a digit, and the split changes how whitespace before a digit groups ("\n\n3"):
+        // transformers' plain byte-level pre-tokenizer is the reference, so use it.
+        "default" | "gpt2" | "smollm" => ByteLevel::new(false, true, true).into(),
         "llama-bpe" | "llama3" => {
             Sequence::new(vec![split(LLAMA3_PATTERN)?, ByteLevel::new(false, true, false).into()]).into()
         }

@@ -1,0 +1,9 @@
+//! One integration test binary; each scenario is a module. Tests that run a model take
+//! `common::model_lock()` so that two models never compete for the two cores.
+
+mod common;
+mod detokenizer;
+mod loading;
+mod smollm2;
+mod tiny_llama3;
+mod tokenizers_fixtures;

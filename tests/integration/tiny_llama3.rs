@@ -1,0 +1,270 @@
+//! The tiny random Llama 3 models (real Llama 3 tokenizer) against transformers' fp32 references:
+//! tied embeddings with rope_type llama3, and untied Llama 3.0 style (sharded safetensors here).
+
+use llama_relay::engine::{Engine, SeqChunk, StepBatch};
+use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::model::AttentionImpl;
+
+use crate::common::*;
+
+/// Drives several sequences through shared steps: prefill in chunks of `chunk`, then greedy decode
+/// of `n_new` tokens each, sequences in different phases mixed in one step. Returns, per sequence,
+/// the logits after its prompt and its greedy ids.
+pub fn run_batched(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    chunk: usize,
+    n_new: usize,
+) -> Vec<(Vec<f32>, Vec<u32>)> {
+    let bs = engine.cache.block_size();
+    let mut tables: Vec<Vec<u32>> = Vec::new();
+    for p in prompts {
+        let mut t = Vec::new();
+        assert!(engine.pool.ensure_capacity(&mut t, p.len() + n_new, bs));
+        tables.push(t);
+    }
+    let mut done: Vec<usize> = vec![0; prompts.len()]; // tokens in the cache
+    let mut seqs: Vec<Vec<u32>> = prompts.to_vec();
+    let mut out: Vec<(Vec<f32>, Vec<u32>)> = vec![(Vec::new(), Vec::new()); prompts.len()];
+    loop {
+        let mut batch = StepBatch::default();
+        let mut who = Vec::new();
+        for i in 0..prompts.len() {
+            if out[i].1.len() >= n_new && done[i] >= prompts[i].len() {
+                continue;
+            }
+            let end = done[i].saturating_add(chunk).min(seqs[i].len());
+            if end == done[i] {
+                continue;
+            }
+            batch.seqs.push(SeqChunk {
+                tokens: seqs[i][done[i]..end].to_vec(),
+                start_pos: done[i],
+                block_table: tables[i].clone(),
+                want_logits: end == seqs[i].len(),
+            });
+            who.push((i, end == seqs[i].len()));
+            done[i] = end;
+        }
+        if batch.seqs.is_empty() {
+            break;
+        }
+        let logits = engine.model.forward(&batch, &engine.cache).unwrap();
+        let mut r = logits.as_ref().map(rows).unwrap_or_default().into_iter();
+        for (i, wants) in who {
+            if !wants {
+                continue;
+            }
+            let row = r.next().unwrap();
+            if out[i].0.is_empty() {
+                out[i].0 = row.clone();
+            }
+            if out[i].1.len() < n_new {
+                let next = argmax(&row);
+                out[i].1.push(next);
+                if out[i].1.len() < n_new {
+                    seqs[i].push(next);
+                }
+            }
+        }
+    }
+    for t in &tables {
+        engine.pool.release(t);
+    }
+    out
+}
+
+fn prompt_logits(engine: &mut Engine, prompt: &[u32], chunk: usize) -> Vec<f32> {
+    run_batched(engine, &[prompt.to_vec()], chunk, 1)
+        .remove(0)
+        .0
+}
+
+fn check_prompt24_and_long(which: Tiny) {
+    let _g = model_lock();
+    let exp = which.expected();
+    let mut e = which.load(16);
+    let p24 = ids(&exp["prompt24"]["ids"]);
+    let (_, want) = read_npy(&which.fixture_dir().join("logits_prompt24_last.npy"));
+    let got = prompt_logits(&mut e, &p24, usize::MAX);
+    let d = max_abs_diff(&got, &want);
+    assert!(d < 1e-4, "{which:?} prompt24 max-abs-diff {d}");
+    assert_eq!(
+        argmax(&got),
+        exp["prompt24"]["argmax_last"].as_u64().unwrap() as u32
+    );
+
+    let long = ids(&exp["long1024"]["ids"]);
+    let (_, want) = read_npy(&which.fixture_dir().join("logits_long1024_last.npy"));
+    let got = prompt_logits(&mut e, &long, 256);
+    let d = max_abs_diff(&got, &want);
+    assert!(d < 5e-4, "{which:?} long1024 max-abs-diff {d}");
+    assert_eq!(e.pool.used_count(), 0);
+}
+
+#[test]
+fn tied_prompt24_and_long1024_match_reference() {
+    check_prompt24_and_long(Tiny::Tied);
+}
+
+#[test]
+fn untied_prompt24_and_long1024_match_reference() {
+    check_prompt24_and_long(Tiny::Untied);
+}
+
+fn check_batch3_in_one_step(which: Tiny) {
+    let _g = model_lock();
+    let exp = which.expected();
+    let mut e = which.load(16);
+    let prompts: Vec<Vec<u32>> = exp["batch3"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect();
+    let (shape, want) = read_npy(&which.fixture_dir().join("logits_batch3_last.npy"));
+    assert_eq!(shape[0], 3);
+    let vocab = shape[1];
+    // All three prompts in ONE step.
+    let res = run_batched(&mut e, &prompts, usize::MAX, 8);
+    for (i, (logits, greedy)) in res.iter().enumerate() {
+        let d = max_abs_diff(logits, &want[i * vocab..(i + 1) * vocab]);
+        assert!(d < 1e-4, "{which:?} batch3 row {i} max-abs-diff {d}");
+        // Batched greedy decoding (three sequences per step) equals each prompt run alone.
+        assert_eq!(
+            greedy,
+            &ids(&exp["batch3"]["greedy_8_each_alone"][i]),
+            "{which:?} prompt {i}"
+        );
+    }
+}
+
+#[test]
+fn tied_batch3_in_one_step_matches_each_alone() {
+    check_batch3_in_one_step(Tiny::Tied);
+}
+
+#[test]
+fn untied_batch3_in_one_step_matches_each_alone() {
+    check_batch3_in_one_step(Tiny::Untied);
+}
+
+fn check_greedy_chat(which: Tiny) {
+    let _g = model_lock();
+    let exp = which.expected();
+    let mut e = which.load(16);
+    let msgs: Vec<llama_relay::tokenizer::Message> =
+        serde_json::from_value(exp["chat"]["messages"].clone()).unwrap();
+    let (text, prompt) = e.tokenizer.encode_chat(&msgs, true).unwrap();
+    assert_eq!(text, exp["chat"]["prompt_text"].as_str().unwrap());
+    assert_eq!(
+        prompt,
+        ids(&exp["chat"]["prompt_ids"]),
+        "{which:?} chat prompt ids"
+    );
+    let params = GenerateParams {
+        max_new_tokens: 16,
+        stop_at_eos: false,
+        ..Default::default()
+    };
+    let stats = generate(&mut e, &prompt, &params, |_, _| Ok(())).unwrap();
+    assert_eq!(
+        stats.generated,
+        ids(&exp["chat"]["greedy_new_ids"]),
+        "{which:?} greedy ids"
+    );
+    assert_eq!(e.pool.used_count(), 0, "generate frees its blocks");
+}
+
+#[test]
+fn tied_greedy_chat_matches_reference() {
+    check_greedy_chat(Tiny::Tied);
+}
+
+#[test]
+fn untied_greedy_chat_matches_reference() {
+    check_greedy_chat(Tiny::Untied);
+}
+
+/// Same logits whether a prompt is prefilled in one step or in chunks of 7, with block size 1 and
+/// 16, on the fast path and the generic path.
+#[test]
+fn chunked_prefill_block_sizes_and_both_attention_paths_agree() {
+    let _g = model_lock();
+    let exp = Tiny::Tied.expected();
+    let prompts: Vec<Vec<u32>> = exp["batch3"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .chain([ids(&exp["prompt24"]["ids"])])
+        .collect();
+    let mut reference: Option<Vec<(Vec<f32>, Vec<u32>)>> = None;
+    for bs in [1, 16] {
+        let mut e = Tiny::Tied.load(bs);
+        for imp in [AttentionImpl::FastCpu, AttentionImpl::Generic] {
+            e.model.set_attention(imp).unwrap();
+            for chunk in [usize::MAX, 7] {
+                let res = run_batched(&mut e, &prompts, chunk, 4);
+                match &reference {
+                    None => reference = Some(res),
+                    Some(r) => {
+                        for (i, ((l, g), (rl, rg))) in res.iter().zip(r).enumerate() {
+                            let d = max_abs_diff(l, rl);
+                            assert!(
+                                d < 2e-5,
+                                "block {bs} {imp:?} chunk {chunk} prompt {i}: max-abs-diff {d}"
+                            );
+                            assert_eq!(g, rg, "block {bs} {imp:?} chunk {chunk} prompt {i}");
+                        }
+                    }
+                }
+                assert_eq!(e.pool.used_count(), 0);
+            }
+        }
+    }
+}
+
+/// transformers 5's config layout (`rope_parameters`) loads the same model.
+#[test]
+fn transformers_v5_config_layout_gives_identical_logits() {
+    let _g = model_lock();
+    let exp = Tiny::Tied.expected();
+    let p24 = ids(&exp["prompt24"]["ids"]);
+    let hub = prompt_logits(&mut Tiny::Tied.load(16), &p24, usize::MAX);
+    let v5_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tiny-v5-{}", std::process::id()));
+    std::fs::create_dir_all(&v5_dir).unwrap();
+    for f in [
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(Tiny::Tied.dir().join(f), v5_dir.join(f)).unwrap();
+    }
+    std::fs::copy(
+        Tiny::Tied.dir().join("config.transformers-v5.json"),
+        v5_dir.join("config.json"),
+    )
+    .unwrap();
+    std::fs::copy(
+        Tiny::Tied
+            .fixture_dir()
+            .join("generation_config.transformers-v5.json"),
+        v5_dir.join("generation_config.json"),
+    )
+    .unwrap();
+    let mut e = Engine::load(&llama_relay::engine::EngineOptions::for_model(&v5_dir)).unwrap();
+    assert_eq!(prompt_logits(&mut e, &p24, usize::MAX), hub);
+    assert_eq!(e.tokenizer.eos_ids(), &[128001, 128008, 128009]);
+}
+
+#[test]
+fn end_of_turn_ids_come_from_config_and_generation_config() {
+    let _g = model_lock();
+    let e = Tiny::Untied.load(16);
+    // config.json says 128009; generation_config.json adds 128001.
+    let mut eos = e.tokenizer.eos_ids().to_vec();
+    eos.sort();
+    assert_eq!(eos, vec![128001, 128009]);
+}
