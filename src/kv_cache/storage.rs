@@ -1,5 +1,8 @@
-//! The KV cache tensors: for each layer one K and one V tensor of shape `[num_blocks * block_size,
-//! num_kv_heads * head_dim]`, F32. Rows are slots; a block is `block_size` consecutive rows.
+//! The KV cache tensors: one K and one V tensor of shape `[layers, num_blocks * block_size,
+//! num_kv_heads * head_dim]`, F32; each layer works on its view. Rows are slots; a block is
+//! `block_size` consecutive rows. One allocation each (not one per layer) so that the allocator maps
+//! fresh zero pages instead of clearing heap memory: a 1 GiB cache then costs nothing at start-up
+//! and pages are touched only as sequences fill them.
 //!
 //! Writes go through candle's in-place `scatter_set`, so they work on every device; the CPU fast
 //! attention path reads the same tensors as plain slices.
@@ -47,8 +50,9 @@ impl KvCacheSpec {
 pub struct KvCache {
     spec: KvCacheSpec,
     kv_dim: usize,
-    k: Vec<Tensor>,
-    v: Vec<Tensor>,
+    layers: usize,
+    k: Tensor,
+    v: Tensor,
 }
 
 impl KvCache {
@@ -59,18 +63,13 @@ impl KvCache {
                 spec.block_size, spec.num_blocks
             )));
         }
-        let shape = (spec.num_slots(), cfg.kv_dim());
-        let mut k = Vec::with_capacity(cfg.num_layers);
-        let mut v = Vec::with_capacity(cfg.num_layers);
-        for _ in 0..cfg.num_layers {
-            k.push(Tensor::zeros(shape, DType::F32, device)?);
-            v.push(Tensor::zeros(shape, DType::F32, device)?);
-        }
+        let shape = (cfg.num_layers, spec.num_slots(), cfg.kv_dim());
         Ok(KvCache {
             spec,
             kv_dim: cfg.kv_dim(),
-            k,
-            v,
+            layers: cfg.num_layers,
+            k: Tensor::zeros(shape, DType::F32, device)?,
+            v: Tensor::zeros(shape, DType::F32, device)?,
         })
     }
 
@@ -92,18 +91,20 @@ impl KvCache {
 
     /// Total bytes of K and V over all layers.
     pub fn bytes(&self) -> usize {
-        2 * self.k.len() * self.spec.num_slots() * self.kv_dim * DType::F32.size_in_bytes()
+        2 * self.layers * self.spec.num_slots() * self.kv_dim * DType::F32.size_in_bytes()
     }
 
-    pub fn layer(&self, layer: usize) -> (&Tensor, &Tensor) {
-        (&self.k[layer], &self.v[layer])
+    /// Views of one layer's K and V, `[slots, kv_dim]` (no copy).
+    pub fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
+        Ok((self.k.get(layer)?, self.v.get(layer)?))
     }
 
     /// Writes `k`, `v` (`[tokens, kv_dim]`) into the rows `slot_index` (`[tokens, kv_dim]` u32, each
     /// row filled with its slot id, as candle's scatter wants).
     pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-        self.k[layer].scatter_set(slot_index, &k.contiguous()?, 0)?;
-        self.v[layer].scatter_set(slot_index, &v.contiguous()?, 0)?;
+        let (kc, vc) = self.layer(layer)?;
+        kc.scatter_set(slot_index, &k.contiguous()?, 0)?;
+        vc.scatter_set(slot_index, &v.contiguous()?, 0)?;
         Ok(())
     }
 }

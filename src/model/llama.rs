@@ -6,11 +6,11 @@
 //! every token of the step; attention (see `attention.rs`) is the only per-sequence part; logits are
 //! computed only for the rows the caller will sample.
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use super::attention::{paged_attention, AttentionImpl, AttnDims};
 use super::config::{inv_freqs, ModelConfig};
+use super::linear::{Linear, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use crate::engine::step::{StepBatch, StepPlan};
 use crate::error::{EngineError, Result};
@@ -81,34 +81,33 @@ impl RmsNorm {
 
 #[derive(Debug, Clone)]
 struct Mlp {
-    gate_proj: QMatMul,
-    up_proj: QMatMul,
-    down_proj: QMatMul,
+    /// gate_proj and up_proj, stacked when stored alike.
+    gate_up: ProjectionGroup,
+    down_proj: Linear,
 }
 
 impl Mlp {
     fn load(src: &mut dyn WeightSource, p: &str, cfg: &ModelConfig) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let gate = src.linear(&format!("{p}.gate_proj"), i, h)?;
+        let up = src.linear(&format!("{p}.up_proj"), i, h)?;
         Ok(Mlp {
-            gate_proj: src.linear(&format!("{p}.gate_proj"), i, h)?,
-            up_proj: src.linear(&format!("{p}.up_proj"), i, h)?,
-            down_proj: src.linear(&format!("{p}.down_proj"), h, i)?,
+            gate_up: ProjectionGroup::new(vec![gate, up], vec![i, i])?,
+            down_proj: Linear::new(src.linear(&format!("{p}.down_proj"), h, i)?),
         })
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(x)?.silu()?;
-        let up = self.up_proj.forward(x)?;
-        Ok(self.down_proj.forward(&(gate * up)?)?)
+        let gu = self.gate_up.forward(x)?;
+        self.down_proj.forward(&(gu[0].silu()? * &gu[1])?)
     }
 }
 
 #[derive(Debug, Clone)]
 struct SelfAttention {
-    q_proj: QMatMul,
-    k_proj: QMatMul,
-    v_proj: QMatMul,
-    o_proj: QMatMul,
+    /// q_proj, k_proj and v_proj, stacked when stored alike.
+    qkv: ProjectionGroup,
+    o_proj: Linear,
     num_heads: usize,
     num_kv_heads: usize,
 }
@@ -128,26 +127,25 @@ struct StepContext<'a> {
 impl SelfAttention {
     fn load(src: &mut dyn WeightSource, p: &str, cfg: &ModelConfig) -> Result<Self> {
         let (h, qd, kvd) = (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.kv_dim());
+        let q = src.linear(&format!("{p}.q_proj"), qd, h)?;
+        let k = src.linear(&format!("{p}.k_proj"), kvd, h)?;
+        let v = src.linear(&format!("{p}.v_proj"), kvd, h)?;
         Ok(SelfAttention {
-            q_proj: src.linear(&format!("{p}.q_proj"), qd, h)?,
-            k_proj: src.linear(&format!("{p}.k_proj"), kvd, h)?,
-            v_proj: src.linear(&format!("{p}.v_proj"), kvd, h)?,
-            o_proj: src.linear(&format!("{p}.o_proj"), h, qd)?,
+            qkv: ProjectionGroup::new(vec![q, k, v], vec![qd, kvd, kvd])?,
+            o_proj: Linear::new(src.linear(&format!("{p}.o_proj"), h, qd)?),
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
         })
     }
 
     fn forward(&self, x: &Tensor, layer: usize, ctx: &StepContext) -> Result<Tensor> {
-        let q = self.q_proj.forward(x)?;
-        let k = self.k_proj.forward(x)?;
-        let v = self.v_proj.forward(x)?;
-        let q = RotaryEmbedding::forward(&q, self.num_heads, &ctx.cos, &ctx.sin)?;
-        let k = RotaryEmbedding::forward(&k, self.num_kv_heads, &ctx.cos, &ctx.sin)?;
-        ctx.cache.write(layer, &ctx.slot_index, &k, &v)?;
-        let (kc, vc) = ctx.cache.layer(layer);
-        let o = paged_attention(ctx.imp, &q, kc, vc, &ctx.plan.seqs, ctx.dims)?;
-        Ok(self.o_proj.forward(&o)?)
+        let qkv = self.qkv.forward(x)?;
+        let q = RotaryEmbedding::forward(&qkv[0], self.num_heads, &ctx.cos, &ctx.sin)?;
+        let k = RotaryEmbedding::forward(&qkv[1], self.num_kv_heads, &ctx.cos, &ctx.sin)?;
+        ctx.cache.write(layer, &ctx.slot_index, &k, &qkv[2])?;
+        let (kc, vc) = ctx.cache.layer(layer)?;
+        let o = paged_attention(ctx.imp, &q, &kc, &vc, &ctx.plan.seqs, ctx.dims)?;
+        self.o_proj.forward(&o)
     }
 }
 
@@ -192,7 +190,7 @@ pub struct Llama {
     embed_tokens: Embedding,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
-    lm_head: QMatMul,
+    lm_head: Linear,
     rotary: RotaryEmbedding,
     max_positions: usize,
     attention: AttentionImpl,
@@ -224,7 +222,7 @@ impl Llama {
             embed_tokens,
             layers,
             norm,
-            lm_head,
+            lm_head: Linear::new(lm_head),
             rotary: RotaryEmbedding::load(cfg, max_positions, device)?,
             max_positions,
             attention,

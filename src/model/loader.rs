@@ -270,7 +270,9 @@ fn target_type(stored: GgmlDType, in_dim: usize, opts: &LoadOptions) -> GgmlDTyp
     }
     match stored {
         // Scalar-only in candle's CPU backend: requantize to Q8_0 (SIMD on AVX2 and NEON).
-        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim.is_multiple_of(32) => GgmlDType::Q8_0,
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim.is_multiple_of(32) => {
+            GgmlDType::Q8_0
+        }
         // Half precision weights: candle's CPU matmul for them goes through F32 anyway.
         GgmlDType::F16 | GgmlDType::BF16 => GgmlDType::F32,
         other => other,

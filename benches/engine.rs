@@ -1,0 +1,215 @@
+//! Engine benchmark on the default model (or `--model PATH`): prompt processing speed, single-stream
+//! decode, and batched decode at 1, 4, 8, 16 and 32 sequences (aggregate tokens/s and step
+//! latency), with peak RSS. Medians over repeated runs.
+//!
+//!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
+//!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
+//!
+//! Never run it while something else uses the cores (a build, the tests): on two cores a second
+//! busy process cuts the numbers several-fold.
+
+use std::time::Instant;
+
+use llama_relay::engine::{Engine, EngineOptions, SeqChunk, StepBatch};
+use llama_relay::settings::apply_process_settings;
+
+struct Args {
+    threads: usize,
+    model: Option<String>,
+    reps: usize,
+    malloc_tuning: bool,
+    compare_malloc: bool,
+    prompt_only: bool,
+}
+
+fn parse() -> Args {
+    let mut a = Args {
+        threads: 2,
+        model: None,
+        reps: 5,
+        malloc_tuning: true,
+        compare_malloc: false,
+        prompt_only: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--threads" => a.threads = it.next().and_then(|v| v.parse().ok()).expect("--threads N"),
+            "--model" => a.model = it.next(),
+            "--reps" => a.reps = it.next().and_then(|v| v.parse().ok()).expect("--reps N"),
+            "--no-malloc-tuning" => a.malloc_tuning = false,
+            "--compare-malloc" => a.compare_malloc = true,
+            "--prompt-only" => a.prompt_only = true,
+            "--bench" => {}
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    a
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn rss_mib(field: &str) -> f64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+/// Deterministic ordinary token ids (no special tokens) for synthetic prompts.
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (200 + (x >> 33) as usize % (vocab - 400)) as u32
+        })
+        .collect()
+}
+
+fn prefill_once(e: &mut Engine, prompt: &[u32]) -> f64 {
+    let mut table = Vec::new();
+    assert!(e
+        .pool
+        .ensure_capacity(&mut table, prompt.len(), e.cache.block_size()));
+    let batch = StepBatch {
+        seqs: vec![SeqChunk {
+            tokens: prompt.to_vec(),
+            start_pos: 0,
+            block_table: table.clone(),
+            want_logits: true,
+        }],
+    };
+    let t = Instant::now();
+    e.model.forward(&batch, &e.cache).unwrap();
+    let s = t.elapsed().as_secs_f64();
+    e.pool.release(&table);
+    s
+}
+
+/// `n` sequences with `ctx`-token prompts, then `steps` decode steps over all of them at once.
+/// Returns the median step time.
+fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
+    let vocab = e.model.config().vocab_size;
+    let bs = e.cache.block_size();
+    let mut tables = Vec::new();
+    let mut batch = StepBatch::default();
+    for i in 0..n {
+        let mut t = Vec::new();
+        assert!(
+            e.pool.ensure_capacity(&mut t, ctx + steps + 1, bs),
+            "cache too small"
+        );
+        batch.seqs.push(SeqChunk {
+            tokens: tokens(ctx, i as u64, vocab),
+            start_pos: 0,
+            block_table: t.clone(),
+            want_logits: true,
+        });
+        tables.push(t);
+    }
+    e.model.forward(&batch, &e.cache).unwrap();
+    let mut times = Vec::new();
+    for s in 0..steps {
+        let step = StepBatch {
+            seqs: (0..n)
+                .map(|i| SeqChunk {
+                    tokens: vec![300 + i as u32],
+                    start_pos: ctx + s,
+                    block_table: tables[i].clone(),
+                    want_logits: true,
+                })
+                .collect(),
+        };
+        let t = Instant::now();
+        let logits = e.model.forward(&step, &e.cache).unwrap().unwrap();
+        // Sampling needs the logits on the host: include that copy.
+        let _ = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    for t in &tables {
+        e.pool.release(t);
+    }
+    median(times)
+}
+
+fn main() {
+    let a = parse();
+    if a.compare_malloc {
+        let exe = std::env::current_exe().unwrap();
+        for flag in [None, Some("--no-malloc-tuning")] {
+            let mut c = std::process::Command::new(&exe);
+            c.args([
+                "--prompt-only",
+                "--threads",
+                &a.threads.to_string(),
+                "--reps",
+                &a.reps.to_string(),
+            ]);
+            if let Some(m) = &a.model {
+                c.args(["--model", m]);
+            }
+            c.args(flag);
+            let st = c.status().unwrap();
+            assert!(st.success());
+        }
+        return;
+    }
+    apply_process_settings(a.threads, a.malloc_tuning);
+    let model = a
+        .model
+        .clone()
+        .map(Into::into)
+        .unwrap_or_else(|| llama_relay::default_model::ensure_default_model().unwrap());
+    let mut o = EngineOptions::for_model(model);
+    o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
+    let mut e = Engine::load(&o).unwrap();
+    let vocab = e.model.config().vocab_size;
+    println!(
+        "model {} | threads {} | malloc tuning {} | weights {}",
+        e.info.name,
+        a.threads,
+        a.malloc_tuning,
+        e.info.weight_types.join(", ")
+    );
+    prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up
+    for n in [100, 500] {
+        let p = tokens(n, n as u64, vocab);
+        let t = median((0..a.reps).map(|_| prefill_once(&mut e, &p)).collect());
+        println!(
+            "prompt {n:>4} tokens: {:>7.1} tok/s  ({:.1} ms, median of {})",
+            n as f64 / t,
+            t * 1e3,
+            a.reps
+        );
+    }
+    if a.prompt_only {
+        println!("peak RSS {:.0} MiB", rss_mib("VmHWM:"));
+        return;
+    }
+    let steps = 8 * a.reps.max(1);
+    for n in [1, 4, 8, 16, 32] {
+        let t = decode_batch(&mut e, n, 128, steps);
+        println!(
+            "decode {n:>2} seqs (context 128): step {:>6.2} ms, aggregate {:>7.1} tok/s{}",
+            t * 1e3,
+            n as f64 / t,
+            if n == 1 { "  (single stream)" } else { "" }
+        );
+    }
+    println!(
+        "peak RSS {:.0} MiB (KV cache {:.0} MiB)",
+        rss_mib("VmHWM:"),
+        e.cache.bytes() as f64 / 1048576.0
+    );
+}
