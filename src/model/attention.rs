@@ -9,12 +9,13 @@
 //! - `generic`: gathers each sequence's slots with `index_select` and runs standard masked
 //!   attention with candle ops, so it runs on any device (CUDA). Tests compare the two on CPU.
 
-use candle_core::{DType, Device, Storage, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::engine::step::SeqMeta;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::slot_of;
+use crate::model::kernels::with_cpu_slice;
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,25 +48,6 @@ pub fn paged_attention(
     match imp {
         AttentionImpl::FastCpu => fast_cpu(q, k_cache, v_cache, seqs, dims),
         AttentionImpl::Generic => generic(q, k_cache, v_cache, seqs, dims),
-    }
-}
-
-/// Runs `f` on the F32 contents of a contiguous CPU tensor.
-fn with_cpu_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    if !t.is_contiguous() {
-        return Err(EngineError::InvalidBatch(
-            "fast attention needs contiguous tensors".into(),
-        ));
-    }
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(candle_core::CpuStorage::F32(v)) => {
-            let start = layout.start_offset();
-            Ok(f(&v[start..start + t.elem_count()]))
-        }
-        _ => Err(EngineError::InvalidBatch(
-            "fast attention runs on F32 CPU tensors only".into(),
-        )),
     }
 }
 

@@ -15,12 +15,17 @@ use candle_core::{Device, Module, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+use super::kernels::{self, with_cpu_slice};
 use crate::error::Result;
 
 /// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU. Measured
 /// with SmolLM2's 1536x576 Q8_0 projection: at 32 rows both paths take ~1.5 ms, at 64 the dense one
 /// is 1.8x faster, at 512 4x.
 pub const DENSE_MIN_ROWS: usize = 48;
+
+/// Rows from which a Q8_0 projection uses our row-tiled kernel (`kernels::q8_0`) instead of
+/// candle's one-row-at-a-time kernel.
+pub const TILED_MIN_ROWS: usize = 1;
 
 /// One weight matrix `[out, in]`.
 #[derive(Debug, Clone)]
@@ -60,9 +65,21 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if let QMatMul::QTensor(q) = &self.w {
-            if x.dim(0)? >= DENSE_MIN_ROWS && q.device().is_cpu() {
+            let rows = x.dim(0)?;
+            if q.device().is_cpu() && rows >= DENSE_MIN_ROWS {
                 let w = dequantize_par(q)?;
                 return Ok(x.matmul(&w.t()?)?);
+            }
+            if q.device().is_cpu()
+                && q.dtype() == GgmlDType::Q8_0
+                && rows >= TILED_MIN_ROWS
+                && x.rank() == 2
+            {
+                let (n, k) = q.shape().dims2()?;
+                let data = q.data()?;
+                let x = x.contiguous()?;
+                let out = with_cpu_slice(&x, |xs| kernels::q8_0::matmul(xs, rows, k, &data, n))?;
+                return Ok(Tensor::from_vec(out, (rows, n), &Device::Cpu)?);
             }
         }
         Ok(self.w.forward(x)?)

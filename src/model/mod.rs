@@ -2,6 +2,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod kernels;
 pub mod linear;
 pub mod llama;
 pub mod loader;

@@ -1,0 +1,276 @@
+//! Q8_0 weights x Q8_0 activations for a batch of rows: `out[m, n] = x[m, k] . w[n, k]`.
+//!
+//! Weights stay in GGUF's Q8_0 layout (per 32 values: an f16 scale, then 32 i8). Activations are
+//! quantized once per call the same way (ggml's `quantize_row_q8_0`). The AVX2 micro-kernel takes
+//! one weight row and a tile of up to 4 activation rows: each weight block is loaded once and its
+//! absolute value computed once, then used for all rows of the tile (the `maddubs` sign trick,
+//! as in llama.cpp). Work is split over output columns in chunks small enough that a chunk's
+//! weight rows stay in L1 while every row tile passes over them.
+
+use half::f16;
+use rayon::prelude::*;
+
+/// Values per block.
+pub const QK: usize = 32;
+/// Bytes per weight block: f16 scale + 32 i8.
+pub const BLOCK_BYTES: usize = 34;
+/// Activation rows per micro-kernel call (4 f32 accumulators plus weights fit AVX2's 16 registers).
+const TILE_ROWS: usize = 4;
+/// Output columns per parallel task: 16 weight rows of 1536 values are 26 KiB, inside L1.
+const COLS_PER_TASK: usize = 16;
+
+/// Activations quantized per 32-value block.
+#[derive(Debug, Clone)]
+pub struct QuantizedRows {
+    pub rows: usize,
+    pub blocks: usize,
+    /// `rows * blocks` scales.
+    pub scales: Vec<f32>,
+    /// `rows * blocks * 32` quants.
+    pub qs: Vec<i8>,
+}
+
+/// ggml's `quantize_row_q8_0` (scale = amax / 127, round half away from zero) for every row.
+pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
+    assert_eq!(x.len(), rows * k);
+    assert!(k.is_multiple_of(QK));
+    let blocks = k / QK;
+    let mut scales = vec![0f32; rows * blocks];
+    let mut qs = vec![0i8; rows * k];
+    for ((xb, s), q) in x
+        .chunks_exact(QK)
+        .zip(scales.iter_mut())
+        .zip(qs.chunks_exact_mut(QK))
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        for (qv, v) in q.iter_mut().zip(xb) {
+            *qv = (v * id).round().clamp(-127.0, 127.0) as i8;
+        }
+        // As ggml: quantize with the f32 scale, store it as f16 (the kernels multiply by that).
+        *s = f16::from_f32(d).to_f32();
+    }
+    QuantizedRows {
+        rows,
+        blocks,
+        scales,
+        qs,
+    }
+}
+
+#[inline]
+fn weight_scale(block: &[u8]) -> f32 {
+    f16::from_le_bytes([block[0], block[1]]).to_f32()
+}
+
+/// Scalar reference: dot products of weight row `w` with activation rows `r0..r0+nr`.
+pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32; TILE_ROWS]) {
+    for (r, o) in out.iter_mut().enumerate().take(nr) {
+        let row = r0 + r;
+        let mut sum = 0f32;
+        for b in 0..a.blocks {
+            let wb = &w[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
+            let aq = &a.qs[(row * a.blocks + b) * QK..(row * a.blocks + b + 1) * QK];
+            let mut isum = 0i32;
+            for i in 0..QK {
+                isum += (wb[2 + i] as i8) as i32 * aq[i] as i32;
+            }
+            sum += isum as f32 * weight_scale(wb) * a.scales[row * a.blocks + b];
+        }
+        *o = sum;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` blocks; rows `r0..r0+NR` must
+    /// exist in `a`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile<const NR: usize>(
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        out: &mut [f32; TILE_ROWS],
+    ) {
+        debug_assert!(w.len() >= a.blocks * BLOCK_BYTES && r0 + NR <= a.rows);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); NR];
+        let wp = w.as_ptr();
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let wb = wp.add(b * BLOCK_BYTES);
+            let dw = f16::from_bits(u16::from_le_bytes([*wb, *wb.add(1)])).to_f32();
+            let wv = _mm256_loadu_si256(wb.add(2) as *const __m256i);
+            let aw = _mm256_sign_epi8(wv, wv);
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let row = r0 + r;
+                let av = _mm256_loadu_si256(ap.add((row * a.blocks + b) * QK) as *const __m256i);
+                let sa = _mm256_sign_epi8(av, wv);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
+                let d = _mm256_set1_ps(dw * *a.scales.get_unchecked(row * a.blocks + b));
+                *acc_r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, *acc_r);
+            }
+        }
+        for r in 0..NR {
+            out[r] = hsum(acc[r]);
+        }
+    }
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// One weight row against rows `r0..r0+nr` (`nr <= 4`), with the best kernel this CPU has.
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32; TILE_ROWS], simd: bool) {
+    assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * BLOCK_BYTES);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+        unsafe {
+            match nr {
+                4 => avx2::tile::<4>(w, a, r0, out),
+                3 => avx2::tile::<3>(w, a, r0, out),
+                2 => avx2::tile::<2>(w, a, r0, out),
+                _ => avx2::tile::<1>(w, a, r0, out),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    tile_scalar(w, a, r0, nr, out);
+}
+
+/// `out[m, n] = x[m, k] . w[n, k]` for Q8_0 weights `w` (`n * k / 32` blocks).
+pub fn matmul(x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
+    matmul_with(x, m, k, w, n, has_avx2())
+}
+
+/// As `matmul`, choosing the kernel (tests run both).
+pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, simd: bool) -> Vec<f32> {
+    assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+    let row_bytes = k / QK * BLOCK_BYTES;
+    assert_eq!(w.len(), n * row_bytes, "weight bytes for [{n}, {k}]");
+    let a = quantize_rows(x, m, k);
+    // Transposed result: each task owns a contiguous run of output columns.
+    let mut out_t = vec![0f32; n * m];
+    out_t
+        .par_chunks_mut(COLS_PER_TASK * m)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let c0 = ci * COLS_PER_TASK;
+            let mut res = [0f32; TILE_ROWS];
+            for (j, col) in chunk.chunks_mut(m).enumerate() {
+                let wrow = &w[(c0 + j) * row_bytes..(c0 + j + 1) * row_bytes];
+                let mut r0 = 0;
+                while r0 < m {
+                    let nr = (m - r0).min(TILE_ROWS);
+                    tile(wrow, &a, r0, nr, &mut res, simd);
+                    col[r0..r0 + nr].copy_from_slice(&res[..nr]);
+                    r0 += nr;
+                }
+            }
+        });
+    let mut out = vec![0f32; m * n];
+    for (j, col) in out_t.chunks_exact(m).enumerate() {
+        for (r, v) in col.iter().enumerate() {
+            out[r * n + j] = *v;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Builds Q8_0 weight bytes from values (scale per block = amax/127).
+    fn quantize_weights(w: &[f32], n: usize, k: usize) -> Vec<u8> {
+        let q = quantize_rows(w, n, k);
+        let mut bytes = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
+        for (s, qs) in q.scales.iter().zip(q.qs.chunks_exact(QK)) {
+            bytes.extend_from_slice(&f16::from_f32(*s).to_le_bytes());
+            bytes.extend(qs.iter().map(|&v| v as u8));
+        }
+        bytes
+    }
+
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_dequantized_reference() {
+        let (m, k, n) = (5, 96, 7);
+        let x = lcg(1, m * k);
+        let wf = lcg(2, n * k);
+        let w = quantize_weights(&wf, n, k);
+        let got = matmul(&x, m, k, &w, n);
+        // Reference in f64 on dequantized weights and dequantized activations.
+        let a = quantize_rows(&x, m, k);
+        for r in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for b in 0..k / QK {
+                    let wb = &w[(j * k / QK + b) * BLOCK_BYTES..];
+                    for i in 0..QK {
+                        let wv = weight_scale(wb) as f64 * (wb[2 + i] as i8) as f64;
+                        let av = a.scales[r * k / QK + b] as f64 * a.qs[r * k + b * QK + i] as f64;
+                        s += wv * av;
+                    }
+                }
+                assert!(
+                    (got[r * n + j] as f64 - s).abs() < 1e-3,
+                    "({r},{j}): {} vs {s}",
+                    got[r * n + j]
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// SIMD and scalar kernels agree on odd shapes (rows not a multiple of the tile, columns not
+        /// a multiple of the task chunk).
+        #[test]
+        fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..40, seed in any::<u64>()) {
+            let k = kb * QK;
+            let x = lcg(seed, m * k);
+            let w = quantize_weights(&lcg(seed ^ 0xabc, n * k), n, k);
+            let s = matmul_with(&x, m, k, &w, n, false);
+            let v = matmul_with(&x, m, k, &w, n, true);
+            for (a, b) in s.iter().zip(&v) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
+}
