@@ -17,7 +17,11 @@ pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kv_cache;
+pub mod metrics;
 pub mod model;
+pub mod protocol;
+pub mod sampler;
+pub mod server;
 pub mod settings;
 pub mod tokenizer;
 

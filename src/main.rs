@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use llama_relay::engine::Engine;
 use llama_relay::generate::{generate, GenerateParams};
@@ -34,10 +34,18 @@ struct Common {
     /// Threads for the model (overrides engine.threads).
     #[arg(long, global = true)]
     threads: Option<usize>,
+    /// Address to listen on (overrides server.host).
+    #[arg(long, global = true)]
+    host: Option<String>,
+    /// Port (overrides server.port; 0 = any free port).
+    #[arg(long, global = true)]
+    port: Option<u16>,
 }
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the chat page and the WebSocket API (the default).
+    Serve,
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
 }
@@ -91,12 +99,54 @@ fn main() -> anyhow::Result<()> {
     if let Some(t) = cli.common.threads {
         settings.engine.threads = t;
     }
+    if let Some(h) = &cli.common.host {
+        settings.server.host = h.clone();
+    }
+    if let Some(p) = cli.common.port {
+        settings.server.port = p;
+    }
     let opts = settings.engine_options()?;
+    settings.validate_server()?;
     apply_process_settings(settings.threads(), settings.engine.malloc_tuning);
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
-        None => bail!("the server (`serve`) is not built yet; try `llama-relay generate --help`"),
+        Some(Command::Serve) | None => serve(settings, opts),
     }
+}
+
+fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow::Result<()> {
+    actix_web::rt::System::new().block_on(async move {
+        let running = llama_relay::server::build(&settings, opts).context("starting the server")?;
+        tracing::info!(address = %running.addr, "listening; the chat page is at http://{}/", running.addr);
+        let handle = running.server.handle();
+        let state = running.state.clone();
+        let grace = std::time::Duration::from_secs(settings.server.shutdown_grace_s);
+        actix_web::rt::spawn(async move {
+            wait_for_signal().await;
+            tracing::info!(grace_s = grace.as_secs(), "shutting down: no new requests, finishing running ones");
+            llama_relay::server::shutdown(&state, grace).await;
+            handle.stop(true).await;
+        });
+        running.server.await.context("server")
+    })
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use actix_web::rt::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        tokio_select(actix_web::rt::signal::ctrl_c(), term.recv()).await;
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = actix_web::rt::signal::ctrl_c().await;
+    }
+}
+
+/// Waits for whichever of two futures finishes first.
+async fn tokio_select<A: std::future::Future, B: std::future::Future>(a: A, b: B) {
+    futures_util::future::select(std::pin::pin!(a), std::pin::pin!(b)).await;
 }
 
 fn run_generate(opts: &llama_relay::engine::EngineOptions, a: GenerateArgs) -> anyhow::Result<()> {

@@ -47,9 +47,57 @@ pub struct EngineSettings {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct ServerSettings {
+    pub host: String,
+    pub port: u16,
+    pub workers: usize,
+    pub static_dir: String,
+    pub heartbeat_s: u64,
+    pub client_timeout_s: u64,
+    pub shutdown_grace_s: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerSettings {
+    pub max_running: usize,
+    pub max_waiting: usize,
+    pub step_tokens: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingSettings {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub max_tokens: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitSettings {
+    pub max_tokens: usize,
+    pub max_frame_bytes: usize,
+    pub max_messages: usize,
+    pub max_message_chars: usize,
+    pub max_stop_strings: usize,
+    pub max_stop_chars: usize,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Settings {
+    pub server: ServerSettings,
     pub model: ModelSettings,
     pub engine: EngineSettings,
+    pub scheduler: SchedulerSettings,
+    pub sampling: SamplingSettings,
+    pub limits: LimitSettings,
 }
 
 fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
@@ -93,6 +141,127 @@ impl Settings {
                 .unwrap_or(1)
         } else {
             self.engine.threads
+        }
+    }
+
+    /// Checks the server-side values (the engine's are checked by `engine_options`).
+    pub fn validate_server(&self) -> Result<()> {
+        let s = &self.server;
+        if s.host.parse::<std::net::IpAddr>().is_err() && s.host != "localhost" {
+            return Err(invalid(
+                "server.host",
+                format!("{:?}", s.host),
+                "an IP address such as \"127.0.0.1\" or \"0.0.0.0\"",
+            ));
+        }
+        if s.workers == 0 || s.workers > 64 {
+            return Err(invalid("server.workers", s.workers, "1 to 64"));
+        }
+        if s.heartbeat_s == 0 || s.client_timeout_s <= s.heartbeat_s {
+            return Err(invalid(
+                "server.client_timeout_s",
+                s.client_timeout_s,
+                "more than server.heartbeat_s, which must be > 0",
+            ));
+        }
+        let c = &self.scheduler;
+        if c.max_running == 0 || c.max_running > 1024 {
+            return Err(invalid("scheduler.max_running", c.max_running, "1 to 1024"));
+        }
+        if c.step_tokens < c.max_running {
+            return Err(invalid(
+                "scheduler.step_tokens",
+                c.step_tokens,
+                "at least scheduler.max_running (every running sequence decodes one token a step)",
+            ));
+        }
+        if c.max_waiting > 100_000 {
+            return Err(invalid(
+                "scheduler.max_waiting",
+                c.max_waiting,
+                "0 to 100000",
+            ));
+        }
+        let sp = &self.sampling;
+        if !(0.0..=2.0).contains(&sp.temperature) {
+            return Err(invalid("sampling.temperature", sp.temperature, "0 to 2"));
+        }
+        if !(sp.top_p > 0.0 && sp.top_p <= 1.0) {
+            return Err(invalid("sampling.top_p", sp.top_p, "(0, 1]"));
+        }
+        if !(0.0..=1.0).contains(&sp.min_p) {
+            return Err(invalid("sampling.min_p", sp.min_p, "0 to 1"));
+        }
+        if !(sp.repetition_penalty > 0.0 && sp.repetition_penalty <= 2.0) {
+            return Err(invalid(
+                "sampling.repetition_penalty",
+                sp.repetition_penalty,
+                "(0, 2]",
+            ));
+        }
+        if sp.max_tokens == 0 || sp.max_tokens > self.limits.max_tokens {
+            return Err(invalid(
+                "sampling.max_tokens",
+                sp.max_tokens,
+                "1 to limits.max_tokens",
+            ));
+        }
+        let l = &self.limits;
+        if l.max_frame_bytes < 1024 || l.max_frame_bytes > 64 << 20 {
+            return Err(invalid(
+                "limits.max_frame_bytes",
+                l.max_frame_bytes,
+                "1024 to 67108864",
+            ));
+        }
+        if l.max_stop_strings > 16 {
+            return Err(invalid(
+                "limits.max_stop_strings",
+                l.max_stop_strings,
+                "0 to 16",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn session_config(&self) -> crate::server::SessionConfig {
+        let sp = &self.sampling;
+        crate::server::SessionConfig {
+            limits: crate::protocol::Limits {
+                max_context: self.engine.max_context,
+                max_tokens: self.limits.max_tokens,
+                max_frame_bytes: self.limits.max_frame_bytes,
+                max_messages: self.limits.max_messages,
+                max_message_chars: self.limits.max_message_chars,
+                max_stop_strings: self.limits.max_stop_strings,
+                max_stop_chars: self.limits.max_stop_chars,
+                max_id_chars: 128,
+            },
+            sampling: crate::sampler::SamplingParams {
+                temperature: sp.temperature,
+                top_k: sp.top_k,
+                top_p: sp.top_p,
+                min_p: sp.min_p,
+                repetition_penalty: sp.repetition_penalty,
+                presence_penalty: sp.presence_penalty,
+                frequency_penalty: sp.frequency_penalty,
+                seed: None,
+            },
+            default_max_tokens: sp.max_tokens,
+            heartbeat: std::time::Duration::from_secs(self.server.heartbeat_s),
+            client_timeout: std::time::Duration::from_secs(self.server.client_timeout_s),
+        }
+    }
+
+    pub fn batcher_config(&self) -> crate::engine::batcher::BatcherConfig {
+        crate::engine::batcher::BatcherConfig {
+            scheduler: crate::engine::scheduler::SchedulerConfig {
+                max_running: self.scheduler.max_running,
+                max_waiting: self.scheduler.max_waiting,
+                step_tokens: self.scheduler.step_tokens,
+                block_size: self.engine.block_size,
+            },
+            max_context: self.engine.max_context,
         }
     }
 

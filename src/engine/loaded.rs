@@ -3,6 +3,7 @@
 //! attention implementation, cache bytes per token).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::Device;
 
@@ -65,7 +66,7 @@ pub struct ModelInfo {
 
 pub struct Engine {
     pub model: Llama,
-    pub tokenizer: TextTokenizer,
+    pub tokenizer: Arc<TextTokenizer>,
     pub cache: KvCache,
     pub pool: BlockPool,
     pub info: ModelInfo,
@@ -153,7 +154,7 @@ impl Engine {
         Ok(Engine {
             pool: BlockPool::new(spec.num_blocks),
             model,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             cache,
             info: ModelInfo {
                 name,

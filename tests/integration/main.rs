@@ -3,6 +3,7 @@
 
 mod common;
 mod detokenizer;
+mod gateway;
 mod loading;
 mod smollm2;
 mod tiny_llama3;

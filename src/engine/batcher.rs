@@ -1,0 +1,432 @@
+//! The batcher actor: the one owner of the model, the KV cache and the scheduler.
+//!
+//! Sessions send it `Submit` (carrying their reply `Recipient`) and `Cancel`; it answers `Submit`
+//! at once (queued, or an error) and wakes itself. Each `Step` runs one scheduled forward pass over
+//! every running sequence, samples, and sends each token to its session the moment it exists;
+//! it re-arms itself with `notify` while work remains (so `Submit` and `Cancel` are handled between
+//! steps) and sleeps when idle: no spinning, no timer. A reply channel that no longer connects is a
+//! cancel (TGI, mistral.rs). It runs on its own Arbiter because a forward step blocks the thread.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+
+use super::scheduler::{AddError, RequestId, Scheduler, SchedulerConfig};
+use super::Engine;
+use crate::metrics::Metrics;
+use crate::protocol::{FinishReason, RequestError, Timings, Usage};
+use crate::sampler::{Sampler, SamplingParams};
+
+/// A fresh request id, unique in the process (sessions allocate them so that events can never
+/// arrive for an id the session does not know yet).
+pub fn next_request_id() -> RequestId {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What a session hears about its request.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct GenerationEvent {
+    pub request: RequestId,
+    pub kind: EventKind,
+}
+
+#[derive(Debug, Clone)]
+pub enum EventKind {
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Token(u32),
+    Finished {
+        reason: FinishReason,
+        usage: Usage,
+        timings: Timings,
+    },
+    Failed(RequestError),
+}
+
+/// Queue a generation.
+#[derive(Message)]
+#[rtype(result = "Result<usize, RequestError>")]
+pub struct Submit {
+    pub request: RequestId,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub reply_to: Recipient<GenerationEvent>,
+}
+
+/// Stop a generation at the next step (idempotent).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Cancel {
+    pub request: RequestId,
+    pub reason: CancelReason,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelReason {
+    /// The client asked; the session reports `done` with `cancelled`.
+    Client,
+    /// A stop string matched; the session reports `done` with `stop`.
+    StopString,
+    Disconnected,
+}
+
+/// Stop admitting; finish what runs within `deadline`, then end the rest with `shutdown`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Shutdown {
+    pub deadline: Duration,
+}
+
+/// How many requests are in flight (for graceful shutdown and tests).
+#[derive(Message)]
+#[rtype(result = "BatcherStatus")]
+pub struct GetStatus;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, MessageResponse)]
+pub struct BatcherStatus {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+}
+
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Step;
+
+struct Active {
+    reply_to: Recipient<GenerationEvent>,
+    sampler: Sampler,
+    max_tokens: usize,
+    prompt_tokens: usize,
+    submitted: Instant,
+    scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    generated: usize,
+}
+
+pub struct BatcherConfig {
+    pub scheduler: SchedulerConfig,
+    pub max_context: usize,
+}
+
+pub struct Batcher {
+    engine: Engine,
+    sched: Scheduler,
+    active: HashMap<RequestId, Active>,
+    stepping: bool,
+    draining: bool,
+    max_context: usize,
+    metrics: Arc<Metrics>,
+}
+
+impl Batcher {
+    pub fn new(mut engine: Engine, cfg: BatcherConfig, metrics: Arc<Metrics>) -> Self {
+        let pool = std::mem::replace(&mut engine.pool, crate::kv_cache::BlockPool::new(0));
+        metrics.kv_blocks_total.set(pool.total() as i64);
+        Batcher {
+            sched: Scheduler::new(cfg.scheduler, pool),
+            engine,
+            active: HashMap::new(),
+            stepping: false,
+            draining: false,
+            max_context: cfg.max_context,
+            metrics,
+        }
+    }
+
+    fn wake(&mut self, ctx: &mut Context<Self>) {
+        if !self.stepping {
+            self.stepping = true;
+            ctx.notify(Step);
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics
+            .requests_running
+            .set(self.sched.running_len() as i64);
+        self.metrics
+            .requests_waiting
+            .set(self.sched.waiting_len() as i64);
+        self.metrics
+            .kv_blocks_used
+            .set(self.sched.pool().used_count() as i64);
+    }
+
+    /// Removes a request and tells its session how it ended.
+    fn finish(&mut self, id: RequestId, reason: FinishReason) {
+        self.sched.remove(id);
+        if let Some(a) = self.active.remove(&id) {
+            let now = Instant::now();
+            let decode_s = match (a.first_token, a.last_token) {
+                (Some(f), Some(l)) if a.generated > 1 => (l - f).as_secs_f64(),
+                _ => 0.0,
+            };
+            let timings = Timings {
+                queue_ms: a
+                    .scheduled
+                    .map(|s| (s - a.submitted).as_secs_f64() * 1e3)
+                    .unwrap_or(0.0),
+                ttft_ms: a
+                    .first_token
+                    .map(|f| (f - a.submitted).as_secs_f64() * 1e3)
+                    .unwrap_or(0.0),
+                decode_tokens_per_s: if decode_s > 0.0 {
+                    (a.generated - 1) as f64 / decode_s
+                } else {
+                    0.0
+                },
+            };
+            self.metrics.e2e.observe((now - a.submitted).as_secs_f64());
+            let usage = Usage {
+                prompt_tokens: a.prompt_tokens,
+                completion_tokens: a.generated,
+                cached_tokens: 0,
+            };
+            a.reply_to.do_send(GenerationEvent {
+                request: id,
+                kind: EventKind::Finished {
+                    reason,
+                    usage,
+                    timings,
+                },
+            });
+        }
+    }
+
+    fn fail_all(&mut self, ids: Vec<RequestId>, err: RequestError) {
+        for id in ids {
+            self.sched.remove(id);
+            if let Some(a) = self.active.remove(&id) {
+                self.metrics.error(err.error_type());
+                a.reply_to.do_send(GenerationEvent {
+                    request: id,
+                    kind: EventKind::Failed(err.clone()),
+                });
+            }
+        }
+    }
+
+    fn step(&mut self) -> bool {
+        // A session that went away cancels its request.
+        let gone: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| !a.reply_to.connected())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            self.sched.remove(id);
+            self.active.remove(&id);
+        }
+        let Some(sch) = self.sched.schedule() else {
+            self.update_gauges();
+            return false;
+        };
+        let now = Instant::now();
+        for id in &sch.started {
+            if let Some(a) = self.active.get_mut(id) {
+                if a.scheduled.is_none() {
+                    a.scheduled = Some(now);
+                    self.metrics
+                        .queue_time
+                        .observe((now - a.submitted).as_secs_f64());
+                    self.metrics.prompt_tokens.inc_by(a.prompt_tokens as u64);
+                    a.reply_to.do_send(GenerationEvent {
+                        request: *id,
+                        kind: EventKind::Started {
+                            prompt_tokens: a.prompt_tokens,
+                            cached_tokens: 0,
+                        },
+                    });
+                }
+            }
+        }
+        self.metrics.preemptions.inc_by(sch.preempted.len() as u64);
+        let logits = match self.engine.model.forward(&sch.batch, &self.engine.cache) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward step failed; failing its requests");
+                let ids = sch.entries.iter().map(|(id, _)| *id).collect();
+                self.fail_all(
+                    ids,
+                    RequestError::Internal(format!("the model step failed: {e}")),
+                );
+                self.update_gauges();
+                return !self.sched.is_idle();
+            }
+        };
+        if let Some(logits) = logits {
+            let rows = match logits.to_vec2::<f32>() {
+                Ok(r) => r,
+                Err(e) => {
+                    let ids = sch.entries.iter().map(|(id, _)| *id).collect();
+                    self.fail_all(
+                        ids,
+                        RequestError::Internal(format!("reading logits failed: {e}")),
+                    );
+                    return !self.sched.is_idle();
+                }
+            };
+            let sampled = sch.entries.iter().filter(|(_, w)| *w).map(|(id, _)| *id);
+            let now = Instant::now();
+            let eos = self.engine.tokenizer.eos_ids().to_vec();
+            for (id, mut row) in sampled.zip(rows) {
+                let Some(a) = self.active.get_mut(&id) else {
+                    continue;
+                };
+                let token = a.sampler.sample(&mut row);
+                a.sampler.observe(token);
+                a.generated += 1;
+                match a.last_token {
+                    None => {
+                        a.first_token = Some(now);
+                        self.metrics.ttft.observe((now - a.submitted).as_secs_f64());
+                    }
+                    Some(l) => self.metrics.inter_token.observe((now - l).as_secs_f64()),
+                }
+                a.last_token = Some(now);
+                self.metrics.generation_tokens.inc();
+                a.reply_to.do_send(GenerationEvent {
+                    request: id,
+                    kind: EventKind::Token(token),
+                });
+                let total = a.prompt_tokens + a.generated;
+                if eos.contains(&token) {
+                    self.finish(id, FinishReason::Stop);
+                } else if a.generated >= a.max_tokens || total >= self.max_context {
+                    self.finish(id, FinishReason::Length);
+                } else {
+                    self.sched.append(id, token);
+                }
+            }
+        }
+        self.update_gauges();
+        !self.sched.is_idle()
+    }
+}
+
+impl Actor for Batcher {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        // Sessions may queue many events at once; the batcher itself must never refuse a Cancel.
+        ctx.set_mailbox_capacity(usize::MAX);
+    }
+}
+
+impl Handler<Submit> for Batcher {
+    type Result = Result<usize, RequestError>;
+
+    fn handle(&mut self, m: Submit, ctx: &mut Context<Self>) -> Self::Result {
+        if self.draining {
+            return Err(RequestError::NotReady("the server is shutting down".into()));
+        }
+        let n = m.prompt.len();
+        if n == 0 {
+            return Err(RequestError::InvalidRequest(
+                "`messages` render to an empty prompt".into(),
+            ));
+        }
+        if n >= self.max_context {
+            return Err(RequestError::PromptTooLong(format!(
+                "the prompt is {n} tokens; the context holds {} (prompt plus at least one generated token)",
+                self.max_context
+            )));
+        }
+        let max_total = (n + m.max_tokens).min(self.max_context);
+        let position = match self.sched.add(m.request, m.prompt.clone(), max_total) {
+            Ok(p) => p,
+            Err(AddError::Overloaded { waiting }) => return Err(RequestError::Overloaded(waiting)),
+            Err(AddError::TooLarge {
+                tokens,
+                cache_tokens,
+            }) => return Err(RequestError::PromptTooLong(format!(
+                "the prompt plus max_tokens is {tokens} tokens; the KV cache holds {cache_tokens}"
+            ))),
+        };
+        self.active.insert(
+            m.request,
+            Active {
+                sampler: Sampler::new(m.sampling, &m.prompt),
+                reply_to: m.reply_to,
+                max_tokens: m.max_tokens,
+                prompt_tokens: n,
+                submitted: Instant::now(),
+                scheduled: None,
+                first_token: None,
+                last_token: None,
+                generated: 0,
+            },
+        );
+        self.update_gauges();
+        self.wake(ctx);
+        Ok(position)
+    }
+}
+
+impl Handler<Cancel> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: Cancel, _: &mut Context<Self>) {
+        match m.reason {
+            CancelReason::Disconnected => {
+                self.sched.remove(m.request);
+                self.active.remove(&m.request);
+            }
+            CancelReason::Client => self.finish(m.request, FinishReason::Cancelled),
+            CancelReason::StopString => self.finish(m.request, FinishReason::Stop),
+        }
+        self.update_gauges();
+    }
+}
+
+impl Handler<Step> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, _: Step, ctx: &mut Context<Self>) {
+        if self.step() {
+            ctx.notify(Step);
+        } else {
+            self.stepping = false;
+        }
+    }
+}
+
+impl Handler<GetStatus> for Batcher {
+    type Result = BatcherStatus;
+
+    fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> BatcherStatus {
+        BatcherStatus {
+            running: self.sched.running_len(),
+            waiting: self.sched.waiting_len(),
+            kv_blocks_used: self.sched.pool().used_count(),
+            kv_blocks_total: self.sched.pool().total(),
+        }
+    }
+}
+
+impl Handler<Shutdown> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: Shutdown, ctx: &mut Context<Self>) {
+        self.draining = true;
+        ctx.run_later(m.deadline, |act, _| {
+            let ids: Vec<RequestId> = act.active.keys().copied().collect();
+            for id in ids {
+                act.finish(id, FinishReason::Shutdown);
+            }
+            act.update_gauges();
+        });
+    }
+}

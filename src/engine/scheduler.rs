@@ -1,0 +1,469 @@
+//! The scheduler: which sequences run in the next step and how many of their tokens. Pure code:
+//! no actors, no tensors; the batcher owns it and feeds it sampled tokens.
+//!
+//! Continuous batching at iteration level (Orca, vLLM): every step, running decodes go first (one
+//! token each), then prefill chunks of partly-prefilled and waiting sequences fill the rest of the
+//! step's token budget, up to a maximum of running sequences. Nothing waits for a batch to fill.
+//! When KV blocks run out for a decode, the most recently admitted running sequence is preempted
+//! (vLLM's recompute policy): its blocks are freed and it goes back to the front of the queue to
+//! prefill its prompt and what it had generated again.
+
+use std::collections::VecDeque;
+
+use super::step::{SeqChunk, StepBatch};
+use crate::kv_cache::{blocks_for, BlockPool};
+
+pub type RequestId = u64;
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Sequences running at once (prefilling or decoding).
+    pub max_running: usize,
+    /// Sequences waiting for admission; past it `add` refuses.
+    pub max_waiting: usize,
+    /// Tokens per step (decodes count one each); prefill chunks fill what decodes leave.
+    pub step_tokens: usize,
+    pub block_size: usize,
+}
+
+/// One request's tokens and cache bookkeeping.
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    pub id: RequestId,
+    /// Prompt, then generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Tokens whose K/V are in the cache.
+    pub computed: usize,
+    pub block_table: Vec<u32>,
+    /// Admission order into the running set (preemption takes the largest).
+    admitted: u64,
+    /// `Started` was reported.
+    pub started: bool,
+}
+
+impl Sequence {
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddError {
+    /// The queue is full.
+    Overloaded { waiting: usize },
+    /// The sequence could never fit in the cache.
+    TooLarge { tokens: usize, cache_tokens: usize },
+}
+
+/// What the next step runs.
+#[derive(Debug, Clone, Default)]
+pub struct Scheduled {
+    pub batch: StepBatch,
+    /// Per batch entry: its request and whether a token is sampled for it after this step.
+    pub entries: Vec<(RequestId, bool)>,
+    /// Requests whose first chunk runs in this step.
+    pub started: Vec<RequestId>,
+    /// Requests preempted while scheduling this step (back in the queue).
+    pub preempted: Vec<RequestId>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    pool: BlockPool,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    next_admission: u64,
+    preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, pool: BlockPool) -> Self {
+        Scheduler {
+            cfg,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_admission: 0,
+            preemptions: 0,
+        }
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    pub fn get(&self, id: RequestId) -> Option<&Sequence> {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .find(|s| s.id == id)
+    }
+
+    /// Queues a request that will hold at most `max_total` tokens. Returns its queue position (0 =
+    /// next to be admitted).
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_total: usize,
+    ) -> Result<usize, AddError> {
+        let cache_tokens = self.pool.total() * self.cfg.block_size;
+        if blocks_for(max_total, self.cfg.block_size) > self.pool.total() {
+            return Err(AddError::TooLarge {
+                tokens: max_total,
+                cache_tokens,
+            });
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(AddError::Overloaded {
+                waiting: self.waiting.len(),
+            });
+        }
+        self.waiting.push_back(Sequence {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            block_table: Vec::new(),
+            admitted: 0,
+            started: false,
+        });
+        Ok(self.waiting.len() - 1)
+    }
+
+    /// Removes a request wherever it is and frees its blocks. Idempotent.
+    pub fn remove(&mut self, id: RequestId) -> Option<Sequence> {
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.pool.release(&s.block_table);
+            return Some(s);
+        }
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i).expect("index from position");
+            self.pool.release(&s.block_table);
+            return Some(s);
+        }
+        None
+    }
+
+    /// Appends a sampled token to a running sequence.
+    pub fn append(&mut self, id: RequestId, token: u32) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            s.tokens.push(token);
+        }
+    }
+
+    fn preempt_latest(&mut self) -> Option<RequestId> {
+        let i = (0..self.running.len()).max_by_key(|&i| self.running[i].admitted)?;
+        let mut s = self.running.remove(i);
+        self.pool.release(&s.block_table);
+        s.block_table.clear();
+        s.computed = 0;
+        self.preemptions += 1;
+        let id = s.id;
+        self.waiting.push_front(s);
+        Some(id)
+    }
+
+    /// Picks the next step's work; `None` when there is nothing to run.
+    pub fn schedule(&mut self) -> Option<Scheduled> {
+        let mut out = Scheduled::default();
+        let bs = self.cfg.block_size;
+        // 1. Decodes of running sequences, oldest first; preempt the newest when blocks run out.
+        let mut decode_ids: Vec<RequestId> = {
+            let mut v: Vec<&Sequence> = self
+                .running
+                .iter()
+                .filter(|s| s.computed > 0 && s.pending() == 1)
+                .collect();
+            v.sort_by_key(|s| s.admitted);
+            v.iter().map(|s| s.id).collect()
+        };
+        let mut i = 0;
+        while i < decode_ids.len() {
+            let id = decode_ids[i];
+            let Some(pos) = self.running.iter().position(|s| s.id == id) else {
+                i += 1;
+                continue;
+            };
+            let need = self.running[pos].tokens.len();
+            let mut table = std::mem::take(&mut self.running[pos].block_table);
+            let ok = self.pool.ensure_capacity(&mut table, need, bs);
+            self.running[pos].block_table = table;
+            if ok {
+                i += 1;
+                continue;
+            }
+            match self.preempt_latest() {
+                Some(p) => {
+                    out.preempted.push(p);
+                    decode_ids.retain(|&d| d != p);
+                }
+                None => break,
+            }
+        }
+        let mut budget = self.cfg.step_tokens;
+        for id in &decode_ids {
+            let s = self
+                .running
+                .iter_mut()
+                .find(|s| s.id == *id)
+                .expect("decode id is running");
+            out.batch.seqs.push(SeqChunk {
+                tokens: vec![*s.tokens.last().expect("a decoding sequence has tokens")],
+                start_pos: s.computed,
+                block_table: s.block_table.clone(),
+                want_logits: true,
+            });
+            out.entries.push((s.id, true));
+            s.computed += 1;
+            budget = budget.saturating_sub(1);
+        }
+        // 2. Prefill chunks: running sequences first (admission order), then the queue.
+        let mut prefilling: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].pending() > 0 && !decode_ids.contains(&self.running[i].id))
+            .collect();
+        prefilling.sort_by_key(|&i| self.running[i].admitted);
+        for i in prefilling {
+            if budget == 0
+                || !push_chunk(
+                    &mut self.pool,
+                    bs,
+                    &mut self.running[i],
+                    &mut budget,
+                    &mut out,
+                )
+            {
+                break;
+            }
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_running {
+            let Some(mut s) = self.waiting.pop_front() else {
+                break;
+            };
+            if push_chunk(&mut self.pool, bs, &mut s, &mut budget, &mut out) {
+                s.admitted = self.next_admission;
+                self.next_admission += 1;
+                self.running.push(s);
+            } else {
+                self.waiting.push_front(s);
+                break;
+            }
+        }
+        if out.batch.seqs.is_empty() {
+            None
+        } else {
+            Some(out)
+        }
+    }
+}
+
+/// Adds the next prefill chunk of `s` within `budget`; false if no block is free for it.
+fn push_chunk(
+    pool: &mut BlockPool,
+    bs: usize,
+    s: &mut Sequence,
+    budget: &mut usize,
+    out: &mut Scheduled,
+) -> bool {
+    let chunk = s.pending().min(*budget);
+    let end = s.computed + chunk;
+    if !pool.ensure_capacity(&mut s.block_table, end, bs) {
+        return false;
+    }
+    let want = end == s.tokens.len();
+    out.batch.seqs.push(SeqChunk {
+        tokens: s.tokens[s.computed..end].to_vec(),
+        start_pos: s.computed,
+        block_table: s.block_table.clone(),
+        want_logits: want,
+    });
+    out.entries.push((s.id, want));
+    if !s.started {
+        s.started = true;
+        out.started.push(s.id);
+    }
+    s.computed = end;
+    *budget -= chunk;
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn sched(blocks: usize, max_running: usize, step_tokens: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                max_running,
+                max_waiting: 4,
+                step_tokens,
+                block_size: 4,
+            },
+            BlockPool::new(blocks),
+        )
+    }
+
+    /// Runs a step and feeds back a token for every sampled entry.
+    fn step(s: &mut Scheduler) -> Scheduled {
+        let out = s.schedule().expect("work");
+        for &(id, want) in &out.entries {
+            if want {
+                s.append(id, 7);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn decodes_first_then_prefill_chunks_within_budget() {
+        let mut s = sched(32, 4, 8);
+        s.add(1, vec![1; 5], 20).unwrap();
+        let a = step(&mut s);
+        assert_eq!(a.entries, vec![(1, true)]);
+        assert_eq!(a.started, vec![1]);
+        s.add(2, vec![2; 20], 30).unwrap();
+        let b = step(&mut s);
+        // Request 1 decodes (1 token), request 2 prefills 7 tokens (budget 8).
+        assert_eq!(b.entries, vec![(1, true), (2, false)]);
+        assert_eq!(b.batch.seqs[1].tokens.len(), 7);
+        let c = step(&mut s);
+        assert_eq!(c.batch.seqs[1].start_pos, 7);
+        assert_eq!(c.batch.num_tokens(), 8);
+    }
+
+    #[test]
+    fn queue_bound_and_size_bound() {
+        let mut s = sched(4, 1, 8);
+        assert_eq!(
+            s.add(9, vec![1; 3], 17),
+            Err(AddError::TooLarge {
+                tokens: 17,
+                cache_tokens: 16
+            })
+        );
+        for i in 0..4 {
+            assert_eq!(s.add(i, vec![1; 3], 4), Ok(i as usize));
+        }
+        assert_eq!(
+            s.add(5, vec![1], 4),
+            Err(AddError::Overloaded { waiting: 4 })
+        );
+    }
+
+    #[test]
+    fn max_running_holds_the_rest_in_the_queue() {
+        let mut s = sched(32, 2, 64);
+        for i in 0..3 {
+            s.add(i, vec![1; 4], 8).unwrap();
+        }
+        let a = step(&mut s);
+        assert_eq!(a.entries.len(), 2);
+        assert_eq!(s.waiting_len(), 1);
+        s.remove(0);
+        let b = step(&mut s);
+        assert!(b.entries.contains(&(2, true)));
+    }
+
+    #[test]
+    fn preempts_the_most_recently_admitted_and_recomputes_it() {
+        // 4 blocks of 4 tokens. Two sequences of 8 tokens fill the cache.
+        let mut s = sched(4, 4, 64);
+        s.add(1, vec![1; 7], 16).unwrap();
+        s.add(2, vec![2; 7], 16).unwrap();
+        step(&mut s); // both prefill 7, sample 1 token each -> 8 tokens, 2 blocks each
+        step(&mut s); // decode: 8 computed, 9th token pending; needs a 3rd block each: none free
+        let c = s.schedule().unwrap();
+        assert_eq!(c.preempted, vec![2], "the newest goes back to the queue");
+        assert_eq!(c.entries, vec![(1, true)]);
+        assert_eq!(s.waiting_len(), 1);
+        let back = s.get(2).unwrap();
+        assert_eq!(back.computed, 0);
+        assert_eq!(
+            back.tokens.len(),
+            9,
+            "its generated tokens are kept and recomputed"
+        );
+        assert_eq!(s.preemptions(), 1);
+    }
+
+    #[test]
+    fn cancel_frees_blocks_in_any_phase() {
+        let mut s = sched(16, 4, 4);
+        s.add(1, vec![1; 10], 12).unwrap();
+        step(&mut s); // mid-prefill: 4 of 10
+        assert!(s.pool().used_count() > 0);
+        s.remove(1);
+        assert_eq!(s.pool().used_count(), 0);
+        assert!(s.remove(1).is_none());
+        assert!(s.is_idle());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// Random adds, steps and cancels never hand out a block twice, never exceed the budget,
+        /// and always end with the pool idle.
+        #[test]
+        fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80)) {
+            let mut s = sched(12, 3, 6);
+            let mut next = 0u64;
+            let mut gen: std::collections::HashMap<u64, (usize, usize)> = Default::default();
+            for (op, a, b) in ops {
+                match op {
+                    0 => {
+                        if s.add(next, vec![3; a], a + b).is_ok() {
+                            gen.insert(next, (0, b));
+                        }
+                        next += 1;
+                    }
+                    1 => { s.remove((a as u64) % next.max(1)); }
+                    _ => {
+                        if let Some(out) = s.schedule() {
+                            prop_assert!(out.batch.num_tokens() <= 6 + 3);
+                            let mut seen = std::collections::HashSet::new();
+                            for c in &out.batch.seqs {
+                                let first = c.start_pos / 4;
+                                let last = (c.start_pos + c.tokens.len()).div_ceil(4);
+                                for blk in &c.block_table[first..last] {
+                                    prop_assert!(seen.insert(*blk), "block written twice");
+                                }
+                            }
+                            for &(id, want) in &out.entries {
+                                if want {
+                                    let g = gen.get_mut(&id).unwrap();
+                                    g.0 += 1;
+                                    if g.0 >= g.1 { s.remove(id); } else { s.append(id, 5); }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for id in 0..next { s.remove(id); }
+            prop_assert_eq!(s.pool().used_count(), 0);
+            prop_assert!(s.is_idle());
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! Prometheus metrics, named as vLLM names them (`vllm:*`) where vLLM has the same quantity so
+//! existing dashboards fit, `llama_relay_*` for the rest. Served at `/metrics` in text format.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests_running: IntGauge,
+    pub requests_waiting: IntGauge,
+    pub ttft: Histogram,
+    pub inter_token: Histogram,
+    pub e2e: Histogram,
+    pub queue_time: Histogram,
+    pub prompt_tokens: IntCounter,
+    pub generation_tokens: IntCounter,
+    pub preemptions: IntCounter,
+    pub kv_blocks_used: IntGauge,
+    pub kv_blocks_total: IntGauge,
+    pub errors: IntCounterVec,
+    pub sessions: IntGauge,
+}
+
+fn buckets(v: &[f64]) -> Vec<f64> {
+    v.to_vec()
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let gauge = |n: &str, h: &str| {
+            let g = IntGauge::new(n, h).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let counter = |n: &str, h: &str| {
+            let c = IntCounter::new(n, h).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let hist = |n: &str, h: &str, b: &[f64]| {
+            let x = Histogram::with_opts(HistogramOpts::new(n, h).buckets(buckets(b)))
+                .expect("valid metric");
+            registry
+                .register(Box::new(x.clone()))
+                .expect("unique metric");
+            x
+        };
+        let latency = [
+            0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0,
+        ];
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "llama_relay_errors_total",
+                "Errors sent to clients, by error_type",
+            ),
+            &["error_type"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(errors.clone()))
+            .expect("unique metric");
+        Metrics {
+            requests_running: gauge("vllm:num_requests_running", "Requests in the running batch"),
+            requests_waiting: gauge(
+                "vllm:num_requests_waiting",
+                "Requests waiting for admission",
+            ),
+            ttft: hist(
+                "vllm:time_to_first_token_seconds",
+                "Time from submission to the first token",
+                &latency,
+            ),
+            inter_token: hist(
+                "vllm:time_per_output_token_seconds",
+                "Time between consecutive tokens of a request",
+                &[
+                    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
+                ],
+            ),
+            e2e: hist(
+                "vllm:e2e_request_latency_seconds",
+                "Time from submission to the end of a request",
+                &latency,
+            ),
+            queue_time: hist(
+                "vllm:request_queue_time_seconds",
+                "Time from submission to the first scheduled step",
+                &latency,
+            ),
+            prompt_tokens: counter("vllm:prompt_tokens_total", "Prompt tokens processed"),
+            generation_tokens: counter("vllm:generation_tokens_total", "Tokens generated"),
+            preemptions: counter(
+                "vllm:num_preemptions_total",
+                "Sequences preempted for lack of KV blocks",
+            ),
+            kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
+            kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),
+            sessions: gauge("llama_relay_websocket_sessions", "Open WebSocket sessions"),
+            errors,
+            registry,
+        }
+    }
+
+    pub fn error(&self, error_type: &str) {
+        self.errors.with_label_values(&[error_type]).inc();
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

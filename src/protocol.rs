@@ -1,0 +1,447 @@
+//! The WebSocket wire format (JSON text frames tagged by `type`), and its validation into typed
+//! requests at the edge (parse, don't validate: TGI's `ValidGenerateRequest`). Every rejection
+//! names the field and the limit. `docs/protocol.md` documents the frames with examples.
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::SamplingParams;
+use crate::tokenizer::Message;
+
+/// Frames a client sends.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ClientFrame {
+    Chat {
+        id: String,
+        messages: Vec<Message>,
+        #[serde(default)]
+        params: ChatParams,
+    },
+    Cancel {
+        id: String,
+    },
+    Reset,
+}
+
+/// Optional generation parameters of a `chat` frame; absent ones take the server's defaults.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatParams {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub stop: Vec<String>,
+}
+
+/// Limits a server enforces, sent in `ready` so clients can respect them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    pub max_context: usize,
+    pub max_tokens: usize,
+    pub max_frame_bytes: usize,
+    pub max_messages: usize,
+    pub max_message_chars: usize,
+    pub max_stop_strings: usize,
+    pub max_stop_chars: usize,
+    pub max_id_chars: usize,
+}
+
+/// Frames the server sends.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ServerFrame {
+    Ready {
+        session_id: String,
+        model: String,
+        limits: serde_json::Value,
+    },
+    Queued {
+        id: String,
+        position: usize,
+    },
+    Started {
+        id: String,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Delta {
+        id: String,
+        index: usize,
+        text: String,
+    },
+    Done {
+        id: String,
+        finish_reason: FinishReason,
+        usage: Usage,
+        timings: Timings,
+    },
+    Error {
+        #[serde(skip_serializing_if = "Option::is_none")]
+        id: Option<String>,
+        error_type: String,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Cancelled,
+    Shutdown,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub decode_tokens_per_s: f64,
+}
+
+/// A request error with its stable `error_type`; the one mapping to the wire is `to_frame`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("{0}")]
+    InvalidRequest(String),
+    #[error("{0}")]
+    PromptTooLong(String),
+    #[error("the server is at capacity ({0} requests waiting); try again shortly")]
+    Overloaded(usize),
+    #[error("request `{0}` is still generating; wait for its `done` or send `cancel`")]
+    Busy(String),
+    #[error("{0}")]
+    NotReady(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl RequestError {
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            RequestError::InvalidRequest(_) => "invalid_request",
+            RequestError::PromptTooLong(_) => "prompt_too_long",
+            RequestError::Overloaded(_) => "overloaded",
+            RequestError::Busy(_) => "busy",
+            RequestError::NotReady(_) => "not_ready",
+            RequestError::Internal(_) => "internal",
+        }
+    }
+
+    pub fn to_frame(&self, id: Option<String>) -> ServerFrame {
+        ServerFrame::Error {
+            id,
+            error_type: self.error_type().into(),
+            message: self.to_string(),
+        }
+    }
+}
+
+/// A validated `chat` request.
+#[derive(Debug, Clone)]
+pub struct ValidChat {
+    pub id: String,
+    pub messages: Vec<Message>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+}
+
+fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
+    RequestError::InvalidRequest(format!("`{field}` {msg}"))
+}
+
+fn range_f32(
+    field: &str,
+    v: Option<f32>,
+    lo: f32,
+    hi: f32,
+    default: f32,
+) -> Result<f32, RequestError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && x >= lo && x <= hi => Ok(x),
+        Some(x) => Err(bad(
+            field,
+            format!("must be between {lo} and {hi}. Given: {x}"),
+        )),
+    }
+}
+
+impl Limits {
+    /// Validates a `chat` frame's fields against these limits and the server's defaults.
+    pub fn validate_chat(
+        &self,
+        id: String,
+        messages: Vec<Message>,
+        p: ChatParams,
+        defaults: &SamplingParams,
+        default_max_tokens: usize,
+    ) -> Result<ValidChat, RequestError> {
+        if id.is_empty() || id.chars().count() > self.max_id_chars {
+            return Err(bad(
+                "id",
+                format!("must be 1 to {} characters", self.max_id_chars),
+            ));
+        }
+        if messages.is_empty() {
+            return Err(bad("messages", "must hold at least one message"));
+        }
+        if messages.len() > self.max_messages {
+            return Err(bad(
+                "messages",
+                format!(
+                    "must hold at most {} messages. Given: {}",
+                    self.max_messages,
+                    messages.len()
+                ),
+            ));
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!("must be system, user or assistant. Given: {:?}", m.role),
+                ));
+            }
+            let n = m.content.chars().count();
+            if n > self.max_message_chars {
+                return Err(bad(
+                    &format!("messages[{i}].content"),
+                    format!(
+                        "must be at most {} characters. Given: {n}",
+                        self.max_message_chars
+                    ),
+                ));
+            }
+        }
+        let sampling = SamplingParams {
+            temperature: range_f32(
+                "params.temperature",
+                p.temperature,
+                0.0,
+                2.0,
+                defaults.temperature,
+            )?,
+            top_k: match p.top_k {
+                Some(k) if k > 1000 => {
+                    return Err(bad(
+                        "params.top_k",
+                        format!("must be between 0 (off) and 1000. Given: {k}"),
+                    ))
+                }
+                Some(k) => k,
+                None => defaults.top_k,
+            },
+            top_p: match p.top_p {
+                Some(x) if !(x > 0.0 && x <= 1.0) => {
+                    return Err(bad(
+                        "params.top_p",
+                        format!("must be in (0, 1]. Given: {x}"),
+                    ))
+                }
+                Some(x) => x,
+                None => defaults.top_p,
+            },
+            min_p: range_f32("params.min_p", p.min_p, 0.0, 1.0, defaults.min_p)?,
+            repetition_penalty: match p.repetition_penalty {
+                Some(x) if !(x > 0.0 && x <= 2.0) => {
+                    return Err(bad(
+                        "params.repetition_penalty",
+                        format!("must be in (0, 2]. Given: {x}"),
+                    ))
+                }
+                Some(x) => x,
+                None => defaults.repetition_penalty,
+            },
+            presence_penalty: range_f32(
+                "params.presence_penalty",
+                p.presence_penalty,
+                -2.0,
+                2.0,
+                defaults.presence_penalty,
+            )?,
+            frequency_penalty: range_f32(
+                "params.frequency_penalty",
+                p.frequency_penalty,
+                -2.0,
+                2.0,
+                defaults.frequency_penalty,
+            )?,
+            seed: p.seed.or(defaults.seed),
+        };
+        let max_tokens = match p.max_tokens {
+            Some(0) => {
+                return Err(bad(
+                    "params.max_tokens",
+                    format!("must be between 1 and {}. Given: 0", self.max_tokens),
+                ))
+            }
+            Some(n) if n > self.max_tokens => {
+                return Err(bad(
+                    "params.max_tokens",
+                    format!("must be between 1 and {}. Given: {n}", self.max_tokens),
+                ))
+            }
+            Some(n) => n,
+            None => default_max_tokens.min(self.max_tokens),
+        };
+        if p.stop.len() > self.max_stop_strings {
+            return Err(bad(
+                "params.stop",
+                format!(
+                    "must hold at most {} strings. Given: {}",
+                    self.max_stop_strings,
+                    p.stop.len()
+                ),
+            ));
+        }
+        for (i, s) in p.stop.iter().enumerate() {
+            let n = s.chars().count();
+            if n == 0 || n > self.max_stop_chars {
+                return Err(bad(
+                    &format!("params.stop[{i}]"),
+                    format!(
+                        "must be 1 to {} characters. Given: {n}",
+                        self.max_stop_chars
+                    ),
+                ));
+            }
+        }
+        Ok(ValidChat {
+            id,
+            messages,
+            sampling,
+            max_tokens,
+            stop: p.stop,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_context: 2048,
+            max_tokens: 512,
+            max_frame_bytes: 65536,
+            max_messages: 8,
+            max_message_chars: 100,
+            max_stop_strings: 4,
+            max_stop_chars: 16,
+            max_id_chars: 64,
+        }
+    }
+
+    fn parse(s: &str) -> Result<ClientFrame, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+
+    #[test]
+    fn frames_parse_by_type() {
+        assert!(matches!(
+            parse(r#"{"type":"reset"}"#).unwrap(),
+            ClientFrame::Reset
+        ));
+        assert!(matches!(
+            parse(r#"{"type":"cancel","id":"a"}"#).unwrap(),
+            ClientFrame::Cancel { .. }
+        ));
+        let c = parse(r#"{"type":"chat","id":"1","messages":[{"role":"user","content":"hi"}],"params":{"temperature":0}}"#).unwrap();
+        assert!(matches!(c, ClientFrame::Chat { .. }));
+        assert!(parse(r#"{"type":"dance"}"#).is_err());
+        assert!(
+            parse(r#"{"type":"chat","id":"1","messages":[],"params":{"temprature":1}}"#).is_err()
+        );
+    }
+
+    #[test]
+    fn validation_names_field_and_limit() {
+        let l = limits();
+        let d = SamplingParams::default();
+        let m = vec![Message::new("user", "hi")];
+        let e = |p: ChatParams| {
+            l.validate_chat("1".into(), m.clone(), p, &d, 64)
+                .unwrap_err()
+                .to_string()
+        };
+        let s = e(ChatParams {
+            max_tokens: Some(9000),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.max_tokens`") && s.contains("512") && s.contains("9000"),
+            "{s}"
+        );
+        let s = e(ChatParams {
+            temperature: Some(3.0),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.temperature`") && s.contains("between 0 and 2"),
+            "{s}"
+        );
+        let s = e(ChatParams {
+            stop: vec!["a".into(); 5],
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.stop`") && s.contains("at most 4"),
+            "{s}"
+        );
+        let s = l
+            .validate_chat(
+                "1".into(),
+                vec![Message::new("robot", "x")],
+                ChatParams::default(),
+                &d,
+                64,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(s.contains("messages[0].role"), "{s}");
+        let s = l
+            .validate_chat(
+                "1".into(),
+                vec![Message::new("user", &"x".repeat(101))],
+                ChatParams::default(),
+                &d,
+                64,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            s.contains("messages[0].content") && s.contains("100"),
+            "{s}"
+        );
+        let ok = l
+            .validate_chat("1".into(), m, ChatParams::default(), &d, 64)
+            .unwrap();
+        assert_eq!(ok.max_tokens, 64);
+    }
+
+    #[test]
+    fn errors_map_to_frames_with_stable_types() {
+        let f = RequestError::Overloaded(3).to_frame(Some("x".into()));
+        let j = serde_json::to_value(&f).unwrap();
+        assert_eq!(j["type"], "error");
+        assert_eq!(j["error_type"], "overloaded");
+        assert_eq!(j["id"], "x");
+    }
+}

@@ -1,0 +1,270 @@
+//! Turns a row of logits into a token: penalties, temperature, top-k, top-p, min-p, and a seeded
+//! RNG per request (same seed, same output). Pure code over `&mut [f32]`, no tensors, tested alone.
+//!
+//! Written here rather than taken from candle-transformers' `LogitsProcessor` because that one has
+//! no min-p and no penalties. The order follows vLLM / HF: penalties, then temperature, then the
+//! truncations, then sampling.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings of one request (validated at the edge).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 = greedy.
+    pub temperature: f32,
+    /// 0 = off.
+    pub top_k: usize,
+    /// 1 = off.
+    pub top_p: f32,
+    /// 0 = off.
+    pub min_p: f32,
+    /// 1 = off (HF style: divides positive logits, multiplies negative ones, over prompt + output).
+    pub repetition_penalty: f32,
+    /// OpenAI style, over the output: minus this once a token has appeared.
+    pub presence_penalty: f32,
+    /// OpenAI style, over the output: minus this per occurrence.
+    pub frequency_penalty: f32,
+    /// `None` = a random seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+/// Per-request sampling state.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Occurrences of each token in the output so far.
+    counts: HashMap<u32, u32>,
+    /// Distinct prompt tokens (repetition penalty only).
+    prompt: Vec<u32>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        let mut p: Vec<u32> = if params.repetition_penalty != 1.0 {
+            prompt.to_vec()
+        } else {
+            Vec::new()
+        };
+        p.sort_unstable();
+        p.dedup();
+        Sampler {
+            params,
+            rng,
+            counts: HashMap::new(),
+            prompt: p,
+        }
+    }
+
+    /// Records an output token (for penalties).
+    pub fn observe(&mut self, token: u32) {
+        *self.counts.entry(token).or_default() += 1;
+    }
+
+    fn apply_penalties(&self, logits: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let rp = p.repetition_penalty;
+            let mut penalize = |t: u32| {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 { *l / rp } else { *l * rp };
+                }
+            };
+            for &t in &self.prompt {
+                penalize(t);
+            }
+            for &t in self.counts.keys() {
+                if self.prompt.binary_search(&t).is_err() {
+                    penalize(t);
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+    }
+
+    /// Picks the next token from `logits` (modified in place).
+    pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
+        self.apply_penalties(logits);
+        let p = &self.params;
+        if p.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        // Candidates sorted by logit, cut to top-k.
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+        if p.top_k > 0 && p.top_k < idx.len() {
+            idx.select_nth_unstable_by(p.top_k - 1, by_logit);
+            idx.truncate(p.top_k);
+        }
+        idx.sort_unstable_by(by_logit);
+        let inv_t = 1.0 / p.temperature;
+        let max = logits[idx[0] as usize];
+        let mut probs: Vec<f32> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] - max) * inv_t).exp())
+            .collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        // top-p: smallest prefix whose mass reaches top_p (at least one token).
+        let mut keep = probs.len();
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            for (i, &pr) in probs.iter().enumerate() {
+                acc += pr;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        // min-p: drop tokens below min_p times the top probability.
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs[0];
+            keep = keep.min(probs.iter().take_while(|&&x| x >= floor).count().max(1));
+        }
+        let total: f32 = probs[..keep].iter().sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for (i, &pr) in probs[..keep].iter().enumerate() {
+            if r < pr {
+                return idx[i];
+            }
+            r -= pr;
+        }
+        idx[keep - 1]
+    }
+}
+
+/// Index of the largest value (the first one on ties).
+pub fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(t: f32) -> SamplingParams {
+        SamplingParams {
+            temperature: t,
+            seed: Some(7),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_max() {
+        let mut s = Sampler::new(params(0.0), &[]);
+        assert_eq!(s.sample(&mut [0.1, 3.0, 2.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let run = || {
+            let mut s = Sampler::new(params(1.0), &[]);
+            (0..20)
+                .map(|_| s.sample(&mut logits.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
+        assert!(
+            run().iter().collect::<std::collections::HashSet<_>>().len() > 3,
+            "it samples"
+        );
+    }
+
+    #[test]
+    fn top_k_one_and_tiny_top_p_are_greedy() {
+        let logits = vec![1.0, 5.0, 4.9, 0.0];
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_k: 1,
+                ..params(1.5)
+            },
+            &[],
+        );
+        let mut s2 = Sampler::new(
+            SamplingParams {
+                top_p: 0.01,
+                ..params(1.5)
+            },
+            &[],
+        );
+        let mut s3 = Sampler::new(
+            SamplingParams {
+                min_p: 0.999,
+                ..params(1.5)
+            },
+            &[],
+        );
+        for _ in 0..20 {
+            assert_eq!(s.sample(&mut logits.clone()), 1);
+            assert_eq!(s2.sample(&mut logits.clone()), 1);
+            assert_eq!(s3.sample(&mut logits.clone()), 1);
+        }
+    }
+
+    #[test]
+    fn penalties_move_the_choice() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..params(0.0)
+            },
+            &[],
+        );
+        s.observe(1);
+        assert_eq!(s.sample(&mut [0.0, 2.0, 1.5]), 2);
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 2.0,
+                ..params(0.0)
+            },
+            &[1],
+        );
+        assert_eq!(s.sample(&mut [0.0, 2.0, 1.5]), 2);
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.3,
+                ..params(0.0)
+            },
+            &[],
+        );
+        s.observe(1);
+        s.observe(1);
+        assert_eq!(s.sample(&mut [0.0, 2.0, 1.5]), 2);
+    }
+}

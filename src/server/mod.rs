@@ -1,0 +1,154 @@
+//! The HTTP/WebSocket server: shared state, routes (`routes`), the per-connection session actor
+//! (`session`), stop-string scanning (`stop`). The WebSocket plumbing (actix-web-actors) lives in
+//! `session.rs` alone, so a move to actix-ws stays small.
+
+pub mod routes;
+pub mod session;
+pub mod stop;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use actix::prelude::*;
+use actix_web::{web, App, HttpServer};
+
+use crate::engine::batcher::{Batcher, BatcherConfig};
+use crate::engine::{Engine, EngineOptions};
+use crate::metrics::Metrics;
+use crate::protocol::Limits;
+use crate::sampler::SamplingParams;
+use crate::settings::Settings;
+use crate::tokenizer::TextTokenizer;
+
+/// What a session needs once the model is loaded.
+#[derive(Clone)]
+pub struct Ready {
+    pub batcher: Addr<Batcher>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub model: String,
+}
+
+#[derive(Clone)]
+pub enum Status {
+    Loading,
+    Ready(Ready),
+    Failed(String),
+}
+
+/// Settings a session applies to every request.
+#[derive(Clone)]
+pub struct SessionConfig {
+    pub limits: Limits,
+    pub sampling: SamplingParams,
+    pub default_max_tokens: usize,
+    pub heartbeat: Duration,
+    pub client_timeout: Duration,
+}
+
+pub struct AppState {
+    pub status: RwLock<Status>,
+    pub metrics: Arc<Metrics>,
+    pub session: SessionConfig,
+    pub static_dir: std::path::PathBuf,
+}
+
+impl AppState {
+    pub fn ready(&self) -> Option<Ready> {
+        match &*self.status.read().unwrap_or_else(|e| e.into_inner()) {
+            Status::Ready(r) => Some(r.clone()),
+            _ => None,
+        }
+    }
+
+    fn set(&self, s: Status) {
+        *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+}
+
+/// A bound, not yet awaited server.
+pub struct Running {
+    pub server: actix_web::dev::Server,
+    pub addr: SocketAddr,
+    pub state: web::Data<AppState>,
+}
+
+/// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
+/// answers /health with 503 meanwhile), and builds the HTTP server. Call inside an actix System.
+pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Running> {
+    let metrics = Arc::new(Metrics::new());
+    let state = web::Data::new(AppState {
+        status: RwLock::new(Status::Loading),
+        metrics: metrics.clone(),
+        session: settings.session_config(),
+        static_dir: settings.server.static_dir.clone().into(),
+    });
+    let batcher_cfg = settings.batcher_config();
+    let load_state = state.clone();
+    let arbiter = Arbiter::new();
+    arbiter.spawn_fn(move || {
+        let started = std::time::Instant::now();
+        match Engine::load(&opts) {
+            Ok(engine) => {
+                let tokenizer = engine.tokenizer.clone();
+                let model = engine.info.name.clone();
+                let max_context = engine.model.max_positions();
+                let cfg = BatcherConfig {
+                    max_context,
+                    ..batcher_cfg
+                };
+                let batcher = Batcher::new(engine, cfg, metrics).start();
+                tracing::info!(model = %model, seconds = started.elapsed().as_secs_f64(), "ready");
+                load_state.set(Status::Ready(Ready {
+                    batcher,
+                    tokenizer,
+                    model,
+                }));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the model failed to load");
+                load_state.set(Status::Failed(e.to_string()));
+            }
+        }
+    });
+    let data = state.clone();
+    let server = HttpServer::new(move || {
+        App::new()
+            .app_data(data.clone())
+            .configure(routes::configure)
+    })
+    .workers(settings.server.workers)
+    .disable_signals()
+    .shutdown_timeout(settings.server.shutdown_grace_s)
+    .bind((settings.server.host.as_str(), settings.server.port))?;
+    let addr = *server.addrs().first().expect("bound to one address");
+    let server = server.run();
+    // The arbiter lives as long as the process; keep its handle alive.
+    std::mem::forget(arbiter);
+    Ok(Running {
+        server,
+        addr,
+        state,
+    })
+}
+
+/// Graceful shutdown: the batcher stops admitting, running generations get `grace` to finish, and
+/// the rest end with `done` and finish_reason `shutdown`. Returns when nothing is in flight.
+pub async fn shutdown(state: &AppState, grace: Duration) {
+    let Some(ready) = state.ready() else { return };
+    let _ = ready
+        .batcher
+        .send(crate::engine::batcher::Shutdown { deadline: grace })
+        .await;
+    let until = std::time::Instant::now() + grace + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        match ready.batcher.send(crate::engine::batcher::GetStatus).await {
+            Ok(s) if s.running + s.waiting > 0 => {
+                actix_web::rt::time::sleep(Duration::from_millis(50)).await
+            }
+            _ => break,
+        }
+    }
+    // Let the sessions write their last frames.
+    actix_web::rt::time::sleep(Duration::from_millis(200)).await;
+}

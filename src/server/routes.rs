@@ -1,0 +1,95 @@
+//! Routes: `/ws` (the session), `/health` (503 while the model loads), `/metrics` (Prometheus),
+//! and the static chat page at `/`.
+
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::json;
+
+use super::session::Session;
+use super::{AppState, Status};
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.route("/ws", web::get().to(ws))
+        .route("/health", web::get().to(health))
+        .route("/metrics", web::get().to(metrics))
+        .route("/", web::get().to(index))
+        .route("/{file:[A-Za-z0-9_.-]+}", web::get().to(static_file));
+}
+
+async fn health(state: web::Data<AppState>) -> HttpResponse {
+    let status = state
+        .status
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    match status {
+        Status::Ready(r) => HttpResponse::Ok().json(json!({"status": "ready", "model": r.model})),
+        Status::Loading => HttpResponse::ServiceUnavailable()
+            .json(json!({"status": "loading", "reason": "the model is loading"})),
+        Status::Failed(e) => {
+            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": e}))
+        }
+    }
+}
+
+async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("text/plain; version=0.0.4")
+        .body(state.metrics.render())
+}
+
+async fn ws(
+    req: HttpRequest,
+    stream: web::Payload,
+    state: web::Data<AppState>,
+) -> actix_web::Result<HttpResponse> {
+    let Some(ready) = state.ready() else {
+        return Ok(HttpResponse::ServiceUnavailable()
+            .json(json!({"error_type": "not_ready", "message": "the model is not loaded yet"})));
+    };
+    let max_frame = state.session.limits.max_frame_bytes;
+    let session = Session::new(state.into_inner(), ready);
+    actix_web_actors::ws::WsResponseBuilder::new(session, &req, stream)
+        .frame_size(max_frame)
+        .start()
+}
+
+async fn index(state: web::Data<AppState>) -> actix_web::Result<HttpResponse> {
+    serve_file(&state, "index.html").await
+}
+
+async fn static_file(
+    path: web::Path<String>,
+    state: web::Data<AppState>,
+) -> actix_web::Result<HttpResponse> {
+    serve_file(&state, &path).await
+}
+
+async fn serve_file(state: &AppState, name: &str) -> actix_web::Result<HttpResponse> {
+    // The route pattern admits no '/' and no leading dot-dot path; check again all the same.
+    if name.contains("..") || name.starts_with('.') {
+        return Ok(HttpResponse::NotFound().finish());
+    }
+    let path = state.static_dir.join(name);
+    match std::fs::read(&path) {
+        Ok(bytes) => {
+            let mime = mime_guess_from(name);
+            Ok(HttpResponse::Ok()
+                .content_type(mime)
+                .insert_header(("Cache-Control", "no-cache"))
+                .body(bytes))
+        }
+        Err(_) => Ok(HttpResponse::NotFound().body(format!("{name} not found"))),
+    }
+}
+
+fn mime_guess_from(name: &str) -> &'static str {
+    match name.rsplit('.').next() {
+        Some("html") => "text/html; charset=utf-8",
+        Some("js") => "text/javascript; charset=utf-8",
+        Some("css") => "text/css; charset=utf-8",
+        Some("png") => "image/png",
+        Some("svg") => "image/svg+xml",
+        Some("json") => "application/json",
+        _ => "application/octet-stream",
+    }
+}

@@ -1,0 +1,494 @@
+//! The gateway end to end: the real server on port 0, real WebSocket clients (awc).
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use actix_web::web;
+use awc::ws;
+use futures_util::{SinkExt, StreamExt};
+use llama_relay::engine::batcher::{BatcherStatus, GetStatus};
+use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::server::AppState;
+use llama_relay::settings::Settings;
+use llama_relay::tokenizer::Message;
+use serde_json::{json, Value};
+
+use crate::common::*;
+
+pub struct App {
+    pub addr: SocketAddr,
+    pub state: web::Data<AppState>,
+}
+
+/// Starts the server on its own thread and actix System; returns once the model is loaded.
+pub fn spawn_app(model: &Path, tweak: impl FnOnce(&mut Settings)) -> App {
+    let mut s = Settings::load(None).unwrap();
+    s.model.path = model.display().to_string();
+    s.server.port = 0;
+    s.engine.cache_tokens = 8192;
+    s.engine.max_context = 2048;
+    s.sampling.temperature = 0.0;
+    tweak(&mut s);
+    s.validate_server().unwrap();
+    let opts = s.engine_options().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        actix_web::rt::System::new().block_on(async move {
+            let running = llama_relay::server::build(&s, opts).unwrap();
+            tx.send((running.addr, running.state.clone())).unwrap();
+            let _ = running.server.await;
+        })
+    });
+    let (addr, state) = rx.recv().unwrap();
+    let t0 = Instant::now();
+    while state.ready().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "model did not load");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    App { addr, state }
+}
+
+impl App {
+    pub async fn status(&self) -> BatcherStatus {
+        self.state
+            .ready()
+            .unwrap()
+            .batcher
+            .send(GetStatus)
+            .await
+            .unwrap()
+    }
+
+    /// Waits until nothing runs and no KV block is used.
+    pub async fn wait_idle(&self) -> BatcherStatus {
+        let t0 = Instant::now();
+        loop {
+            let s = self.status().await;
+            if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 {
+                return s;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(30), "never idle: {s:?}");
+            actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub async fn connect(&self) -> Client {
+        let (_, framed) = awc::Client::new()
+            .ws(format!("ws://{}/ws", self.addr))
+            .max_frame_size(1 << 20)
+            .connect()
+            .await
+            .unwrap();
+        let mut c = Client { framed };
+        let ready = c.recv().await;
+        assert_eq!(ready["type"], "ready", "{ready}");
+        c
+    }
+}
+
+pub struct Client {
+    framed: actix_codec::Framed<awc::BoxedSocket, ws::Codec>,
+}
+
+/// The frames of one reply.
+#[derive(Debug, Default)]
+pub struct Reply {
+    pub text: String,
+    pub deltas: usize,
+    pub started: Option<Value>,
+    pub done: Value,
+    pub frames: Vec<Value>,
+}
+
+impl Client {
+    pub async fn send(&mut self, v: Value) {
+        self.framed
+            .send(ws::Message::Text(v.to_string().into()))
+            .await
+            .unwrap();
+    }
+
+    pub async fn send_raw(&mut self, s: &str) {
+        self.framed
+            .send(ws::Message::Text(s.to_string().into()))
+            .await
+            .unwrap();
+    }
+
+    /// The next JSON frame (pings are answered by awc; pongs skipped).
+    pub async fn recv(&mut self) -> Value {
+        loop {
+            let f = actix_web::rt::time::timeout(Duration::from_secs(60), self.framed.next())
+                .await
+                .expect("a frame within 60 s")
+                .expect("the connection is open")
+                .unwrap();
+            match f {
+                ws::Frame::Text(t) => return serde_json::from_slice(&t).unwrap(),
+                ws::Frame::Close(r) => {
+                    return json!({"type": "closed", "code": r.map(|r| u16::from(r.code))})
+                }
+                _ => continue,
+            }
+        }
+    }
+
+    pub async fn chat(&mut self, id: &str, content: &str, params: Value) {
+        self.send(json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": content}], "params": params})).await;
+    }
+
+    /// Reads frames until `done` (or `error`) for `id`.
+    pub async fn reply(&mut self, id: &str) -> Reply {
+        let mut r = Reply::default();
+        loop {
+            let f = self.recv().await;
+            r.frames.push(f.clone());
+            match f["type"].as_str().unwrap() {
+                "started" => r.started = Some(f),
+                "delta" => {
+                    assert_eq!(f["id"], id);
+                    assert_eq!(
+                        f["index"].as_u64().unwrap() as usize,
+                        r.deltas,
+                        "delta indexes count up"
+                    );
+                    r.text.push_str(f["text"].as_str().unwrap());
+                    r.deltas += 1;
+                }
+                "done" | "error" => {
+                    r.done = f;
+                    return r;
+                }
+                "queued" => {}
+                other => panic!("unexpected frame {other}: {f}"),
+            }
+        }
+    }
+}
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    actix_web::rt::System::new().block_on(f);
+}
+
+fn greedy(max_tokens: usize) -> Value {
+    json!({"temperature": 0, "max_tokens": max_tokens})
+}
+
+#[test]
+fn greedy_deltas_equal_generate_and_turn_two_sees_turn_one() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    // The reference: the same prompt through `generate`.
+    let mut e = Tiny::Tied.load(16);
+    let (_, ids) = e
+        .tokenizer
+        .encode_chat(&[Message::new("user", "Tell me about llamas.")], true)
+        .unwrap();
+    let params = GenerateParams {
+        max_new_tokens: 24,
+        ..Default::default()
+    };
+    let stats = generate(&mut e, &ids, &params, |_, _| Ok(())).unwrap();
+    let expected = e.tokenizer.decode(&stats.generated, true).unwrap();
+    run(async {
+        let mut c = app.connect().await;
+        c.chat("t1", "Tell me about llamas.", greedy(24)).await;
+        let r = c.reply("t1").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        assert_eq!(r.text, expected);
+        assert!(r.deltas > 3, "streamed in pieces");
+        assert_eq!(
+            r.done["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+            ids.len()
+        );
+        assert_eq!(
+            r.started.unwrap()["prompt_tokens"].as_u64().unwrap() as usize,
+            ids.len()
+        );
+        assert!(r.done["timings"]["ttft_ms"].as_f64().unwrap() > 0.0);
+        // Turn 2: the prompt is the whole conversation.
+        c.chat("t2", "And alpacas?", greedy(8)).await;
+        let r2 = c.reply("t2").await;
+        let conv = vec![
+            Message::new("user", "Tell me about llamas."),
+            Message::new("assistant", &r.text),
+            Message::new("user", "And alpacas?"),
+        ];
+        let (_, ids2) = e.tokenizer.encode_chat(&conv, true).unwrap();
+        assert_eq!(
+            r2.done["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+            ids2.len()
+        );
+        // Reset starts over.
+        c.send(json!({"type": "reset"})).await;
+        c.chat("t3", "Tell me about llamas.", greedy(24)).await;
+        assert_eq!(c.reply("t3").await.text, expected);
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn eight_sessions_at_once_match_each_alone() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| s.scheduler.step_tokens = 64);
+    run(async {
+        let prompts: Vec<String> = (0..8)
+            .map(|i| format!("Question number {i}: {}", "why? ".repeat(i * 7 + 1)))
+            .collect();
+        let mut alone = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut c = app.connect().await;
+            c.chat(&format!("a{i}"), p, greedy(12)).await;
+            alone.push(c.reply(&format!("a{i}")).await.text);
+        }
+        let mut clients = Vec::new();
+        for _ in 0..8 {
+            clients.push(app.connect().await);
+        }
+        for (i, (c, p)) in clients.iter_mut().zip(&prompts).enumerate() {
+            c.chat(&format!("b{i}"), p, greedy(12)).await;
+        }
+        let replies = futures_util::future::join_all(
+            clients
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| async move { c.reply(&format!("b{i}")).await }),
+        )
+        .await;
+        for (i, r) in replies.iter().enumerate() {
+            assert_eq!(r.done["finish_reason"], "length", "{:?}", r.done);
+            assert_eq!(r.text, alone[i], "session {i}: batching changed the result");
+        }
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn cancel_and_disconnects_free_the_kv_cache() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.scheduler.step_tokens = 16;
+        s.scheduler.max_running = 4;
+    });
+    run(async {
+        // Cancel mid-decode.
+        let mut c = app.connect().await;
+        c.chat("c1", "Count to a thousand.", greedy(2000)).await;
+        loop {
+            let f = c.recv().await;
+            if f["type"] == "delta" {
+                break;
+            }
+        }
+        c.send(json!({"type": "cancel", "id": "c1"})).await;
+        let done = loop {
+            let f = c.recv().await;
+            if f["type"] == "done" {
+                break f;
+            }
+            assert_eq!(f["type"], "delta", "{f}");
+        };
+        assert_eq!(done["finish_reason"], "cancelled", "{done}");
+        app.wait_idle().await;
+        // The connection is still usable.
+        c.chat("c2", "Hi", greedy(2)).await;
+        assert_eq!(c.reply("c2").await.done["type"], "done");
+        // Drop mid-prefill: a long prompt in chunks of 16 tokens.
+        let mut d = app.connect().await;
+        d.chat("d1", &"many words ".repeat(300), greedy(4)).await;
+        loop {
+            let f = d.recv().await;
+            if f["type"] == "started" {
+                break;
+            }
+        }
+        assert!(app.status().await.kv_blocks_used > 0);
+        drop(d);
+        app.wait_idle().await;
+        // Drop mid-decode.
+        let mut d = app.connect().await;
+        d.chat("d2", "Go on forever.", greedy(2000)).await;
+        loop {
+            if d.recv().await["type"] == "delta" {
+                break;
+            }
+        }
+        drop(d);
+        let s = app.wait_idle().await;
+        assert_eq!(s.kv_blocks_used, 0);
+    });
+}
+
+#[test]
+fn bad_input_gets_errors_and_the_connection_survives() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.limits.max_frame_bytes = 4096;
+        s.engine.max_context = 256;
+    });
+    run(async {
+        let mut c = app.connect().await;
+        c.send_raw("{not json").await;
+        let f = c.recv().await;
+        assert_eq!(
+            (f["type"].as_str(), f["error_type"].as_str()),
+            (Some("error"), Some("invalid_request")),
+            "{f}"
+        );
+        c.send(json!({"type": "dance"})).await;
+        assert_eq!(c.recv().await["error_type"], "invalid_request");
+        c.chat("p1", "hi", json!({"max_tokens": 100000})).await;
+        let f = c.recv().await;
+        assert_eq!(f["error_type"], "invalid_request");
+        assert!(
+            f["message"].as_str().unwrap().contains("params.max_tokens"),
+            "{f}"
+        );
+        assert_eq!(f["id"], "p1");
+        c.chat("p2", "hi", json!({"temprature": 1})).await;
+        assert_eq!(c.recv().await["error_type"], "invalid_request");
+        // Longer than the context (256 tokens) but within the frame limit.
+        c.chat("p3", &"word ".repeat(600), greedy(4)).await;
+        let f = c.recv().await;
+        assert_eq!(f["error_type"], "prompt_too_long", "{f}");
+        assert!(f["message"].as_str().unwrap().contains("256"), "{f}");
+        // Busy: a second chat while one runs.
+        c.chat("q1", "Talk.", greedy(200)).await;
+        c.chat("q2", "Talk more.", greedy(4)).await;
+        let mut saw_busy = false;
+        loop {
+            let f = c.recv().await;
+            if f["type"] == "error" {
+                assert_eq!(f["error_type"], "busy");
+                assert_eq!(f["id"], "q2");
+                saw_busy = true;
+            }
+            if f["type"] == "done" {
+                assert_eq!(f["id"], "q1");
+                break;
+            }
+        }
+        assert!(saw_busy);
+        // Still usable after all that.
+        c.chat("ok", "Hello", greedy(3)).await;
+        assert_eq!(c.reply("ok").await.done["finish_reason"], "length");
+        // An oversized frame closes with 1009; other sessions are unaffected.
+        let mut other = app.connect().await;
+        c.send_raw(&format!("{{\"type\":\"chat\",\"id\":\"big\",\"messages\":[{{\"role\":\"user\",\"content\":\"{}\"}}]}}", "x".repeat(5000))).await;
+        let f = c.recv().await;
+        assert_eq!(f["type"], "closed");
+        assert_eq!(f["code"], 1009);
+        other.chat("o", "Still there?", greedy(3)).await;
+        assert_eq!(other.reply("o").await.done["type"], "done");
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.scheduler.max_running = 1;
+        s.scheduler.max_waiting = 1;
+    });
+    run(async {
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(app.connect().await);
+        }
+        for (i, c) in clients.iter_mut().enumerate() {
+            c.chat(&format!("r{i}"), "Write a long answer.", greedy(40))
+                .await;
+        }
+        let replies = futures_util::future::join_all(
+            clients
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| async move { c.reply(&format!("r{i}")).await }),
+        )
+        .await;
+        let overloaded = replies
+            .iter()
+            .filter(|r| r.done["error_type"] == "overloaded")
+            .count();
+        let done = replies.iter().filter(|r| r.done["type"] == "done").count();
+        assert!(
+            overloaded >= 1,
+            "{:?}",
+            replies.iter().map(|r| &r.done).collect::<Vec<_>>()
+        );
+        assert_eq!(done + overloaded, 4);
+        assert!(done >= 2);
+        let m = reqwest_metrics(&app).await;
+        assert!(
+            m.contains("llama_relay_errors_total{error_type=\"overloaded\"}"),
+            "{m}"
+        );
+        app.wait_idle().await;
+    });
+}
+
+async fn reqwest_metrics(app: &App) -> String {
+    let mut r = awc::Client::new()
+        .get(format!("http://{}/metrics", app.addr))
+        .send()
+        .await
+        .unwrap();
+    String::from_utf8(r.body().await.unwrap().to_vec()).unwrap()
+}
+
+#[test]
+fn health_and_metrics() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut r = awc::Client::new()
+            .get(format!("http://{}/health", app.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = serde_json::from_slice(&r.body().await.unwrap()).unwrap();
+        assert_eq!(v["status"], "ready");
+        let mut c = app.connect().await;
+        c.chat("m", "Hi", greedy(5)).await;
+        c.reply("m").await;
+        let m = reqwest_metrics(&app).await;
+        for name in [
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:time_to_first_token_seconds_bucket",
+            "vllm:time_per_output_token_seconds_bucket",
+            "vllm:e2e_request_latency_seconds_bucket",
+            "vllm:request_queue_time_seconds_bucket",
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total 5",
+            "vllm:num_preemptions_total",
+            "llama_relay_kv_blocks_used",
+            "llama_relay_kv_blocks_total",
+            "llama_relay_websocket_sessions 1",
+        ] {
+            assert!(m.contains(name), "missing {name} in\n{m}");
+        }
+    });
+}
+
+/// The default model end to end: a real answer.
+#[test]
+fn default_model_answers_over_the_websocket() {
+    let _g = model_lock();
+    let app = spawn_app(
+        &llama_relay::default_model::ensure_default_model().unwrap(),
+        |_| {},
+    );
+    run(async {
+        let mut c = app.connect().await;
+        c.chat("paris", "What is the capital of France?", greedy(32))
+            .await;
+        let r = c.reply("paris").await;
+        assert_eq!(r.done["finish_reason"], "stop", "{:?}", r.done);
+        assert!(r.text.contains("Paris"), "{}", r.text);
+        app.wait_idle().await;
+    });
+}
