@@ -351,9 +351,11 @@ impl Handler<Submit> for Batcher {
             Err(AddError::TooLarge {
                 tokens,
                 cache_tokens,
-            }) => return Err(RequestError::PromptTooLong(format!(
+            }) => {
+                return Err(RequestError::PromptTooLong(format!(
                 "the prompt plus max_tokens is {tokens} tokens; the KV cache holds {cache_tokens}"
-            ))),
+            )))
+            }
         };
         self.active.insert(
             m.request,

@@ -398,7 +398,7 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
             clients.push(app.connect().await);
         }
         for (i, c) in clients.iter_mut().enumerate() {
-            c.chat(&format!("r{i}"), "Write a long answer.", greedy(40))
+            c.chat(&format!("r{i}"), "Write a long answer.", greedy(600))
                 .await;
         }
         let replies = futures_util::future::join_all(
