@@ -12,6 +12,7 @@
 //! - `generate`: one sequence through the engine (the `generate` command, model tests).
 //! - `default_model`: fetching and verifying the embedded default model.
 
+pub mod bench;
 pub mod default_model;
 pub mod engine;
 pub mod error;

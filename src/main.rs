@@ -46,8 +46,29 @@ struct Common {
 enum Command {
     /// Serve the chat page and the WebSocket API (the default).
     Serve,
+    /// Load generator: concurrent chat users over the WebSocket protocol.
+    Bench(BenchArgs),
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Server to load (ws://HOST:PORT/ws); without it, a server is started in this process.
+    #[arg(long)]
+    url: Option<String>,
+    /// Concurrent users, one or more runs (e.g. --users 1,16,32).
+    #[arg(long, value_delimiter = ',', default_value = "1,16,32")]
+    users: Vec<usize>,
+    /// Requests per run; 0 = 4 per user.
+    #[arg(long, default_value_t = 0)]
+    requests: usize,
+    /// Words in each prompt (about one token each).
+    #[arg(long, default_value_t = 100)]
+    prompt_words: usize,
+    /// New tokens per request.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
 }
 
 #[derive(Args)]
@@ -111,6 +132,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
+        Some(Command::Bench(a)) => bench(settings, opts, a),
     }
 }
 
@@ -128,6 +150,52 @@ fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow
             handle.stop(true).await;
         });
         running.server.await.context("server")
+    })
+}
+
+fn bench(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => {
+                settings.server.port = 0;
+                let max_users = a.users.iter().copied().max().unwrap_or(1);
+                settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
+                let running =
+                    llama_relay::server::build(&settings, opts).context("starting the server")?;
+                let addr = running.addr;
+                let state = running.state.clone();
+                actix_web::rt::spawn(running.server);
+                while state.ready().is_none() {
+                    if let llama_relay::server::Status::Failed(e) = &*state.status.read().unwrap() {
+                        anyhow::bail!("the model failed to load: {e}");
+                    }
+                    actix_web::rt::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+                format!("ws://{addr}/ws")
+            }
+        };
+        for &users in &a.users {
+            let cfg = llama_relay::bench::BenchConfig {
+                url: url.clone(),
+                users,
+                requests: if a.requests == 0 {
+                    4 * users
+                } else {
+                    a.requests
+                },
+                prompt_words: a.prompt_words,
+                max_tokens: a.max_tokens,
+            };
+            llama_relay::bench::run(cfg)
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
+        }
+        Ok(())
     })
 }
 

@@ -38,6 +38,9 @@ pub struct ChatParams {
     pub max_tokens: Option<usize>,
     #[serde(default)]
     pub stop: Vec<String>,
+    /// Keep generating past end-of-turn tokens (benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
 }
 
 /// Limits a server enforces, sent in `ready` so clients can respect them.
@@ -159,6 +162,7 @@ pub struct ValidChat {
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    pub ignore_eos: bool,
 }
 
 fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
@@ -328,6 +332,7 @@ impl Limits {
             sampling,
             max_tokens,
             stop: p.stop,
+            ignore_eos: p.ignore_eos,
         })
     }
 }

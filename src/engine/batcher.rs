@@ -58,6 +58,7 @@ pub struct Submit {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub max_tokens: usize,
+    pub ignore_eos: bool,
     pub reply_to: Recipient<GenerationEvent>,
 }
 
@@ -106,6 +107,7 @@ struct Active {
     reply_to: Recipient<GenerationEvent>,
     sampler: Sampler,
     max_tokens: usize,
+    ignore_eos: bool,
     prompt_tokens: usize,
     submitted: Instant,
     scheduled: Option<Instant>,
@@ -124,7 +126,8 @@ pub struct Batcher {
     sched: Scheduler,
     active: HashMap<RequestId, Active>,
     stepping: bool,
-    draining: bool,
+    /// Shutting down: no new requests; running ones end with `shutdown` at this instant.
+    drain_deadline: Option<Instant>,
     max_context: usize,
     metrics: Arc<Metrics>,
 }
@@ -138,7 +141,7 @@ impl Batcher {
             engine,
             active: HashMap::new(),
             stepping: false,
-            draining: false,
+            drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
         }
@@ -218,6 +221,12 @@ impl Batcher {
     }
 
     fn step(&mut self) -> bool {
+        if self.drain_deadline.is_some_and(|d| Instant::now() >= d) {
+            let ids: Vec<RequestId> = self.active.keys().copied().collect();
+            for id in ids {
+                self.finish(id, FinishReason::Shutdown);
+            }
+        }
         // A session that went away cancels its request.
         let gone: Vec<RequestId> = self
             .active
@@ -302,7 +311,7 @@ impl Batcher {
                     kind: EventKind::Token(token),
                 });
                 let total = a.prompt_tokens + a.generated;
-                if eos.contains(&token) {
+                if !a.ignore_eos && eos.contains(&token) {
                     self.finish(id, FinishReason::Stop);
                 } else if a.generated >= a.max_tokens || total >= self.max_context {
                     self.finish(id, FinishReason::Length);
@@ -329,7 +338,7 @@ impl Handler<Submit> for Batcher {
     type Result = Result<usize, RequestError>;
 
     fn handle(&mut self, m: Submit, ctx: &mut Context<Self>) -> Self::Result {
-        if self.draining {
+        if self.drain_deadline.is_some() {
             return Err(RequestError::NotReady("the server is shutting down".into()));
         }
         let n = m.prompt.len();
@@ -363,6 +372,7 @@ impl Handler<Submit> for Batcher {
                 sampler: Sampler::new(m.sampling, &m.prompt),
                 reply_to: m.reply_to,
                 max_tokens: m.max_tokens,
+                ignore_eos: m.ignore_eos,
                 prompt_tokens: n,
                 submitted: Instant::now(),
                 scheduled: None,
@@ -422,13 +432,8 @@ impl Handler<Shutdown> for Batcher {
     type Result = ();
 
     fn handle(&mut self, m: Shutdown, ctx: &mut Context<Self>) {
-        self.draining = true;
-        ctx.run_later(m.deadline, |act, _| {
-            let ids: Vec<RequestId> = act.active.keys().copied().collect();
-            for id in ids {
-                act.finish(id, FinishReason::Shutdown);
-            }
-            act.update_gauges();
-        });
+        // Checked at every step (a timer would wait behind a busy step loop).
+        self.drain_deadline = Some(Instant::now() + m.deadline);
+        self.wake(ctx);
     }
 }

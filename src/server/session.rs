@@ -160,6 +160,7 @@ impl Session {
             prompt,
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
+            ignore_eos: chat.ignore_eos,
             reply_to: ctx.address().recipient(),
         };
         let id = chat.id;

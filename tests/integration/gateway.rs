@@ -116,7 +116,7 @@ impl Client {
             .unwrap();
     }
 
-    /// The next JSON frame (pings are answered by awc; pongs skipped).
+    /// The next JSON frame (pings answered, pongs skipped).
     pub async fn recv(&mut self) -> Value {
         loop {
             let f = actix_web::rt::time::timeout(Duration::from_secs(60), self.framed.next())
@@ -129,6 +129,7 @@ impl Client {
                 ws::Frame::Close(r) => {
                     return json!({"type": "closed", "code": r.map(|r| u16::from(r.code))})
                 }
+                ws::Frame::Ping(p) => self.framed.send(ws::Message::Pong(p)).await.unwrap(),
                 _ => continue,
             }
         }
@@ -490,5 +491,143 @@ fn default_model_answers_over_the_websocket() {
         assert_eq!(r.done["finish_reason"], "stop", "{:?}", r.done);
         assert!(r.text.contains("Paris"), "{}", r.text);
         app.wait_idle().await;
+    });
+}
+
+#[test]
+fn stop_strings_end_the_reply_before_the_match() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut c = app.connect().await;
+        c.chat("full", "Say something.", greedy(40)).await;
+        let full = c.reply("full").await.text;
+        // A stop string taken from the middle of the greedy reply.
+        let chars: Vec<char> = full.chars().collect();
+        assert!(chars.len() > 12, "{full:?}");
+        let stop: String = chars[chars.len() / 2..chars.len() / 2 + 3].iter().collect();
+        let expected = &full[..full.find(&stop).unwrap()];
+        c.send(json!({"type": "reset"})).await;
+        c.chat(
+            "cut",
+            "Say something.",
+            json!({"temperature": 0, "max_tokens": 40, "stop": [stop]}),
+        )
+        .await;
+        let r = c.reply("cut").await;
+        assert_eq!(r.done["finish_reason"], "stop", "{:?}", r.done);
+        assert_eq!(r.text, expected);
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn preemption_under_kv_pressure_keeps_results_identical() {
+    let _g = model_lock();
+    // 24 blocks of 16 tokens for 4 sequences that each grow to ~110 tokens: they cannot all fit.
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.cache_tokens = 24 * 16;
+        s.engine.max_context = 256;
+    });
+    run(async {
+        let prompts: Vec<String> = (0..4)
+            .map(|i| format!("Story {i}: {}", "once upon a time ".repeat(i + 2)))
+            .collect();
+        let mut alone = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut c = app.connect().await;
+            c.chat(&format!("a{i}"), p, greedy(90)).await;
+            alone.push(c.reply(&format!("a{i}")).await.text);
+        }
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            clients.push(app.connect().await);
+        }
+        for (i, (c, p)) in clients.iter_mut().zip(&prompts).enumerate() {
+            c.chat(&format!("b{i}"), p, greedy(90)).await;
+        }
+        let replies = futures_util::future::join_all(
+            clients
+                .iter_mut()
+                .enumerate()
+                .map(|(i, c)| async move { c.reply(&format!("b{i}")).await }),
+        )
+        .await;
+        for (i, r) in replies.iter().enumerate() {
+            assert_eq!(r.done["type"], "done", "{:?}", r.done);
+            assert_eq!(r.text, alone[i], "sequence {i} changed by preemption");
+        }
+        let m = reqwest_metrics(&app).await;
+        let pre: f64 = m
+            .lines()
+            .find(|l| l.starts_with("vllm:num_preemptions_total"))
+            .unwrap()
+            .split_whitespace()
+            .last()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            pre >= 1.0,
+            "the cache was small enough to force a preemption\n{m}"
+        );
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn graceful_shutdown_ends_running_generations_with_shutdown() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut c = app.connect().await;
+        c.chat("long", "Go on and on.", greedy(4000)).await;
+        loop {
+            if c.recv().await["type"] == "delta" {
+                break;
+            }
+        }
+        llama_relay::server::shutdown(&app.state, Duration::from_millis(200)).await;
+        let done = loop {
+            let f = c.recv().await;
+            if f["type"] == "done" {
+                break f;
+            }
+        };
+        assert_eq!(done["finish_reason"], "shutdown", "{done}");
+        // New requests are refused while shutting down.
+        c.chat("late", "Hello?", greedy(3)).await;
+        let f = c.recv().await;
+        assert_eq!(f["type"], "error", "{f}");
+        assert_eq!(f["error_type"], "not_ready");
+    });
+}
+
+#[test]
+fn a_client_that_never_answers_pings_is_closed() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.server.heartbeat_s = 1;
+        s.server.client_timeout_s = 2;
+    });
+    run(async {
+        let (_, mut framed) = awc::Client::new()
+            .ws(format!("ws://{}/ws", app.addr))
+            .connect()
+            .await
+            .unwrap();
+        let t0 = Instant::now();
+        loop {
+            match actix_web::rt::time::timeout(Duration::from_secs(10), framed.next()).await {
+                Ok(Some(Ok(ws::Frame::Close(_)))) | Ok(None) | Ok(Some(Err(_))) => break,
+                Ok(Some(Ok(_))) => continue, // ready, pings: never answered
+                Err(_) => panic!("not closed within 10 s"),
+            }
+        }
+        let waited = t0.elapsed();
+        assert!(
+            waited >= Duration::from_secs(2) && waited < Duration::from_secs(6),
+            "{waited:?}"
+        );
     });
 }
