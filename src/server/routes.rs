@@ -69,18 +69,26 @@ async fn serve_file(state: &AppState, name: &str) -> actix_web::Result<HttpRespo
     if name.contains("..") || name.starts_with('.') {
         return Ok(HttpResponse::NotFound().finish());
     }
-    let path = state.static_dir.join(name);
-    match std::fs::read(&path) {
-        Ok(bytes) => {
-            let mime = mime_guess_from(name);
-            Ok(HttpResponse::Ok()
-                .content_type(mime)
-                .insert_header(("Cache-Control", "no-cache"))
-                .body(bytes))
-        }
-        Err(_) => Ok(HttpResponse::NotFound().body(format!("{name} not found"))),
-    }
+    // The configured folder first (edit the page without rebuilding), then the copy built in.
+    let bytes = match std::fs::read(state.static_dir.join(name)) {
+        Ok(b) => b,
+        Err(_) => match EMBEDDED.iter().find(|(n, _)| *n == name) {
+            Some((_, body)) => body.as_bytes().to_vec(),
+            None => return Ok(HttpResponse::NotFound().body(format!("{name} not found"))),
+        },
+    };
+    Ok(HttpResponse::Ok()
+        .content_type(mime_guess_from(name))
+        .insert_header(("Cache-Control", "no-cache"))
+        .body(bytes))
 }
+
+/// The page built into the binary, so `llama-relay` serves it from any working directory.
+const EMBEDDED: &[(&str, &str)] = &[
+    ("index.html", include_str!("../../static/index.html")),
+    ("chat.js", include_str!("../../static/chat.js")),
+    ("chat.css", include_str!("../../static/chat.css")),
+];
 
 fn mime_guess_from(name: &str) -> &'static str {
     match name.rsplit('.').next() {
