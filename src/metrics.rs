@@ -19,6 +19,11 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
+    pub kv_blocks_cached_free: IntGauge,
+    pub kv_blocks_free: IntGauge,
+    pub kv_evictions: IntCounter,
+    pub prefix_queries: IntCounter,
+    pub prefix_hits: IntCounter,
     pub errors: IntCounterVec,
     pub sessions: IntGauge,
 }
@@ -102,6 +107,26 @@ impl Metrics {
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),
+            kv_blocks_cached_free: gauge(
+                "llama_relay_kv_blocks_cached_free",
+                "Free KV blocks still holding a cached prefix",
+            ),
+            kv_blocks_free: gauge(
+                "llama_relay_kv_blocks_free",
+                "Free KV blocks holding nothing",
+            ),
+            kv_evictions: counter(
+                "llama_relay_kv_evictions_total",
+                "Cached KV blocks reused for other content",
+            ),
+            prefix_queries: counter(
+                "vllm:prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache",
+            ),
+            prefix_hits: counter(
+                "vllm:prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache",
+            ),
             sessions: gauge("llama_relay_websocket_sessions", "Open WebSocket sessions"),
             errors,
             registry,

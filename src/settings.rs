@@ -67,6 +67,12 @@ pub struct SchedulerSettings {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+pub struct CacheSettings {
+    pub prefix_caching: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct SamplingSettings {
     pub temperature: f32,
     pub top_k: usize,
@@ -96,6 +102,7 @@ pub struct Settings {
     pub model: ModelSettings,
     pub engine: EngineSettings,
     pub scheduler: SchedulerSettings,
+    pub cache: CacheSettings,
     pub sampling: SamplingSettings,
     pub limits: LimitSettings,
 }
@@ -260,6 +267,7 @@ impl Settings {
                 max_waiting: self.scheduler.max_waiting,
                 step_tokens: self.scheduler.step_tokens,
                 block_size: self.engine.block_size,
+                prefix_caching: self.cache.prefix_caching,
             },
             max_context: self.engine.max_context,
         }

@@ -59,6 +59,8 @@ pub struct Submit {
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     pub ignore_eos: bool,
+    /// Prefix-cache salt of the client's tenant (from its server-side identity).
+    pub salt: u64,
     pub reply_to: Recipient<GenerationEvent>,
 }
 
@@ -109,6 +111,7 @@ struct Active {
     max_tokens: usize,
     ignore_eos: bool,
     prompt_tokens: usize,
+    cached_tokens: usize,
     submitted: Instant,
     scheduled: Option<Instant>,
     first_token: Option<Instant>,
@@ -130,6 +133,8 @@ pub struct Batcher {
     drain_deadline: Option<Instant>,
     max_context: usize,
     metrics: Arc<Metrics>,
+    /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions.
+    reported: [u64; 4],
 }
 
 impl Batcher {
@@ -144,6 +149,7 @@ impl Batcher {
             drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
+            reported: [0; 4],
         }
     }
 
@@ -154,16 +160,22 @@ impl Batcher {
         }
     }
 
-    fn update_gauges(&self) {
-        self.metrics
-            .requests_running
-            .set(self.sched.running_len() as i64);
-        self.metrics
-            .requests_waiting
-            .set(self.sched.waiting_len() as i64);
-        self.metrics
-            .kv_blocks_used
-            .set(self.sched.pool().used_count() as i64);
+    fn update_gauges(&mut self) {
+        let m = &self.metrics;
+        m.requests_running.set(self.sched.running_len() as i64);
+        m.requests_waiting.set(self.sched.waiting_len() as i64);
+        let st = self.sched.pool().stats();
+        m.kv_blocks_used.set(st.used as i64);
+        m.kv_blocks_cached_free.set(st.cached_free as i64);
+        m.kv_blocks_free.set(st.empty_free as i64);
+        // Counters move by what changed since the last report.
+        let (q, h) = self.sched.prefix_stats();
+        let now = [q, h, st.evictions, self.sched.preemptions()];
+        let last = std::mem::replace(&mut self.reported, now);
+        m.prefix_queries.inc_by(now[0] - last[0]);
+        m.prefix_hits.inc_by(now[1] - last[1]);
+        m.kv_evictions.inc_by(now[2] - last[2]);
+        m.preemptions.inc_by(now[3] - last[3]);
     }
 
     /// Removes a request and tells its session how it ended.
@@ -194,7 +206,7 @@ impl Batcher {
             let usage = Usage {
                 prompt_tokens: a.prompt_tokens,
                 completion_tokens: a.generated,
-                cached_tokens: 0,
+                cached_tokens: a.cached_tokens,
             };
             a.reply_to.do_send(GenerationEvent {
                 request: id,
@@ -243,8 +255,9 @@ impl Batcher {
             return false;
         };
         let now = Instant::now();
-        for id in &sch.started {
+        for (id, cached) in &sch.started {
             if let Some(a) = self.active.get_mut(id) {
+                a.cached_tokens = *cached;
                 if a.scheduled.is_none() {
                     a.scheduled = Some(now);
                     self.metrics
@@ -255,13 +268,12 @@ impl Batcher {
                         request: *id,
                         kind: EventKind::Started {
                             prompt_tokens: a.prompt_tokens,
-                            cached_tokens: 0,
+                            cached_tokens: *cached,
                         },
                     });
                 }
             }
         }
-        self.metrics.preemptions.inc_by(sch.preempted.len() as u64);
         let logits = match self.engine.model.forward(&sch.batch, &self.engine.cache) {
             Ok(l) => l,
             Err(e) => {
@@ -354,7 +366,10 @@ impl Handler<Submit> for Batcher {
             )));
         }
         let max_total = (n + m.max_tokens).min(self.max_context);
-        let position = match self.sched.add(m.request, m.prompt.clone(), max_total) {
+        let position = match self
+            .sched
+            .add(m.request, m.prompt.clone(), max_total, m.salt)
+        {
             Ok(p) => p,
             Err(AddError::Overloaded { waiting }) => return Err(RequestError::Overloaded(waiting)),
             Err(AddError::TooLarge {
@@ -374,6 +389,7 @@ impl Handler<Submit> for Batcher {
                 max_tokens: m.max_tokens,
                 ignore_eos: m.ignore_eos,
                 prompt_tokens: n,
+                cached_tokens: 0,
                 submitted: Instant::now(),
                 scheduled: None,
                 first_token: None,

@@ -7,6 +7,11 @@
 //! When KV blocks run out for a decode, the most recently admitted running sequence is preempted
 //! (vLLM's recompute policy): its blocks are freed and it goes back to the front of the queue to
 //! prefill its prompt and what it had generated again.
+//!
+//! With prefix caching on, a sequence being admitted takes over the longest run of cached full
+//! blocks that match its tokens (same tenant salt), always leaving at least its last token to
+//! compute; blocks a sequence fills are registered with the pool at the start of the next step,
+//! once their K/V have been written.
 
 use std::collections::VecDeque;
 
@@ -24,6 +29,8 @@ pub struct SchedulerConfig {
     /// Tokens per step (decodes count one each); prefill chunks fill what decodes leave.
     pub step_tokens: usize,
     pub block_size: usize,
+    /// Share cached prefix blocks between sequences.
+    pub prefix_caching: bool,
 }
 
 /// One request's tokens and cache bookkeeping.
@@ -40,6 +47,12 @@ pub struct Sequence {
     admitted: u64,
     /// `Started` was reported.
     pub started: bool,
+    /// Tenant salt of the block hashes: tenants never share blocks.
+    pub salt: u64,
+    /// Tokens taken from the prefix cache at first admission.
+    pub cached_tokens: usize,
+    /// Hashes of the blocks registered with the pool so far (block i of the table).
+    hashes: Vec<u64>,
 }
 
 impl Sequence {
@@ -66,8 +79,8 @@ pub struct Scheduled {
     pub batch: StepBatch,
     /// Per batch entry: its request and whether a token is sampled for it after this step.
     pub entries: Vec<(RequestId, bool)>,
-    /// Requests whose first chunk runs in this step.
-    pub started: Vec<RequestId>,
+    /// Requests whose first chunk runs in this step, with the prompt tokens found in the cache.
+    pub started: Vec<(RequestId, usize)>,
     /// Requests preempted while scheduling this step (back in the queue).
     pub preempted: Vec<RequestId>,
 }
@@ -79,6 +92,9 @@ pub struct Scheduler {
     running: Vec<Sequence>,
     next_admission: u64,
     preemptions: u64,
+    /// Prompt tokens looked up in the prefix cache, and found.
+    prefix_queried: u64,
+    prefix_hits: u64,
 }
 
 impl Scheduler {
@@ -90,6 +106,8 @@ impl Scheduler {
             running: Vec::new(),
             next_admission: 0,
             preemptions: 0,
+            prefix_queried: 0,
+            prefix_hits: 0,
         }
     }
 
@@ -107,6 +125,11 @@ impl Scheduler {
 
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// (tokens looked up in the prefix cache, tokens found).
+    pub fn prefix_stats(&self) -> (u64, u64) {
+        (self.prefix_queried, self.prefix_hits)
     }
 
     pub fn is_idle(&self) -> bool {
@@ -127,6 +150,7 @@ impl Scheduler {
         id: RequestId,
         prompt: Vec<u32>,
         max_total: usize,
+        salt: u64,
     ) -> Result<usize, AddError> {
         let cache_tokens = self.pool.total() * self.cfg.block_size;
         if blocks_for(max_total, self.cfg.block_size) > self.pool.total() {
@@ -148,6 +172,9 @@ impl Scheduler {
             block_table: Vec::new(),
             admitted: 0,
             started: false,
+            salt,
+            cached_tokens: 0,
+            hashes: Vec::new(),
         });
         Ok(self.waiting.len() - 1)
     }
@@ -156,12 +183,12 @@ impl Scheduler {
     pub fn remove(&mut self, id: RequestId) -> Option<Sequence> {
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let s = self.running.remove(i);
-            self.pool.release(&s.block_table);
+            self.pool.release_table(&s.block_table);
             return Some(s);
         }
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let s = self.waiting.remove(i).expect("index from position");
-            self.pool.release(&s.block_table);
+            self.pool.release_table(&s.block_table);
             return Some(s);
         }
         None
@@ -177,8 +204,9 @@ impl Scheduler {
     fn preempt_latest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].admitted)?;
         let mut s = self.running.remove(i);
-        self.pool.release(&s.block_table);
+        self.pool.release_table(&s.block_table);
         s.block_table.clear();
+        s.hashes.clear();
         s.computed = 0;
         self.preemptions += 1;
         let id = s.id;
@@ -186,10 +214,44 @@ impl Scheduler {
         Some(id)
     }
 
+    /// Starts a sequence from the longest cached run of its full blocks, leaving at least its last
+    /// token to compute (its logits are what the next token is sampled from).
+    fn take_cached_prefix(&mut self, s: &mut Sequence) {
+        let bs = self.cfg.block_size;
+        let max_blocks = (s.tokens.len() - 1) / bs;
+        let shared = self.pool.acquire_prefix(&s.tokens, bs, s.salt, max_blocks);
+        let hashes =
+            crate::kv_cache::block_pool::prefix_hashes(&s.tokens[..shared.len() * bs], bs, s.salt);
+        s.hashes = hashes;
+        s.computed = shared.len() * bs;
+        s.block_table = shared;
+        if !s.started {
+            self.prefix_queried += s.tokens.len() as u64;
+            self.prefix_hits += s.computed as u64;
+            s.cached_tokens = s.computed;
+        }
+    }
+
     /// Picks the next step's work; `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Scheduled> {
         let mut out = Scheduled::default();
         let bs = self.cfg.block_size;
+        if self.cfg.prefix_caching {
+            // Blocks filled by the previous step now hold their K/V: make them findable.
+            for s in &mut self.running {
+                let full = s.computed / bs;
+                for i in s.hashes.len()..full {
+                    let parent = s.hashes.last().copied();
+                    let h = self.pool.register(
+                        s.block_table[i],
+                        parent,
+                        s.salt,
+                        &s.tokens[i * bs..(i + 1) * bs],
+                    );
+                    s.hashes.push(h);
+                }
+            }
+        }
         // 1. Decodes of running sequences, oldest first; preempt the newest when blocks run out.
         let mut decode_ids: Vec<RequestId> = {
             let mut v: Vec<&Sequence> = self
@@ -262,11 +324,19 @@ impl Scheduler {
             let Some(mut s) = self.waiting.pop_front() else {
                 break;
             };
+            if self.cfg.prefix_caching && s.block_table.is_empty() {
+                self.take_cached_prefix(&mut s);
+            }
             if push_chunk(&mut self.pool, bs, &mut s, &mut budget, &mut out) {
                 s.admitted = self.next_admission;
                 self.next_admission += 1;
                 self.running.push(s);
             } else {
+                // Give the shared blocks back until there is room.
+                self.pool.release_table(&s.block_table);
+                s.block_table.clear();
+                s.hashes.clear();
+                s.computed = 0;
                 self.waiting.push_front(s);
                 break;
             }
@@ -302,7 +372,7 @@ fn push_chunk(
     out.entries.push((s.id, want));
     if !s.started {
         s.started = true;
-        out.started.push(s.id);
+        out.started.push((s.id, s.cached_tokens));
     }
     s.computed = end;
     *budget -= chunk;
@@ -321,6 +391,7 @@ mod tests {
                 max_waiting: 4,
                 step_tokens,
                 block_size: 4,
+                prefix_caching: false,
             },
             BlockPool::new(blocks),
         )
@@ -340,11 +411,11 @@ mod tests {
     #[test]
     fn decodes_first_then_prefill_chunks_within_budget() {
         let mut s = sched(32, 4, 8);
-        s.add(1, vec![1; 5], 20).unwrap();
+        s.add(1, vec![1; 5], 20, 0).unwrap();
         let a = step(&mut s);
         assert_eq!(a.entries, vec![(1, true)]);
-        assert_eq!(a.started, vec![1]);
-        s.add(2, vec![2; 20], 30).unwrap();
+        assert_eq!(a.started, vec![(1, 0)]);
+        s.add(2, vec![2; 20], 30, 0).unwrap();
         let b = step(&mut s);
         // Request 1 decodes (1 token), request 2 prefills 7 tokens (budget 8).
         assert_eq!(b.entries, vec![(1, true), (2, false)]);
@@ -358,17 +429,17 @@ mod tests {
     fn queue_bound_and_size_bound() {
         let mut s = sched(4, 1, 8);
         assert_eq!(
-            s.add(9, vec![1; 3], 17),
+            s.add(9, vec![1; 3], 17, 0),
             Err(AddError::TooLarge {
                 tokens: 17,
                 cache_tokens: 16
             })
         );
         for i in 0..4 {
-            assert_eq!(s.add(i, vec![1; 3], 4), Ok(i as usize));
+            assert_eq!(s.add(i, vec![1; 3], 4, 0), Ok(i as usize));
         }
         assert_eq!(
-            s.add(5, vec![1], 4),
+            s.add(5, vec![1], 4, 0),
             Err(AddError::Overloaded { waiting: 4 })
         );
     }
@@ -377,7 +448,7 @@ mod tests {
     fn max_running_holds_the_rest_in_the_queue() {
         let mut s = sched(32, 2, 64);
         for i in 0..3 {
-            s.add(i, vec![1; 4], 8).unwrap();
+            s.add(i, vec![1; 4], 8, 0).unwrap();
         }
         let a = step(&mut s);
         assert_eq!(a.entries.len(), 2);
@@ -391,8 +462,8 @@ mod tests {
     fn preempts_the_most_recently_admitted_and_recomputes_it() {
         // 4 blocks of 4 tokens. Two sequences of 8 tokens fill the cache.
         let mut s = sched(4, 4, 64);
-        s.add(1, vec![1; 7], 16).unwrap();
-        s.add(2, vec![2; 7], 16).unwrap();
+        s.add(1, vec![1; 7], 16, 0).unwrap();
+        s.add(2, vec![2; 7], 16, 0).unwrap();
         step(&mut s); // both prefill 7, sample 1 token each -> 8 tokens, 2 blocks each
         step(&mut s); // decode: 8 computed, 9th token pending; needs a 3rd block each: none free
         let c = s.schedule().unwrap();
@@ -412,7 +483,7 @@ mod tests {
     #[test]
     fn cancel_frees_blocks_in_any_phase() {
         let mut s = sched(16, 4, 4);
-        s.add(1, vec![1; 10], 12).unwrap();
+        s.add(1, vec![1; 10], 12, 0).unwrap();
         step(&mut s); // mid-prefill: 4 of 10
         assert!(s.pool().used_count() > 0);
         s.remove(1);
@@ -421,19 +492,69 @@ mod tests {
         assert!(s.is_idle());
     }
 
+    #[test]
+    fn a_second_sequence_reuses_the_first_ones_full_blocks() {
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                max_running: 4,
+                max_waiting: 4,
+                step_tokens: 64,
+                block_size: 4,
+                prefix_caching: true,
+            },
+            BlockPool::new(16),
+        );
+        let prompt: Vec<u32> = (0..10).collect();
+        s.add(1, prompt.clone(), 12, 7).unwrap();
+        step(&mut s); // prefill 10 tokens: blocks 0-1 full
+        step(&mut s); // decode; registers the full blocks
+        s.add(2, prompt.clone(), 12, 7).unwrap();
+        s.add(3, prompt.clone(), 12, 8).unwrap(); // another tenant
+        let out = step(&mut s);
+        assert_eq!(out.started, vec![(2, 8), (3, 0)]);
+        let b2 = &out.batch.seqs[1];
+        assert_eq!(
+            (b2.start_pos, b2.tokens.len()),
+            (8, 2),
+            "only the unshared tail is computed"
+        );
+        assert_eq!(
+            s.get(1).unwrap().block_table[..2],
+            s.get(2).unwrap().block_table[..2]
+        );
+        assert_ne!(
+            s.get(1).unwrap().block_table[0],
+            s.get(3).unwrap().block_table[0]
+        );
+        assert_eq!(s.prefix_stats(), (30, 8));
+        // Ending request 2 frees only its own blocks; request 1 keeps the shared ones.
+        let used = s.pool().used_count();
+        s.remove(2);
+        assert_eq!(s.pool().used_count(), used - 1);
+        s.remove(1);
+        s.remove(3);
+        assert_eq!(s.pool().used_count(), 0);
+        // The prompt's blocks are still cached for the next request.
+        s.add(4, prompt, 12, 7).unwrap();
+        assert_eq!(step(&mut s).started, vec![(4, 8)]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// Random adds, steps and cancels never hand out a block twice, never exceed the budget,
         /// and always end with the pool idle.
         #[test]
-        fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80)) {
-            let mut s = sched(12, 3, 6);
+        fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
+            let mut s = Scheduler::new(
+                SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, block_size: 4, prefix_caching: caching },
+                BlockPool::new(12),
+            );
             let mut next = 0u64;
             let mut gen: std::collections::HashMap<u64, (usize, usize)> = Default::default();
             for (op, a, b) in ops {
                 match op {
                     0 => {
-                        if s.add(next, vec![3; a], a + b).is_ok() {
+                        if s.add(next, vec![3; a], a + b, next % 2).is_ok() {
                             gen.insert(next, (0, b));
                         }
                         next += 1;
@@ -462,6 +583,7 @@ mod tests {
                 }
             }
             for id in 0..next { s.remove(id); }
+            prop_assert!(s.pool().check().is_ok());
             prop_assert_eq!(s.pool().used_count(), 0);
             prop_assert!(s.is_idle());
         }

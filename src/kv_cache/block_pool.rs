@@ -1,63 +1,234 @@
-//! Free-list of KV blocks: which block ids are in use. Pure code (no tensors, no actors).
+//! The pool of KV blocks: ref counts, content hashes and an LRU queue of free blocks. Pure code
+//! (no tensors, no actors), tested alone with hand-built inputs and seeded randomized invariants.
 //!
-//! This is the plain allocator the engine needs for one forward step; content hashing, ref counts
-//! and LRU reuse of freed blocks (prefix caching) build on it in the KV-sharing work.
+//! The design is vLLM v1's automatic prefix caching (`docs/design/prefix_caching.md` there):
+//! - when a block is full its content gets a hash chained from the previous block's hash, the
+//!   tenant's salt and its token ids; a new sequence takes over the longest run of cached blocks
+//!   matching its prompt, read-only, with a reference each;
+//! - a block whose last reference goes is not wiped: it joins the back of the free queue with its
+//!   hash, so a later request can still hit it; allocation takes blocks from the front (least
+//!   recently freed first) and only then forgets their hash (an eviction);
+//! - a finished sequence releases its blocks tail first, so its tail is evicted before its head,
+//!   which other requests are likelier to share.
+//!
+//! A lookup compares the stored token ids and parent hash too, so a hash collision can never
+//! share a block whose prefix differs.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
 
-/// Hands out block ids `0..total`, first freed first reused.
+/// The chained hash of a full block: parent block's hash, tenant salt, token ids.
+pub fn block_hash(parent: Option<u64>, salt: u64, tokens: &[u32]) -> u64 {
+    let mut h = std::hash::DefaultHasher::new();
+    parent.hash(&mut h);
+    salt.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+/// Hashes of the full blocks of `tokens` (a partial last block has none).
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / block_size);
+    let mut parent = None;
+    for chunk in tokens.chunks_exact(block_size) {
+        let h = block_hash(parent, salt, chunk);
+        out.push(h);
+        parent = Some(h);
+    }
+    out
+}
+
+#[derive(Debug, Clone, Default)]
+struct Meta {
+    refs: u32,
+    /// Content identity while cached: (hash, parent hash, salt, tokens).
+    content: Option<(u64, Option<u64>, u64, Vec<u32>)>,
+    /// Position in the free queue while free.
+    free_key: Option<u64>,
+}
+
+/// Counts for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PoolStats {
+    pub total: usize,
+    /// Referenced by at least one sequence.
+    pub used: usize,
+    /// Free but still holding a cached prefix.
+    pub cached_free: usize,
+    /// Free with no content.
+    pub empty_free: usize,
+    pub evictions: u64,
+}
+
 #[derive(Debug, Clone)]
 pub struct BlockPool {
-    total: usize,
-    free: VecDeque<u32>,
-    in_use: Vec<bool>,
+    meta: Vec<Meta>,
+    /// Free blocks by the order they were freed (front = evicted first).
+    free: BTreeMap<u64, u32>,
+    next_key: u64,
+    /// Low keys for never-used blocks so that they are taken before cached ones.
+    next_front_key: u64,
+    cached: HashMap<u64, u32>,
+    evictions: u64,
 }
 
 impl BlockPool {
     pub fn new(total: usize) -> Self {
-        BlockPool {
-            total,
-            free: (0..total as u32).collect(),
-            in_use: vec![false; total],
+        let mut p = BlockPool {
+            meta: vec![Meta::default(); total],
+            free: BTreeMap::new(),
+            next_key: u64::MAX / 2,
+            next_front_key: 0,
+            cached: HashMap::new(),
+            evictions: 0,
+        };
+        for b in 0..total as u32 {
+            p.push_free_front(b);
         }
+        p
+    }
+
+    fn push_free_back(&mut self, b: u32) {
+        let k = self.next_key;
+        self.next_key += 1;
+        self.free.insert(k, b);
+        self.meta[b as usize].free_key = Some(k);
+    }
+
+    fn push_free_front(&mut self, b: u32) {
+        let k = self.next_front_key;
+        self.next_front_key += 1;
+        self.free.insert(k, b);
+        self.meta[b as usize].free_key = Some(k);
     }
 
     pub fn total(&self) -> usize {
-        self.total
+        self.meta.len()
     }
 
+    /// Blocks with no reference (cached or not): what allocation can take.
     pub fn free_count(&self) -> usize {
         self.free.len()
     }
 
     pub fn used_count(&self) -> usize {
-        self.total - self.free.len()
+        self.total() - self.free.len()
     }
 
-    /// Takes `n` blocks, or none at all when fewer than `n` are free.
+    pub fn stats(&self) -> PoolStats {
+        let cached_free = self
+            .free
+            .values()
+            .filter(|&&b| self.meta[b as usize].content.is_some())
+            .count();
+        PoolStats {
+            total: self.total(),
+            used: self.used_count(),
+            cached_free,
+            empty_free: self.free.len() - cached_free,
+            evictions: self.evictions,
+        }
+    }
+
+    pub fn refs(&self, b: u32) -> u32 {
+        self.meta[b as usize].refs
+    }
+
+    /// Takes `n` fresh blocks (one reference each), evicting cached content least recently freed
+    /// first; none at all when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<u32>> {
         if n > self.free.len() {
             return None;
         }
-        let blocks: Vec<u32> = self.free.drain(..n).collect();
-        for &b in &blocks {
-            self.in_use[b as usize] = true;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (_, b) = self.free.pop_first().expect("counted above");
+            let m = &mut self.meta[b as usize];
+            m.free_key = None;
+            m.refs = 1;
+            if let Some((h, ..)) = m.content.take() {
+                if self.cached.get(&h) == Some(&b) {
+                    self.cached.remove(&h);
+                }
+                self.evictions += 1;
+            }
+            out.push(b);
         }
-        Some(blocks)
+        Some(out)
     }
 
-    /// Returns blocks to the pool. Panics on a double free or an unknown id: both are engine bugs
-    /// that would otherwise let two sequences write the same slots.
+    /// Drops one reference from each block, in the order given: the first one freed is the first
+    /// one evicted, so callers pass a sequence's blocks tail first. Panics on a block with no
+    /// reference: that is an engine bug that would let two sequences write the same slots.
     pub fn release(&mut self, blocks: &[u32]) {
         for &b in blocks {
-            let slot = self
-                .in_use
+            let m = self
+                .meta
                 .get_mut(b as usize)
                 .unwrap_or_else(|| panic!("block {b} is outside the pool"));
-            assert!(*slot, "block {b} freed twice");
-            *slot = false;
-            self.free.push_back(b);
+            assert!(m.refs > 0, "block {b} freed twice");
+            m.refs -= 1;
+            if m.refs == 0 {
+                self.push_free_back(b);
+            }
         }
+    }
+
+    /// Releases a sequence's block table, tail first.
+    pub fn release_table(&mut self, table: &[u32]) {
+        let rev: Vec<u32> = table.iter().rev().copied().collect();
+        self.release(&rev);
+    }
+
+    /// Records that full block `b` holds `tokens` after the block hashed `parent`.
+    pub fn register(&mut self, b: u32, parent: Option<u64>, salt: u64, tokens: &[u32]) -> u64 {
+        let h = block_hash(parent, salt, tokens);
+        let m = &mut self.meta[b as usize];
+        if m.content.as_ref().is_some_and(|c| c.0 == h) {
+            return h;
+        }
+        m.content = Some((h, parent, salt, tokens.to_vec()));
+        // An identical block already cached stays the one lookups find.
+        self.cached.entry(h).or_insert(b);
+        h
+    }
+
+    /// The longest run of cached blocks matching the full blocks of `tokens` (at most
+    /// `max_blocks`), each with one new reference.
+    pub fn acquire_prefix(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        salt: u64,
+        max_blocks: usize,
+    ) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut parent = None;
+        for chunk in tokens.chunks_exact(block_size).take(max_blocks) {
+            let h = block_hash(parent, salt, chunk);
+            let Some(&b) = self.cached.get(&h) else { break };
+            let m = &self.meta[b as usize];
+            let same = m.content.as_ref().is_some_and(|(ch, cp, cs, ct)| {
+                *ch == h && *cp == parent && *cs == salt && ct == chunk
+            });
+            if !same {
+                break;
+            }
+            out.push(b);
+            parent = Some(h);
+        }
+        for &b in &out {
+            let m = &mut self.meta[b as usize];
+            if m.refs == 0 {
+                let k = m
+                    .free_key
+                    .take()
+                    .expect("a free block has a queue position");
+                self.free.remove(&k);
+            }
+            m.refs += 1;
+        }
+        out
     }
 
     /// Grows a sequence's block table so that it covers `tokens` tokens.
@@ -79,6 +250,36 @@ impl BlockPool {
             }
             None => false,
         }
+    }
+
+    /// Checks the pool's invariants (tests and debug assertions).
+    pub fn check(&self) -> Result<(), String> {
+        for (b, m) in self.meta.iter().enumerate() {
+            if (m.refs == 0) != m.free_key.is_some() {
+                return Err(format!(
+                    "block {b}: refs {} but free_key {:?}",
+                    m.refs, m.free_key
+                ));
+            }
+            if let Some(k) = m.free_key {
+                if self.free.get(&k) != Some(&(b as u32)) {
+                    return Err(format!("block {b} not at its queue position"));
+                }
+            }
+            if let Some((h, p, s, t)) = &m.content {
+                if block_hash(*p, *s, t) != *h {
+                    return Err(format!("block {b}: hash does not match its content"));
+                }
+            }
+        }
+        for (h, &b) in &self.cached {
+            if self.meta[b as usize].content.as_ref().map(|c| c.0) != Some(*h) {
+                return Err(format!(
+                    "cached hash {h} points at block {b} with other content"
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -120,30 +321,112 @@ mod tests {
         p.release(&b);
     }
 
+    fn fill(p: &mut BlockPool, table: &[u32], tokens: &[u32], bs: usize, salt: u64) {
+        let mut parent = None;
+        for (b, chunk) in table.iter().zip(tokens.chunks_exact(bs)) {
+            parent = Some(p.register(*b, parent, salt, chunk));
+        }
+    }
+
+    #[test]
+    fn a_released_prefix_is_found_again_and_shared() {
+        let mut p = BlockPool::new(8);
+        let toks: Vec<u32> = (0..10).collect();
+        let t = p.allocate(3).unwrap(); // 10 tokens, block size 4: two full blocks
+        fill(&mut p, &t, &toks, 4, 0);
+        // While in use, a second sequence shares the two full blocks.
+        let shared = p.acquire_prefix(&toks, 4, 0, 8);
+        assert_eq!(shared, t[..2].to_vec());
+        assert_eq!(p.refs(t[0]), 2);
+        p.release_table(&t);
+        p.release_table(&shared);
+        assert_eq!(p.used_count(), 0);
+        assert_eq!(p.stats().cached_free, 2);
+        // Free but cached: found again.
+        let again = p.acquire_prefix(&toks, 4, 0, 8);
+        assert_eq!(again, t[..2].to_vec());
+        // Another salt (tenant) or another first token finds nothing.
+        assert!(p.acquire_prefix(&toks, 4, 1, 8).is_empty());
+        let mut other = toks.clone();
+        other[0] = 99;
+        assert!(p.acquire_prefix(&other, 4, 0, 8).is_empty());
+        // A prefix differing only in block 2 shares block 1 alone.
+        let mut tail = toks.clone();
+        tail[5] = 77;
+        assert_eq!(p.acquire_prefix(&tail, 4, 0, 8), vec![t[0]]);
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn eviction_order_is_lru_with_tails_first() {
+        // 6 blocks; sequence A uses 0,1,2 and B uses 3,4,5, all cached; A ends first.
+        let mut p = BlockPool::new(6);
+        let a = p.allocate(3).unwrap();
+        let b = p.allocate(3).unwrap();
+        let ta: Vec<u32> = (100..112).collect();
+        let tb: Vec<u32> = (200..212).collect();
+        fill(&mut p, &a, &ta, 4, 0);
+        fill(&mut p, &b, &tb, 4, 0);
+        p.release_table(&a);
+        p.release_table(&b);
+        // Free queue: A's tail to head, then B's tail to head.
+        assert_eq!(p.allocate(1).unwrap(), vec![a[2]]);
+        assert_eq!(p.allocate(1).unwrap(), vec![a[1]]);
+        assert_eq!(p.stats().evictions, 2);
+        // A's head is still cached; touching it moves it out of the queue.
+        assert_eq!(p.acquire_prefix(&ta, 4, 0, 1), vec![a[0]]);
+        assert_eq!(p.allocate(3).unwrap(), vec![b[2], b[1], b[0]]);
+        assert_eq!(p.allocate(1), None);
+        p.check().unwrap();
+    }
+
+    #[test]
+    fn never_used_blocks_go_before_cached_ones() {
+        let mut p = BlockPool::new(4);
+        let a = p.allocate(1).unwrap();
+        fill(&mut p, &a, &[1, 2, 3, 4], 4, 0);
+        p.release(&a);
+        assert_eq!(p.allocate(3).unwrap(), vec![1, 2, 3]);
+        assert_eq!(p.stats().evictions, 0);
+        assert_eq!(p.acquire_prefix(&[1, 2, 3, 4], 4, 0, 1), a);
+    }
+
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 96, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// Random allocate / share / register / free: ref counts stay consistent, no block is both
+        /// free and in use, hashes match contents, and the pool returns to idle.
         #[test]
-        fn random_alloc_free_returns_to_idle(ops in proptest::collection::vec((0usize..6, any::<bool>()), 1..200)) {
-            let mut p = BlockPool::new(16);
+        fn random_operations_keep_invariants(ops in proptest::collection::vec((0u8..4, 0usize..6, 0u32..3), 1..150)) {
+            let bs = 2;
+            let mut p = BlockPool::new(12);
             let mut held: Vec<Vec<u32>> = Vec::new();
-            for (n, free) in ops {
-                if free && !held.is_empty() {
-                    let b = held.remove(n % held.len());
-                    p.release(&b);
-                } else if let Some(b) = p.allocate(n) {
-                    held.push(b);
+            for (op, n, seed) in ops {
+                let toks: Vec<u32> = (0..(n * bs) as u32).map(|i| (i + seed) % 3).collect();
+                match op {
+                    0 => if let Some(t) = p.allocate(n) {
+                        fill(&mut p, &t, &toks, bs, 0);
+                        held.push(t);
+                    },
+                    1 => {
+                        let s = p.acquire_prefix(&toks, bs, 0, n);
+                        if !s.is_empty() { held.push(s); }
+                    }
+                    _ => if !held.is_empty() {
+                        let t = held.remove(n % held.len());
+                        p.release_table(&t);
+                    },
                 }
-                let held_count: usize = held.iter().map(Vec::len).sum();
-                prop_assert_eq!(p.used_count(), held_count);
-                let mut all: Vec<u32> = held.iter().flatten().copied().collect();
-                all.sort();
-                all.dedup();
-                prop_assert_eq!(all.len(), held_count, "a block handed out twice");
+                prop_assert!(p.check().is_ok(), "{:?}", p.check());
+                let refs: usize = held.iter().map(Vec::len).sum();
+                let counted: usize = (0..12).map(|b| p.refs(b) as usize).sum();
+                prop_assert_eq!(refs, counted);
             }
-            for b in held.drain(..) {
-                p.release(&b);
+            for t in held.drain(..) {
+                p.release_table(&t);
             }
-            prop_assert_eq!(p.free_count(), 16);
+            prop_assert_eq!(p.used_count(), 0);
+            prop_assert_eq!(p.free_count(), 12);
+            prop_assert!(p.check().is_ok());
         }
     }
 }

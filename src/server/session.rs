@@ -161,6 +161,7 @@ impl Session {
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
+            salt: 0,
             reply_to: ctx.address().recipient(),
         };
         let id = chat.id;

@@ -421,7 +421,7 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
         );
         assert_eq!(done + overloaded, 4);
         assert!(done >= 1, "the admitted requests finish");
-        let m = reqwest_metrics(&app).await;
+        let m = metrics_text(&app).await;
         assert!(
             m.contains("llama_relay_errors_total{error_type=\"overloaded\"}"),
             "{m}"
@@ -430,7 +430,7 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
     });
 }
 
-async fn reqwest_metrics(app: &App) -> String {
+pub async fn metrics_text(app: &App) -> String {
     let mut r = awc::Client::new()
         .get(format!("http://{}/metrics", app.addr))
         .send()
@@ -455,7 +455,7 @@ fn health_and_metrics() {
         let mut c = app.connect().await;
         c.chat("m", "Hi", greedy(5)).await;
         c.reply("m").await;
-        let m = reqwest_metrics(&app).await;
+        let m = metrics_text(&app).await;
         for name in [
             "vllm:num_requests_running",
             "vllm:num_requests_waiting",
@@ -557,7 +557,7 @@ fn preemption_under_kv_pressure_keeps_results_identical() {
             assert_eq!(r.done["type"], "done", "{:?}", r.done);
             assert_eq!(r.text, alone[i], "sequence {i} changed by preemption");
         }
-        let m = reqwest_metrics(&app).await;
+        let m = metrics_text(&app).await;
         let pre: f64 = m
             .lines()
             .find(|l| l.starts_with("vllm:num_preemptions_total"))

@@ -5,6 +5,7 @@ mod common;
 mod detokenizer;
 mod gateway;
 mod loading;
+mod prefix_cache;
 mod smollm2;
 mod tiny_llama3;
 mod tokenizers_fixtures;

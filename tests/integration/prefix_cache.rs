@@ -1,0 +1,151 @@
+//! KV cache sharing across sessions and turns, through the real server.
+
+use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::tokenizer::Message;
+use serde_json::{json, Value};
+
+use crate::common::*;
+use crate::gateway::{spawn_app, Client};
+
+const BS: usize = 16;
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+/// The cached tokens the server must report for `prompt` when `computed` holds what is cached.
+fn expected_cached(prompt: &[u32], computed: &[u32]) -> usize {
+    let c = common_prefix(prompt, computed).min(prompt.len() - 1);
+    c / BS * BS
+}
+
+fn system_prompt() -> String {
+    let mut s = String::from("You are the support assistant of Example Corp. ");
+    for i in 0..40 {
+        s.push_str(&format!(
+            "Rule {i}: answer politely and cite the manual section {i}. "
+        ));
+    }
+    s
+}
+
+async fn chat(c: &mut Client, id: &str, messages: Value, max_tokens: usize) -> (Value, String) {
+    c.send(json!({"type": "chat", "id": id, "messages": messages, "params": {"temperature": 0, "max_tokens": max_tokens}}))
+        .await;
+    let r = c.reply(id).await;
+    assert_eq!(r.done["type"], "done", "{:?}", r.done);
+    (r.started.expect("started frame"), r.text)
+}
+
+#[test]
+fn a_shared_system_prompt_is_computed_once() {
+    let _g = model_lock();
+    let sys = system_prompt();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let tok = Tiny::Tied.load(16).tokenizer.clone();
+    let p1 = tok
+        .encode_chat(
+            &[
+                Message::new("system", &sys),
+                Message::new("user", "Where is my parcel?"),
+            ],
+            true,
+        )
+        .unwrap()
+        .1;
+    let p2 = tok
+        .encode_chat(
+            &[
+                Message::new("system", &sys),
+                Message::new("user", "How do I get a refund?"),
+            ],
+            true,
+        )
+        .unwrap()
+        .1;
+    assert!(p1.len() > 400, "a long system prompt ({} tokens)", p1.len());
+    actix_web::rt::System::new().block_on(async {
+        let mut a = app.connect().await;
+        let mut b = app.connect().await;
+        let (s1, text_a) = chat(&mut a, "a", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        assert_eq!(s1["cached_tokens"], 0);
+        let (s2, _) = chat(&mut b, "b", json!([{"role": "system", "content": sys}, {"role": "user", "content": "How do I get a refund?"}]), 8).await;
+        let cached = s2["cached_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(cached, expected_cached(&p2, &p1));
+        assert!(cached >= common_prefix(&p1, &p2) / BS * BS && cached >= 400, "cached {cached}");
+        // The same question again: the reply is identical with the cache hit.
+        let mut c = app.connect().await;
+        let (s3, text_c) = chat(&mut c, "c", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        assert_eq!(s3["cached_tokens"].as_u64().unwrap() as usize, (p1.len() - 1) / BS * BS);
+        assert_eq!(text_c, text_a);
+        app.wait_idle().await;
+    });
+    // And identical to a server with sharing off.
+    let off = spawn_app(Tiny::Tied.dir(), |s| s.cache.prefix_caching = false);
+    actix_web::rt::System::new().block_on(async {
+        let mut a = off.connect().await;
+        let (s, text) = chat(&mut a, "a", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        assert_eq!(s["cached_tokens"], 0);
+        let mut b = off.connect().await;
+        let (s, text2) = chat(&mut b, "b", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        assert_eq!(s["cached_tokens"], 0, "sharing off: nothing is reused");
+        assert_eq!(text, text2);
+        let m = crate::gateway::metrics_text(&off).await;
+        assert!(m.contains("vllm:prefix_cache_hits_total 0"), "{m}");
+    });
+}
+
+#[test]
+fn turn_two_reuses_turn_one_prompt_and_reply() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let mut e = Tiny::Tied.load(16);
+    let turn1 = vec![Message::new(
+        "user",
+        "Tell me a story about a lighthouse keeper.",
+    )];
+    let p1 = e.tokenizer.encode_chat(&turn1, true).unwrap().1;
+    let gen = generate(
+        &mut e,
+        &p1,
+        &GenerateParams {
+            max_new_tokens: 40,
+            ..Default::default()
+        },
+        |_, _| Ok(()),
+    )
+    .unwrap()
+    .generated;
+    actix_web::rt::System::new().block_on(async {
+        let mut c = app.connect().await;
+        let (_, reply) = chat(
+            &mut c,
+            "t1",
+            json!([{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]),
+            40,
+        )
+        .await;
+        let (s2, _) = chat(
+            &mut c,
+            "t2",
+            json!([{"role": "user", "content": "And then?"}]),
+            4,
+        )
+        .await;
+        let mut conv = turn1.clone();
+        conv.push(Message::new("assistant", &reply));
+        conv.push(Message::new("user", "And then?"));
+        let p2 = e.tokenizer.encode_chat(&conv, true).unwrap().1;
+        // What turn 1 left in the cache: its prompt and every generated token but the last.
+        let mut computed = p1.clone();
+        computed.extend_from_slice(&gen[..gen.len() - 1]);
+        let cached = s2["cached_tokens"].as_u64().unwrap() as usize;
+        assert_eq!(cached, expected_cached(&p2, &computed));
+        assert!(
+            cached >= p1.len() / BS * BS,
+            "turn 1's prompt is reused: {cached} of {}",
+            p1.len()
+        );
+        app.wait_idle().await;
+    });
+}
