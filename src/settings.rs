@@ -105,6 +105,9 @@ pub struct Settings {
     pub cache: CacheSettings,
     pub sampling: SamplingSettings,
     pub limits: LimitSettings,
+    /// Tenants with API keys and widgets; none = one default tenant.
+    #[serde(default)]
+    pub tenants: Vec<crate::server::tenants::TenantSettings>,
 }
 
 fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
@@ -153,6 +156,7 @@ impl Settings {
 
     /// Checks the server-side values (the engine's are checked by `engine_options`).
     pub fn validate_server(&self) -> Result<()> {
+        crate::server::tenants::Tenants::new(&self.tenants)?;
         let s = &self.server;
         if s.host.parse::<std::net::IpAddr>().is_err() && s.host != "localhost" {
             return Err(invalid(

@@ -5,6 +5,7 @@
 pub mod routes;
 pub mod session;
 pub mod stop;
+pub mod tenants;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
@@ -48,6 +49,7 @@ pub struct SessionConfig {
 
 pub struct AppState {
     pub status: RwLock<Status>,
+    pub tenants: tenants::Tenants,
     pub metrics: Arc<Metrics>,
     pub session: SessionConfig,
     pub static_dir: std::path::PathBuf,
@@ -77,8 +79,11 @@ pub struct Running {
 /// answers /health with 503 meanwhile), and builds the HTTP server. Call inside an actix System.
 pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Running> {
     let metrics = Arc::new(Metrics::new());
+    let tenants = tenants::Tenants::new(&settings.tenants)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
     let state = web::Data::new(AppState {
         status: RwLock::new(Status::Loading),
+        tenants,
         metrics: metrics.clone(),
         session: settings.session_config(),
         static_dir: settings.server.static_dir.clone().into(),

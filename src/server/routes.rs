@@ -5,6 +5,7 @@ use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
 
 use super::session::Session;
+use super::tenants::Refusal;
 use super::{AppState, Status};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -46,8 +47,27 @@ async fn ws(
         return Ok(HttpResponse::ServiceUnavailable()
             .json(json!({"error_type": "not_ready", "message": "the model is not loaded yet"})));
     };
+    let widget =
+        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
+            .ok()
+            .and_then(|q| q.get("widget").cloned());
+    let identity = match state.tenants.identify(&req, widget.as_deref()) {
+        Ok(i) => i,
+        Err(Refusal::Unauthorized(m)) => {
+            state.metrics.error("unauthorized");
+            return Ok(HttpResponse::Unauthorized()
+                .json(json!({"error_type": "unauthorized", "message": m})));
+        }
+        Err(Refusal::Forbidden(m)) => {
+            state.metrics.error("forbidden");
+            tracing::info!(reason = %m, "WebSocket upgrade refused");
+            return Ok(
+                HttpResponse::Forbidden().json(json!({"error_type": "forbidden", "message": m}))
+            );
+        }
+    };
     let max_frame = state.session.limits.max_frame_bytes;
-    let session = Session::new(state.into_inner(), ready);
+    let session = Session::new(state.into_inner(), ready, identity);
     actix_web_actors::ws::WsResponseBuilder::new(session, &req, stream)
         .frame_size(max_frame)
         .start()

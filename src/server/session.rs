@@ -14,6 +14,7 @@ use actix::prelude::*;
 use actix_web_actors::ws;
 
 use super::stop::scan;
+use super::tenants::Identity;
 use super::{AppState, Ready};
 use crate::engine::batcher::{
     next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, Submit,
@@ -40,6 +41,8 @@ struct Current {
 
 pub struct Session {
     id: uuid::Uuid,
+    /// Who connected (tenant, cache salt, widget system prompt), from the upgrade request alone.
+    identity: Identity,
     state: Arc<AppState>,
     ready: Ready,
     conversation: Vec<Message>,
@@ -48,9 +51,10 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(state: Arc<AppState>, ready: Ready) -> Self {
+    pub fn new(state: Arc<AppState>, ready: Ready, identity: Identity) -> Self {
         Session {
             id: uuid::Uuid::new_v4(),
+            identity,
             state,
             ready,
             conversation: Vec::new(),
@@ -131,7 +135,11 @@ impl Session {
             let busy = RequestError::Busy(c.client_id.clone());
             return self.error(ctx, Some(chat.id), busy);
         }
-        let mut all = self.conversation.clone();
+        let mut all = Vec::with_capacity(self.conversation.len() + chat.messages.len() + 1);
+        if let Some(sys) = &self.identity.system_prompt {
+            all.push(Message::new("system", sys));
+        }
+        all.extend(self.conversation.iter().cloned());
         all.extend(chat.messages.iter().cloned());
         let prompt = match self.ready.tokenizer.encode_chat(&all, true) {
             Ok((_, ids)) => ids,
@@ -161,7 +169,7 @@ impl Session {
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
-            salt: 0,
+            salt: self.identity.salt,
             reply_to: ctx.address().recipient(),
         };
         let id = chat.id;

@@ -102,6 +102,10 @@ pub struct Reply {
 }
 
 impl Client {
+    pub fn from_framed(framed: actix_codec::Framed<awc::BoxedSocket, ws::Codec>) -> Self {
+        Client { framed }
+    }
+
     pub async fn send(&mut self, v: Value) {
         self.framed
             .send(ws::Message::Text(v.to_string().into()))

@@ -149,3 +149,154 @@ fn turn_two_reuses_turn_one_prompt_and_reply() {
         app.wait_idle().await;
     });
 }
+
+fn two_tenants(s: &mut llama_relay::settings::Settings) {
+    use llama_relay::server::tenants::{TenantSettings, WidgetSettings};
+    s.tenants = vec![
+        TenantSettings {
+            name: "alpha".into(),
+            api_keys: vec!["alpha-key-0123456789".into()],
+            widgets: vec![WidgetSettings {
+                id: "alpha-help".into(),
+                origins: vec!["http://shop.alpha.test".into()],
+                system_prompt: "You are Alpha's helper.".into(),
+            }],
+        },
+        TenantSettings {
+            name: "beta".into(),
+            api_keys: vec!["beta-key-0123456789".into()],
+            widgets: vec![],
+        },
+    ];
+}
+
+async fn connect_with(
+    app: &crate::gateway::App,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<Client, u16> {
+    let mut req = awc::Client::new().ws(format!("ws://{}{path}", app.addr));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    match req.connect().await {
+        Ok((_, framed)) => {
+            let mut c = Client::from_framed(framed);
+            assert_eq!(c.recv().await["type"], "ready");
+            Ok(c)
+        }
+        Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn tenants_never_share_and_origins_are_checked() {
+    let _g = model_lock();
+    let sys = system_prompt();
+    let app = spawn_app(Tiny::Tied.dir(), two_tenants);
+    let tok = Tiny::Tied.load(16).tokenizer.clone();
+    actix_web::rt::System::new().block_on(async {
+        let msgs =
+            json!([{"role": "system", "content": sys}, {"role": "user", "content": "Hello"}]);
+        let mut a = connect_with(
+            &app,
+            "/ws",
+            &[("Authorization", "Bearer alpha-key-0123456789")],
+        )
+        .await
+        .unwrap();
+        let (s, _) = chat(&mut a, "a1", msgs.clone(), 4).await;
+        assert_eq!(s["cached_tokens"], 0);
+        // Tenant B sends tenant A's prompt: nothing shared.
+        let mut b = connect_with(
+            &app,
+            "/ws",
+            &[("Authorization", "Bearer beta-key-0123456789")],
+        )
+        .await
+        .unwrap();
+        let (s, _) = chat(&mut b, "b1", msgs.clone(), 4).await;
+        assert_eq!(
+            s["cached_tokens"], 0,
+            "tenant B must not hit tenant A's blocks"
+        );
+        // The anonymous default tenant neither.
+        let mut d = app.connect().await;
+        let (s, _) = chat(&mut d, "d1", msgs.clone(), 4).await;
+        assert_eq!(s["cached_tokens"], 0);
+        // Within tenant A, sharing is on.
+        let mut a2 = connect_with(
+            &app,
+            "/ws",
+            &[("Authorization", "Bearer alpha-key-0123456789")],
+        )
+        .await
+        .unwrap();
+        let (s, _) = chat(&mut a2, "a2", msgs.clone(), 4).await;
+        assert!(s["cached_tokens"].as_u64().unwrap() > 400, "{s}");
+
+        // Upgrades: wrong key 401, foreign origins 403, the widget's origin and same-origin accepted.
+        assert_eq!(
+            connect_with(
+                &app,
+                "/ws",
+                &[("Authorization", "Bearer wrong-key-000000000")]
+            )
+            .await
+            .err(),
+            Some(401)
+        );
+        assert_eq!(
+            connect_with(
+                &app,
+                "/ws?widget=alpha-help",
+                &[("Origin", "http://evil.test")]
+            )
+            .await
+            .err(),
+            Some(403)
+        );
+        assert_eq!(
+            connect_with(&app, "/ws", &[("Origin", "http://evil.test")])
+                .await
+                .err(),
+            Some(403)
+        );
+        assert_eq!(
+            connect_with(
+                &app,
+                "/ws?widget=nope",
+                &[("Origin", "http://shop.alpha.test")]
+            )
+            .await
+            .err(),
+            Some(403)
+        );
+        let same = format!("http://{}", app.addr);
+        assert!(connect_with(&app, "/ws", &[("Origin", same.as_str())])
+            .await
+            .is_ok());
+        // The widget's system prompt leads every conversation through it.
+        let mut w = connect_with(
+            &app,
+            "/ws?widget=alpha-help",
+            &[("Origin", "http://shop.alpha.test")],
+        )
+        .await
+        .unwrap();
+        let (s, _) = chat(&mut w, "w1", json!([{"role": "user", "content": "Hi"}]), 2).await;
+        let want = tok
+            .encode_chat(
+                &[
+                    Message::new("system", "You are Alpha's helper."),
+                    Message::new("user", "Hi"),
+                ],
+                true,
+            )
+            .unwrap()
+            .1;
+        assert_eq!(s["prompt_tokens"].as_u64().unwrap() as usize, want.len());
+        app.wait_idle().await;
+    });
+}
