@@ -69,6 +69,10 @@ pub struct SchedulerSettings {
 #[serde(deny_unknown_fields)]
 pub struct CacheSettings {
     pub prefix_caching: bool,
+    pub lease_tokens_per_session: usize,
+    pub lease_tokens_total: usize,
+    pub lease_grace_s: u64,
+    pub pin_widget_prompts: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -272,7 +276,10 @@ impl Settings {
                 step_tokens: self.scheduler.step_tokens,
                 block_size: self.engine.block_size,
                 prefix_caching: self.cache.prefix_caching,
+                lease_tokens_per_session: self.cache.lease_tokens_per_session,
+                lease_tokens_total: self.cache.lease_tokens_total,
             },
+            lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
             max_context: self.engine.max_context,
         }
     }

@@ -61,6 +61,8 @@ pub struct Submit {
     pub ignore_eos: bool,
     /// Prefix-cache salt of the client's tenant (from its server-side identity).
     pub salt: u64,
+    /// The session's lease key: its conversation's blocks stay cached for its next turn.
+    pub lease: Option<u64>,
     pub reply_to: Recipient<GenerationEvent>,
 }
 
@@ -81,6 +83,21 @@ pub enum CancelReason {
     Disconnected,
 }
 
+/// A session closed: its lease goes after the grace period (unless it comes back).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct EndLease {
+    pub lease: u64,
+}
+
+/// Prefill a prefix (a configured system prompt) and keep it cached for good.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct PinPrefix {
+    pub tokens: Vec<u32>,
+    pub salt: u64,
+}
+
 /// Stop admitting; finish what runs within `deadline`, then end the rest with `shutdown`.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -99,6 +116,8 @@ pub struct BatcherStatus {
     pub waiting: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// Blocks held between requests: session leases and pinned prefixes (the idle level).
+    pub kv_blocks_held: usize,
 }
 
 #[derive(Message)]
@@ -110,6 +129,7 @@ struct Active {
     sampler: Sampler,
     max_tokens: usize,
     ignore_eos: bool,
+    lease: Option<u64>,
     prompt_tokens: usize,
     cached_tokens: usize,
     submitted: Instant,
@@ -122,6 +142,8 @@ struct Active {
 pub struct BatcherConfig {
     pub scheduler: SchedulerConfig,
     pub max_context: usize,
+    /// How long a session's lease outlives its connection.
+    pub lease_grace: Duration,
 }
 
 pub struct Batcher {
@@ -135,6 +157,9 @@ pub struct Batcher {
     metrics: Arc<Metrics>,
     /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions.
     reported: [u64; 4],
+    lease_grace: Duration,
+    /// Leases of closed sessions and when they go.
+    lease_expiry: HashMap<u64, Instant>,
 }
 
 impl Batcher {
@@ -150,6 +175,8 @@ impl Batcher {
             max_context: cfg.max_context,
             metrics,
             reported: [0; 4],
+            lease_grace: cfg.lease_grace,
+            lease_expiry: HashMap::new(),
         }
     }
 
@@ -180,7 +207,8 @@ impl Batcher {
 
     /// Removes a request and tells its session how it ended.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
-        self.sched.remove(id);
+        let lease = self.active.get(&id).and_then(|a| a.lease);
+        self.sched.finish(id, lease);
         if let Some(a) = self.active.remove(&id) {
             let now = Instant::now();
             let decode_s = match (a.first_token, a.last_token) {
@@ -232,7 +260,22 @@ impl Batcher {
         }
     }
 
+    fn expire_leases(&mut self) {
+        let now = Instant::now();
+        let gone: Vec<u64> = self
+            .lease_expiry
+            .iter()
+            .filter(|(_, t)| **t <= now)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in gone {
+            self.lease_expiry.remove(&k);
+            self.sched.drop_lease(k);
+        }
+    }
+
     fn step(&mut self) -> bool {
+        self.expire_leases();
         if self.drain_deadline.is_some_and(|d| Instant::now() >= d) {
             let ids: Vec<RequestId> = self.active.keys().copied().collect();
             for id in ids {
@@ -366,6 +409,11 @@ impl Handler<Submit> for Batcher {
             )));
         }
         let max_total = (n + m.max_tokens).min(self.max_context);
+        self.expire_leases();
+        if let Some(k) = m.lease {
+            // The session is back: its lease no longer expires.
+            self.lease_expiry.remove(&k);
+        }
         let position = match self
             .sched
             .add(m.request, m.prompt.clone(), max_total, m.salt)
@@ -381,6 +429,9 @@ impl Handler<Submit> for Batcher {
             )))
             }
         };
+        if let Some(k) = m.lease {
+            self.sched.set_lease(m.request, k);
+        }
         self.active.insert(
             m.request,
             Active {
@@ -388,6 +439,7 @@ impl Handler<Submit> for Batcher {
                 reply_to: m.reply_to,
                 max_tokens: m.max_tokens,
                 ignore_eos: m.ignore_eos,
+                lease: m.lease,
                 prompt_tokens: n,
                 cached_tokens: 0,
                 submitted: Instant::now(),
@@ -440,6 +492,7 @@ impl Handler<GetStatus> for Batcher {
             waiting: self.sched.waiting_len(),
             kv_blocks_used: self.sched.pool().used_count(),
             kv_blocks_total: self.sched.pool().total(),
+            kv_blocks_held: self.sched.held_distinct(),
         }
     }
 }
@@ -450,6 +503,25 @@ impl Handler<Shutdown> for Batcher {
     fn handle(&mut self, m: Shutdown, ctx: &mut Context<Self>) {
         // Checked at every step (a timer would wait behind a busy step loop).
         self.drain_deadline = Some(Instant::now() + m.deadline);
+        self.wake(ctx);
+    }
+}
+
+impl Handler<EndLease> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: EndLease, _: &mut Context<Self>) {
+        self.lease_expiry
+            .insert(m.lease, Instant::now() + self.lease_grace);
+        self.expire_leases();
+    }
+}
+
+impl Handler<PinPrefix> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: PinPrefix, ctx: &mut Context<Self>) {
+        self.sched.add_pinned(next_request_id(), m.tokens, m.salt);
         self.wake(ctx);
     }
 }

@@ -12,6 +12,12 @@
 //! blocks that match its tokens (same tenant salt), always leaving at least its last token to
 //! compute; blocks a sequence fills are registered with the pool at the start of the next step,
 //! once their K/V have been written.
+//!
+//! Blocks can outlive their request. A session's *lease* keeps its conversation's full blocks
+//! referenced between turns (up to a cap per session and in all), so the next turn prefills only
+//! the new message; leases are the first thing dropped, oldest first, when blocks run out, and then
+//! the next turn simply finds fewer cached blocks. *Pinned* prefixes (configured system prompts)
+//! are prefilled once and never dropped.
 
 use std::collections::VecDeque;
 
@@ -31,6 +37,10 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// Share cached prefix blocks between sequences.
     pub prefix_caching: bool,
+    /// Tokens a session's lease may keep between turns (0 = no leases).
+    pub lease_tokens_per_session: usize,
+    /// Tokens all leases together may keep.
+    pub lease_tokens_total: usize,
 }
 
 /// One request's tokens and cache bookkeeping.
@@ -53,6 +63,10 @@ pub struct Sequence {
     pub cached_tokens: usize,
     /// Hashes of the blocks registered with the pool so far (block i of the table).
     hashes: Vec<u64>,
+    /// The session lease this request continues (dropped once its blocks are taken over).
+    pub lease: Option<u64>,
+    /// A prefix to prefill and keep (no sampling).
+    pin: bool,
 }
 
 impl Sequence {
@@ -95,6 +109,12 @@ pub struct Scheduler {
     /// Prompt tokens looked up in the prefix cache, and found.
     prefix_queried: u64,
     prefix_hits: u64,
+    /// Session leases by age (front = oldest): order -> (lease key, blocks).
+    leases: std::collections::BTreeMap<u64, (u64, Vec<u32>)>,
+    lease_order: std::collections::HashMap<u64, u64>,
+    next_lease: u64,
+    /// Pinned prefixes' blocks (held for good).
+    pinned: Vec<Vec<u32>>,
 }
 
 impl Scheduler {
@@ -108,6 +128,10 @@ impl Scheduler {
             preemptions: 0,
             prefix_queried: 0,
             prefix_hits: 0,
+            leases: Default::default(),
+            lease_order: Default::default(),
+            next_lease: 0,
+            pinned: Vec::new(),
         }
     }
 
@@ -175,8 +199,128 @@ impl Scheduler {
             salt,
             cached_tokens: 0,
             hashes: Vec::new(),
+            lease: None,
+            pin: false,
         });
         Ok(self.waiting.len() - 1)
+    }
+
+    /// Sets the session lease a queued request continues.
+    pub fn set_lease(&mut self, id: RequestId, lease: u64) {
+        if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
+            s.lease = Some(lease);
+        }
+    }
+
+    /// Queues a prefix to prefill once and keep for good (a configured system prompt).
+    pub fn add_pinned(&mut self, id: RequestId, tokens: Vec<u32>, salt: u64) {
+        if tokens.len() < self.cfg.block_size + 1 || !self.cfg.prefix_caching {
+            return;
+        }
+        self.waiting.push_back(Sequence {
+            id,
+            prompt_len: tokens.len(),
+            tokens,
+            computed: 0,
+            block_table: Vec::new(),
+            admitted: 0,
+            started: true,
+            salt,
+            cached_tokens: 0,
+            hashes: Vec::new(),
+            lease: None,
+            pin: true,
+        });
+    }
+
+    /// Distinct blocks referenced only by leases and pins once nothing runs (the idle level).
+    pub fn held_distinct(&self) -> usize {
+        let mut all: std::collections::HashSet<u32> = std::collections::HashSet::new();
+        for (_, t) in self.leases.values() {
+            all.extend(t);
+        }
+        for t in &self.pinned {
+            all.extend(t);
+        }
+        all.len()
+    }
+
+    /// Block references held by leases and by pinned prefixes.
+    pub fn held_blocks(&self) -> (usize, usize) {
+        (
+            self.leases.values().map(|(_, t)| t.len()).sum(),
+            self.pinned.iter().map(Vec::len).sum(),
+        )
+    }
+
+    /// Ends a request; with a lease key, its conversation's full blocks stay referenced for the
+    /// session's next turn (within the caps), replacing that session's previous lease.
+    pub fn finish(&mut self, id: RequestId, lease: Option<u64>) {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            self.remove(id);
+            return;
+        };
+        let s = self.running.remove(i);
+        let bs = self.cfg.block_size;
+        let keep = match lease {
+            Some(_) if self.cfg.prefix_caching && self.cfg.lease_tokens_per_session > 0 => {
+                (s.computed.min(self.cfg.lease_tokens_per_session) / bs).min(s.block_table.len())
+            }
+            _ => 0,
+        };
+        if keep > 0 {
+            // Make the kept blocks findable before holding them.
+            let mut parent = None;
+            for (b, chunk) in s
+                .block_table
+                .iter()
+                .zip(s.tokens.chunks_exact(bs))
+                .take(keep)
+            {
+                parent = Some(self.pool.register(*b, parent, s.salt, chunk));
+            }
+        }
+        self.pool.release_table(&s.block_table[keep..]);
+        if let Some(key) = lease {
+            self.drop_lease(key);
+            if keep > 0 {
+                let order = self.next_lease;
+                self.next_lease += 1;
+                self.leases
+                    .insert(order, (key, s.block_table[..keep].to_vec()));
+                self.lease_order.insert(key, order);
+                let cap = self.cfg.lease_tokens_total / bs;
+                while self.held_blocks().0 > cap && self.drop_oldest_lease() {}
+            }
+        }
+    }
+
+    /// Drops a session's lease (its blocks stay cached until evicted). Idempotent.
+    pub fn drop_lease(&mut self, key: u64) {
+        if let Some(order) = self.lease_order.remove(&key) {
+            if let Some((_, table)) = self.leases.remove(&order) {
+                self.pool.release_table(&table);
+            }
+        }
+    }
+
+    fn drop_oldest_lease(&mut self) -> bool {
+        let Some((_, (key, _))) = self.leases.first_key_value() else {
+            return false;
+        };
+        let key = *key;
+        self.drop_lease(key);
+        true
+    }
+
+    /// Drops leases, oldest first, until `blocks` blocks are free; false if that is not enough.
+    fn make_room(&mut self, blocks: usize) -> bool {
+        while self.pool.free_count() < blocks {
+            if !self.drop_oldest_lease() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Removes a request wherever it is and frees its blocks. Idempotent.
@@ -225,6 +369,10 @@ impl Scheduler {
         s.hashes = hashes;
         s.computed = shared.len() * bs;
         s.block_table = shared;
+        // The session's previous lease has served: its blocks are now referenced by this request.
+        if let Some(k) = s.lease {
+            self.drop_lease(k);
+        }
         if !s.started {
             self.prefix_queried += s.tokens.len() as u64;
             self.prefix_hits += s.computed as u64;
@@ -251,6 +399,19 @@ impl Scheduler {
                     s.hashes.push(h);
                 }
             }
+            // Prefilled pinned prefixes leave the running set and keep their full blocks.
+            let mut i = 0;
+            while i < self.running.len() {
+                let r = &self.running[i];
+                if r.pin && r.computed == r.tokens.len() {
+                    let p = self.running.remove(i);
+                    let keep = p.hashes.len();
+                    self.pool.release_table(&p.block_table[keep..]);
+                    self.pinned.push(p.block_table[..keep].to_vec());
+                } else {
+                    i += 1;
+                }
+            }
         }
         // 1. Decodes of running sequences, oldest first; preempt the newest when blocks run out.
         let mut decode_ids: Vec<RequestId> = {
@@ -270,6 +431,8 @@ impl Scheduler {
                 continue;
             };
             let need = self.running[pos].tokens.len();
+            let missing = blocks_for(need, bs).saturating_sub(self.running[pos].block_table.len());
+            self.make_room(missing);
             let mut table = std::mem::take(&mut self.running[pos].block_table);
             let ok = self.pool.ensure_capacity(&mut table, need, bs);
             self.running[pos].block_table = table;
@@ -308,15 +471,20 @@ impl Scheduler {
             .collect();
         prefilling.sort_by_key(|&i| self.running[i].admitted);
         for i in prefilling {
-            if budget == 0
-                || !push_chunk(
-                    &mut self.pool,
-                    bs,
-                    &mut self.running[i],
-                    &mut budget,
-                    &mut out,
-                )
-            {
+            if budget == 0 {
+                break;
+            }
+            let r = &self.running[i];
+            let next = r.computed + r.pending().min(budget);
+            let missing = blocks_for(next, bs).saturating_sub(r.block_table.len());
+            self.make_room(missing);
+            if !push_chunk(
+                &mut self.pool,
+                bs,
+                &mut self.running[i],
+                &mut budget,
+                &mut out,
+            ) {
                 break;
             }
         }
@@ -327,6 +495,8 @@ impl Scheduler {
             if self.cfg.prefix_caching && s.block_table.is_empty() {
                 self.take_cached_prefix(&mut s);
             }
+            let next = s.computed + s.pending().min(budget);
+            self.make_room(blocks_for(next, bs).saturating_sub(s.block_table.len()));
             if push_chunk(&mut self.pool, bs, &mut s, &mut budget, &mut out) {
                 s.admitted = self.next_admission;
                 self.next_admission += 1;
@@ -362,7 +532,7 @@ fn push_chunk(
     if !pool.ensure_capacity(&mut s.block_table, end, bs) {
         return false;
     }
-    let want = end == s.tokens.len();
+    let want = end == s.tokens.len() && !s.pin;
     out.batch.seqs.push(SeqChunk {
         tokens: s.tokens[s.computed..end].to_vec(),
         start_pos: s.computed,
@@ -392,6 +562,8 @@ mod tests {
                 step_tokens,
                 block_size: 4,
                 prefix_caching: false,
+                lease_tokens_per_session: 0,
+                lease_tokens_total: 0,
             },
             BlockPool::new(blocks),
         )
@@ -501,6 +673,8 @@ mod tests {
                 step_tokens: 64,
                 block_size: 4,
                 prefix_caching: true,
+                lease_tokens_per_session: 64,
+                lease_tokens_total: 64,
             },
             BlockPool::new(16),
         );
@@ -539,6 +713,99 @@ mod tests {
         assert_eq!(step(&mut s).started, vec![(4, 8)]);
     }
 
+    fn caching(blocks: usize, lease_per_session: usize, lease_total: usize) -> Scheduler {
+        Scheduler::new(
+            SchedulerConfig {
+                max_running: 4,
+                max_waiting: 4,
+                step_tokens: 64,
+                block_size: 4,
+                prefix_caching: true,
+                lease_tokens_per_session: lease_per_session,
+                lease_tokens_total: lease_total,
+            },
+            BlockPool::new(blocks),
+        )
+    }
+
+    #[test]
+    fn a_lease_keeps_a_conversation_for_the_next_turn_and_hands_it_over() {
+        let mut s = caching(16, 64, 64);
+        let turn1: Vec<u32> = (0..10).collect();
+        s.add(1, turn1.clone(), 13, 0).unwrap();
+        step(&mut s);
+        step(&mut s);
+        step(&mut s); // 10 prompt + 3 generated; 12 computed
+        s.finish(1, Some(42));
+        assert_eq!(
+            s.held_blocks().0,
+            3,
+            "12 computed tokens: 3 full blocks kept"
+        );
+        assert_eq!(s.pool().used_count(), 3);
+        // Turn 2 extends turn 1: it starts from the leased blocks, and the lease is handed over.
+        let mut turn2 = s_tokens(&turn1, 3);
+        turn2.extend([50, 51, 52]);
+        s.add(2, turn2, 20, 0).unwrap();
+        s.set_lease(2, 42);
+        assert_eq!(step(&mut s).started, vec![(2, 12)]);
+        assert_eq!(s.held_blocks().0, 0);
+        s.finish(2, None);
+        s.drop_lease(42);
+        assert_eq!(s.pool().used_count(), 0);
+    }
+
+    /// Turn 1's tokens as the scheduler generated them in the test above (7 sampled thrice).
+    fn s_tokens(prompt: &[u32], generated: usize) -> Vec<u32> {
+        let mut t = prompt.to_vec();
+        t.extend(std::iter::repeat_n(7, generated));
+        t
+    }
+
+    #[test]
+    fn leases_are_capped_and_dropped_before_anything_is_preempted() {
+        // Per-session cap: 8 tokens = 2 blocks.
+        let mut s = caching(8, 8, 8);
+        s.add(1, (0..12).collect(), 13, 0).unwrap();
+        step(&mut s);
+        s.finish(1, Some(1));
+        assert_eq!(s.held_blocks().0, 2);
+        // A second lease pushes the total over 8 tokens: the oldest goes.
+        s.add(2, (100..112).collect(), 13, 0).unwrap();
+        step(&mut s);
+        s.finish(2, Some(2));
+        assert_eq!(s.held_blocks().0, 2);
+        // A request needing the whole pool drops the lease instead of failing.
+        s.add(3, (200..231).collect(), 32, 0).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.entries, vec![(3, true)]);
+        assert!(out.preempted.is_empty());
+        assert_eq!(s.held_blocks().0, 0);
+    }
+
+    #[test]
+    fn pinned_prefixes_are_prefilled_once_and_kept() {
+        let mut s = caching(16, 0, 0);
+        let sys: Vec<u32> = (0..9).collect();
+        s.add_pinned(99, sys.clone(), 5);
+        let out = s.schedule().unwrap();
+        assert_eq!(
+            out.entries,
+            vec![(99, false)],
+            "no token is sampled for a pin"
+        );
+        assert!(s.schedule().is_none());
+        assert_eq!(
+            s.held_blocks().1,
+            2,
+            "two full blocks kept, the partial one released"
+        );
+        let mut prompt = sys.clone();
+        prompt.extend([40, 41]);
+        s.add(1, prompt, 14, 5).unwrap();
+        assert_eq!(step(&mut s).started, vec![(1, 8)]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// Random adds, steps and cancels never hand out a block twice, never exceed the budget,
@@ -546,7 +813,7 @@ mod tests {
         #[test]
         fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
             let mut s = Scheduler::new(
-                SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, block_size: 4, prefix_caching: caching },
+                SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, block_size: 4, prefix_caching: caching, lease_tokens_per_session: 16, lease_tokens_total: 24 },
                 BlockPool::new(12),
             );
             let mut next = 0u64;
@@ -575,7 +842,7 @@ mod tests {
                                 if want {
                                     let g = gen.get_mut(&id).unwrap();
                                     g.0 += 1;
-                                    if g.0 >= g.1 { s.remove(id); } else { s.append(id, 5); }
+                                    if g.0 >= g.1 { s.finish(id, Some(id % 3)); } else { s.append(id, 5); }
                                 }
                             }
                         }
@@ -583,6 +850,7 @@ mod tests {
                 }
             }
             for id in 0..next { s.remove(id); }
+            for k in 0..3 { s.drop_lease(k); }
             prop_assert!(s.pool().check().is_ok());
             prop_assert_eq!(s.pool().used_count(), 0);
             prop_assert!(s.is_idle());

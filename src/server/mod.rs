@@ -89,6 +89,8 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         static_dir: settings.server.static_dir.clone().into(),
     });
     let batcher_cfg = settings.batcher_config();
+    let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
+    let pins = state.tenants.widget_prompts();
     let load_state = state.clone();
     let arbiter = Arbiter::new();
     arbiter.spawn_fn(move || {
@@ -103,6 +105,14 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     ..batcher_cfg
                 };
                 let batcher = Batcher::new(engine, cfg, metrics).start();
+                if pin_prompts {
+                    for (salt, system) in &pins {
+                        match tokenizer.encode_chat(&[crate::tokenizer::Message::new("system", system)], false) {
+                            Ok((_, tokens)) => batcher.do_send(crate::engine::batcher::PinPrefix { tokens, salt: *salt }),
+                            Err(e) => tracing::warn!(error = %e, "cannot render a widget system prompt to pin"),
+                        }
+                    }
+                }
                 tracing::info!(model = %model, seconds = started.elapsed().as_secs_f64(), "ready");
                 load_state.set(Status::Ready(Ready {
                     batcher,

@@ -17,7 +17,7 @@ use super::stop::scan;
 use super::tenants::Identity;
 use super::{AppState, Ready};
 use crate::engine::batcher::{
-    next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, Submit,
+    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
 };
 use crate::engine::scheduler::RequestId;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
@@ -61,6 +61,11 @@ impl Session {
             current: None,
             last_heard: Instant::now(),
         }
+    }
+
+    /// The session's KV lease key (its id, as a number).
+    fn lease_key(&self) -> u64 {
+        self.id.as_u64_pair().0
     }
 
     fn send(&self, ctx: &mut ws::WebsocketContext<Self>, frame: &ServerFrame) {
@@ -126,6 +131,9 @@ impl Session {
                     return self.error(ctx, None, RequestError::Busy(id));
                 }
                 self.conversation.clear();
+                self.ready.batcher.do_send(EndLease {
+                    lease: self.lease_key(),
+                });
             }
         }
     }
@@ -170,6 +178,7 @@ impl Session {
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
             salt: self.identity.salt,
+            lease: Some(self.lease_key()),
             reply_to: ctx.address().recipient(),
         };
         let id = chat.id;
@@ -265,6 +274,9 @@ impl Actor for Session {
                 reason: CancelReason::Disconnected,
             });
         }
+        self.ready.batcher.do_send(EndLease {
+            lease: self.lease_key(),
+        });
         tracing::debug!(session = %self.id, "session closed");
     }
 }

@@ -158,6 +158,15 @@ impl Tenants {
         }
     }
 
+    /// (salt, system prompt) of every widget that has one.
+    pub fn widget_prompts(&self) -> Vec<(u64, String)> {
+        self.widgets
+            .values()
+            .filter(|(_, w)| !w.system_prompt.is_empty())
+            .map(|(t, w)| (salt_of(t), w.system_prompt.clone()))
+            .collect()
+    }
+
     pub fn widget(&self, id: &str) -> Option<&WidgetSettings> {
         self.widgets.get(id).map(|(_, w)| w)
     }

@@ -60,12 +60,13 @@ impl App {
             .unwrap()
     }
 
-    /// Waits until nothing runs and no KV block is used.
+    /// Waits until nothing runs and the only KV blocks in use are held ones (session leases,
+    /// pinned prefixes).
     pub async fn wait_idle(&self) -> BatcherStatus {
         let t0 = Instant::now();
         loop {
             let s = self.status().await;
-            if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 {
+            if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == s.kv_blocks_held {
                 return s;
             }
             assert!(t0.elapsed() < Duration::from_secs(30), "never idle: {s:?}");
@@ -275,6 +276,8 @@ fn cancel_and_disconnects_free_the_kv_cache() {
     let app = spawn_app(Tiny::Tied.dir(), |s| {
         s.scheduler.step_tokens = 16;
         s.scheduler.max_running = 4;
+        // A closed session's lease goes at once (the default keeps it for a reconnect).
+        s.cache.lease_grace_s = 0;
     });
     run(async {
         // Cancel mid-decode.
@@ -321,7 +324,22 @@ fn cancel_and_disconnects_free_the_kv_cache() {
         }
         drop(d);
         let s = app.wait_idle().await;
-        assert_eq!(s.kv_blocks_used, 0);
+        // Only the open session's lease (its conversation) is held.
+        assert!(
+            s.kv_blocks_held > 0 && s.kv_blocks_used == s.kv_blocks_held,
+            "{s:?}"
+        );
+        // Closing it releases that too.
+        drop(c);
+        let t0 = Instant::now();
+        while app.status().await.kv_blocks_used > 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                app.status().await
+            );
+            actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+        }
     });
 }
 

@@ -150,6 +150,9 @@ fn turn_two_reuses_turn_one_prompt_and_reply() {
     });
 }
 
+const WIDGET_PROMPT: &str = "You are Alpha's helper. Answer questions about Alpha's shop: orders, parcels, \
+    refunds and opening hours. Keep answers short, friendly and accurate; say when you do not know.";
+
 fn two_tenants(s: &mut llama_relay::settings::Settings) {
     use llama_relay::server::tenants::{TenantSettings, WidgetSettings};
     s.tenants = vec![
@@ -159,7 +162,7 @@ fn two_tenants(s: &mut llama_relay::settings::Settings) {
             widgets: vec![WidgetSettings {
                 id: "alpha-help".into(),
                 origins: vec!["http://shop.alpha.test".into()],
-                system_prompt: "You are Alpha's helper.".into(),
+                system_prompt: WIDGET_PROMPT.into(),
             }],
         },
         TenantSettings {
@@ -197,6 +200,15 @@ fn tenants_never_share_and_origins_are_checked() {
     let app = spawn_app(Tiny::Tied.dir(), two_tenants);
     let tok = Tiny::Tied.load(16).tokenizer.clone();
     actix_web::rt::System::new().block_on(async {
+        // The widget prompt is prefilled right after the model loads.
+        let t0 = std::time::Instant::now();
+        while app.status().await.kv_blocks_held == 0 {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "the widget prompt was never pinned"
+            );
+            actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let msgs =
             json!([{"role": "system", "content": sys}, {"role": "user", "content": "Hello"}]);
         let mut a = connect_with(
@@ -277,7 +289,8 @@ fn tenants_never_share_and_origins_are_checked() {
         assert!(connect_with(&app, "/ws", &[("Origin", same.as_str())])
             .await
             .is_ok());
-        // The widget's system prompt leads every conversation through it.
+        // The widget's system prompt leads every conversation through it, and was pinned at start:
+        // the first turn of a new conversation is already a cache hit.
         let mut w = connect_with(
             &app,
             "/ws?widget=alpha-help",
@@ -289,7 +302,7 @@ fn tenants_never_share_and_origins_are_checked() {
         let want = tok
             .encode_chat(
                 &[
-                    Message::new("system", "You are Alpha's helper."),
+                    Message::new("system", WIDGET_PROMPT),
                     Message::new("user", "Hi"),
                 ],
                 true,
@@ -297,6 +310,15 @@ fn tenants_never_share_and_origins_are_checked() {
             .unwrap()
             .1;
         assert_eq!(s["prompt_tokens"].as_u64().unwrap() as usize, want.len());
+        let pinned = tok
+            .encode_chat(&[Message::new("system", WIDGET_PROMPT)], false)
+            .unwrap()
+            .1;
+        assert!(pinned.len() >= 2 * BS, "{}", pinned.len());
+        assert_eq!(
+            s["cached_tokens"].as_u64().unwrap() as usize,
+            expected_cached(&want, &pinned)
+        );
         app.wait_idle().await;
     });
 }
