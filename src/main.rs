@@ -69,6 +69,19 @@ struct BenchArgs {
     /// New tokens per request.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
+    /// `throughput` (independent requests) or `chat` (a shared system prompt, several turns each;
+    /// run with prefix caching on and off when the server is started here).
+    #[arg(long, default_value = "throughput")]
+    workload: String,
+    /// chat: turns per user.
+    #[arg(long, default_value_t = 3)]
+    turns: usize,
+    /// chat: words in the shared system prompt (about one token each).
+    #[arg(long, default_value_t = 400)]
+    system_words: usize,
+    /// chat: think time between turns, in milliseconds.
+    #[arg(long, default_value_t = 500)]
+    think_ms: u64,
 }
 
 #[derive(Args)]
@@ -158,45 +171,82 @@ fn bench(
     opts: llama_relay::engine::EngineOptions,
     a: BenchArgs,
 ) -> anyhow::Result<()> {
+    if a.workload != "throughput" && a.workload != "chat" {
+        anyhow::bail!(
+            "--workload must be `throughput` or `chat`, not `{}`",
+            a.workload
+        );
+    }
+    let max_users = a.users.iter().copied().max().unwrap_or(1);
+    settings.server.port = 0;
+    settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
     actix_web::rt::System::new().block_on(async move {
-        let url = match &a.url {
-            Some(u) => u.clone(),
-            None => {
-                settings.server.port = 0;
-                let max_users = a.users.iter().copied().max().unwrap_or(1);
-                settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
-                let running =
-                    llama_relay::server::build(&settings, opts).context("starting the server")?;
-                let addr = running.addr;
-                let state = running.state.clone();
-                actix_web::rt::spawn(running.server);
-                while state.ready().is_none() {
-                    if let llama_relay::server::Status::Failed(e) = &*state.status.read().unwrap() {
-                        anyhow::bail!("the model failed to load: {e}");
-                    }
-                    actix_web::rt::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
-                format!("ws://{addr}/ws")
-            }
+        // Without --url, a server in this process; the chat workload runs against two (prefix
+        // caching on, then off) so that both columns come from one run.
+        let variants: Vec<(String, bool)> = match (&a.url, a.workload.as_str()) {
+            (Some(u), _) => vec![(u.clone(), true)],
+            (None, "chat") => vec![("sharing on".into(), true), ("sharing off".into(), false)],
+            (None, _) => vec![("in-process".into(), true)],
         };
-        for &users in &a.users {
-            let cfg = llama_relay::bench::BenchConfig {
-                url: url.clone(),
-                users,
-                requests: if a.requests == 0 {
-                    4 * users
-                } else {
-                    a.requests
-                },
-                prompt_words: a.prompt_words,
-                max_tokens: a.max_tokens,
+        for (label, sharing) in variants {
+            let url = match &a.url {
+                Some(u) => u.clone(),
+                None => {
+                    settings.cache.prefix_caching = sharing;
+                    start_in_process(&settings, opts.clone()).await?
+                }
             };
-            llama_relay::bench::run(cfg)
-                .await
-                .map_err(|e| anyhow::anyhow!(e))?;
+            for &users in &a.users {
+                if a.workload == "chat" {
+                    let cfg = llama_relay::bench::ChatBenchConfig {
+                        url: url.clone(),
+                        users,
+                        turns: a.turns,
+                        system_words: a.system_words,
+                        max_tokens: a.max_tokens,
+                        think: std::time::Duration::from_millis(a.think_ms),
+                    };
+                    llama_relay::bench::run_chat(cfg, &label)
+                        .await
+                        .map_err(|e| anyhow::anyhow!(e))?;
+                } else {
+                    let cfg = llama_relay::bench::BenchConfig {
+                        url: url.clone(),
+                        users,
+                        requests: if a.requests == 0 {
+                            4 * users
+                        } else {
+                            a.requests
+                        },
+                        prompt_words: a.prompt_words,
+                        max_tokens: a.max_tokens,
+                    };
+                    llama_relay::bench::run(cfg)
+                        .await
+                        .map_err(|e| anyhow::anyhow!(e))?;
+                }
+            }
         }
         Ok(())
     })
+}
+
+/// Starts the server in this process and returns its WebSocket URL once the model is loaded.
+async fn start_in_process(
+    settings: &Settings,
+    opts: llama_relay::engine::EngineOptions,
+) -> anyhow::Result<String> {
+    let running = llama_relay::server::build(settings, opts).context("starting the server")?;
+    let addr = running.addr;
+    let state = running.state.clone();
+    actix_web::rt::spawn(running.server);
+    while state.ready().is_none() {
+        if let llama_relay::server::Status::Failed(e) = &*state.status.read().unwrap() {
+            anyhow::bail!("the model failed to load: {e}");
+        }
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    Ok(format!("ws://{addr}/ws"))
 }
 
 async fn wait_for_signal() {

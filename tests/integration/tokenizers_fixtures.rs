@@ -82,3 +82,39 @@ fn smollm2_gguf_tokenizer_matches_fixture() {
     assert_eq!(got, ids(&gen["prompt_ids"]));
     assert!(tok.eos_ids().contains(&2), "<|im_end|> ends a turn");
 }
+
+/// Turn N+1 rendered with the chat template starts with exactly turn N's prompt plus its reply
+/// tokens (end-of-turn included) for the SmolLM2 and Llama 3 templates, so a session's cached
+/// conversation is reused token for token. (The server never assumes it: lookups compare tokens.)
+#[test]
+fn chat_templates_extend_the_previous_turn_token_for_token() {
+    let smol = {
+        let path = ensure_default_model().unwrap();
+        let (content, _) = read_gguf(&path).unwrap();
+        TextTokenizer::from_gguf(&content, &[]).unwrap()
+    };
+    let llama = TextTokenizer::from_hf_dir(Tiny::Tied.dir(), &[]).unwrap();
+    for (name, tok, eot) in [("smollm2", &smol, 2u32), ("llama3", &llama, 128009u32)] {
+        let reply = "The capital of France is Paris.";
+        let mut turn = vec![
+            llama_relay::tokenizer::Message::new("system", "You are brief."),
+            llama_relay::tokenizer::Message::new("user", "What is the capital of France?"),
+        ];
+        let (_, p1) = tok.encode_chat(&turn, true).unwrap();
+        // What the model generated: the reply's tokens and the end-of-turn token.
+        let mut generated = tok.encode_raw(reply).unwrap();
+        generated.push(eot);
+        turn.push(llama_relay::tokenizer::Message::new("assistant", reply));
+        turn.push(llama_relay::tokenizer::Message::new(
+            "user",
+            "And of Germany?",
+        ));
+        let (_, p2) = tok.encode_chat(&turn, true).unwrap();
+        let mut computed = p1.clone();
+        computed.extend(&generated);
+        assert!(
+            p2.starts_with(&computed),
+            "{name}: turn 2 does not extend turn 1\n{p1:?}\n{generated:?}\n{p2:?}"
+        );
+    }
+}
