@@ -69,6 +69,20 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// `out = sum_p w[p] * v(p)` with the accumulator in registers (a const width lets the compiler
+/// keep all of it in vector registers across the loop instead of storing it every position).
+#[inline]
+fn weighted_sum<'a, const D: usize>(w: &[f32], v: &impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+    let mut acc = [0f32; D];
+    for (p, &wp) in w.iter().enumerate() {
+        let row: &[f32; D] = v(p).try_into().expect("a value row is D wide");
+        for i in 0..D {
+            acc[i] += wp * row[i];
+        }
+    }
+    out.copy_from_slice(&acc);
+}
+
 #[inline]
 fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     for (y, x) in y.iter_mut().zip(x) {
@@ -132,11 +146,21 @@ fn fast_cpu(
                                 *x *= inv;
                             }
                         }
-                        for p in 0..ctx {
+                        let vrow = |p: usize| {
                             let slot = slot_of(table, p, bs);
-                            let vrow = &vs[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd];
-                            for qh in 0..group {
-                                axpy(&mut o[qh * hd..(qh + 1) * hd], scores[qh * ctx + p], vrow);
+                            &vs[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd]
+                        };
+                        for qh in 0..group {
+                            let w = &scores[qh * ctx..(qh + 1) * ctx];
+                            let out = &mut o[qh * hd..(qh + 1) * hd];
+                            match hd {
+                                64 => weighted_sum::<64>(w, &vrow, out),
+                                128 => weighted_sum::<128>(w, &vrow, out),
+                                _ => {
+                                    for (p, &wp) in w.iter().enumerate() {
+                                        axpy(out, wp, vrow(p));
+                                    }
+                                }
                             }
                         }
                     });

@@ -10,6 +10,8 @@ use candle_core::{DType, Device, Tensor};
 
 use super::attention::{paged_attention, AttentionImpl, AttnDims};
 use super::config::{inv_freqs, ModelConfig};
+use super::kernels::rope::rope_half;
+use super::kernels::with_cpu_slice;
 use super::linear::{Linear, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use crate::engine::step::{StepBatch, StepPlan};
@@ -54,6 +56,15 @@ impl RotaryEmbedding {
     /// Applies the half-split (Hugging Face) rotation to `[tokens, heads*head_dim]`.
     fn forward(x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let (t, width) = x.dims2()?;
+        if x.device().is_cpu() && x.dtype() == DType::F32 {
+            let x = x.contiguous()?;
+            let out = with_cpu_slice(&x, |xs| {
+                with_cpu_slice(cos, |c| {
+                    with_cpu_slice(sin, |s| rope_half(xs, heads, width / heads, c, s))
+                })
+            })???;
+            return Ok(Tensor::from_vec(out, (t, width), x.device())?);
+        }
         let x = x.reshape((1, t, heads, width / heads))?;
         let y = candle_nn::rotary_emb::rope_thd(&x, cos, sin)?;
         Ok(y.reshape((t, width))?)

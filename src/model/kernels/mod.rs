@@ -7,6 +7,7 @@
 //! feature detection.
 
 pub mod q8_0;
+pub mod rope;
 
 use candle_core::{Storage, Tensor};
 
