@@ -87,22 +87,7 @@ async fn user(
         let mut last: Option<Instant> = None;
         let mut pending_tokens = 0usize;
         loop {
-            let f = match tokio_timeout(ws.next()).await {
-                Some(Some(Ok(ws::Frame::Text(t)))) => {
-                    serde_json::from_slice::<Value>(&t).map_err(|e| e.to_string())?
-                }
-                Some(Some(Ok(ws::Frame::Ping(p)))) => {
-                    // The server closes connections that do not answer its heartbeat.
-                    ws.send(ws::Message::Pong(p))
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    continue;
-                }
-                Some(Some(Ok(_))) => continue,
-                Some(Some(Err(e))) => return Err(e.to_string()),
-                Some(None) => return Err("connection closed".into()),
-                None => return Err("no frame within 300 s".into()),
-            };
+            let f = next_frame(&mut ws).await?;
             match f["type"].as_str() {
                 Some("delta") => {
                     let now = Instant::now();
@@ -131,10 +116,27 @@ async fn user(
     Ok(out)
 }
 
-async fn tokio_timeout<F: std::future::Future>(f: F) -> Option<F::Output> {
-    actix_web::rt::time::timeout(Duration::from_secs(300), f)
-        .await
-        .ok()
+type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
+
+/// The next JSON text frame; pings are answered on the way (the server closes connections that do
+/// not answer its heartbeat).
+async fn next_frame(ws: &mut Socket) -> Result<Value, String> {
+    loop {
+        let f = actix_web::rt::time::timeout(Duration::from_secs(300), ws.next()).await;
+        match f {
+            Ok(Some(Ok(ws::Frame::Text(t)))) => {
+                return serde_json::from_slice::<Value>(&t).map_err(|e| e.to_string())
+            }
+            Ok(Some(Ok(ws::Frame::Ping(p)))) => ws
+                .send(ws::Message::Pong(p))
+                .await
+                .map_err(|e| e.to_string())?,
+            Ok(Some(Ok(_))) => {}
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(None) => return Err("connection closed".into()),
+            Err(_) => return Err("no frame within 300 s".into()),
+        }
+    }
 }
 
 /// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s).
@@ -273,21 +275,7 @@ async fn chat_user(
         let mut ttft = None;
         let (mut prompt, mut cached) = (0, 0);
         loop {
-            let f = match tokio_timeout(ws.next()).await {
-                Some(Some(Ok(ws::Frame::Text(t)))) => {
-                    serde_json::from_slice::<Value>(&t).map_err(|e| e.to_string())?
-                }
-                Some(Some(Ok(ws::Frame::Ping(p)))) => {
-                    ws.send(ws::Message::Pong(p))
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    continue;
-                }
-                Some(Some(Ok(_))) => continue,
-                Some(Some(Err(e))) => return Err(e.to_string()),
-                Some(None) => return Err("connection closed".into()),
-                None => return Err("no frame within 300 s".into()),
-            };
+            let f = next_frame(&mut ws).await?;
             match f["type"].as_str() {
                 Some("started") => {
                     prompt = f["prompt_tokens"].as_u64().unwrap_or(0) as usize;

@@ -173,6 +173,36 @@ impl Client {
     }
 }
 
+/// Each prompt alone (one after another), then all at once in separate sessions: the texts alone
+/// and the replies together.
+async fn alone_then_together(
+    app: &App,
+    prompts: &[String],
+    max_tokens: usize,
+) -> (Vec<String>, Vec<Reply>) {
+    let mut alone = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        let mut c = app.connect().await;
+        c.chat(&format!("a{i}"), p, greedy(max_tokens)).await;
+        alone.push(c.reply(&format!("a{i}")).await.text);
+    }
+    let mut clients = Vec::new();
+    for _ in prompts {
+        clients.push(app.connect().await);
+    }
+    for (i, (c, p)) in clients.iter_mut().zip(prompts).enumerate() {
+        c.chat(&format!("b{i}"), p, greedy(max_tokens)).await;
+    }
+    let replies = futures_util::future::join_all(
+        clients
+            .iter_mut()
+            .enumerate()
+            .map(|(i, c)| async move { c.reply(&format!("b{i}")).await }),
+    )
+    .await;
+    (alone, replies)
+}
+
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
 }
@@ -242,26 +272,7 @@ fn eight_sessions_at_once_match_each_alone() {
         let prompts: Vec<String> = (0..8)
             .map(|i| format!("Question number {i}: {}", "why? ".repeat(i * 7 + 1)))
             .collect();
-        let mut alone = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let mut c = app.connect().await;
-            c.chat(&format!("a{i}"), p, greedy(12)).await;
-            alone.push(c.reply(&format!("a{i}")).await.text);
-        }
-        let mut clients = Vec::new();
-        for _ in 0..8 {
-            clients.push(app.connect().await);
-        }
-        for (i, (c, p)) in clients.iter_mut().zip(&prompts).enumerate() {
-            c.chat(&format!("b{i}"), p, greedy(12)).await;
-        }
-        let replies = futures_util::future::join_all(
-            clients
-                .iter_mut()
-                .enumerate()
-                .map(|(i, c)| async move { c.reply(&format!("b{i}")).await }),
-        )
-        .await;
+        let (alone, replies) = alone_then_together(&app, &prompts, 12).await;
         for (i, r) in replies.iter().enumerate() {
             assert_eq!(r.done["finish_reason"], "length", "{:?}", r.done);
             assert_eq!(r.text, alone[i], "session {i}: batching changed the result");
@@ -555,26 +566,7 @@ fn preemption_under_kv_pressure_keeps_results_identical() {
         let prompts: Vec<String> = (0..4)
             .map(|i| format!("Story {i}: {}", "once upon a time ".repeat(i + 2)))
             .collect();
-        let mut alone = Vec::new();
-        for (i, p) in prompts.iter().enumerate() {
-            let mut c = app.connect().await;
-            c.chat(&format!("a{i}"), p, greedy(90)).await;
-            alone.push(c.reply(&format!("a{i}")).await.text);
-        }
-        let mut clients = Vec::new();
-        for _ in 0..4 {
-            clients.push(app.connect().await);
-        }
-        for (i, (c, p)) in clients.iter_mut().zip(&prompts).enumerate() {
-            c.chat(&format!("b{i}"), p, greedy(90)).await;
-        }
-        let replies = futures_util::future::join_all(
-            clients
-                .iter_mut()
-                .enumerate()
-                .map(|(i, c)| async move { c.reply(&format!("b{i}")).await }),
-        )
-        .await;
+        let (alone, replies) = alone_then_together(&app, &prompts, 90).await;
         for (i, r) in replies.iter().enumerate() {
             assert_eq!(r.done["type"], "done", "{:?}", r.done);
             assert_eq!(r.text, alone[i], "sequence {i} changed by preemption");

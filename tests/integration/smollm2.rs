@@ -68,6 +68,25 @@ fn teacher_forced_top1_agrees_with_reference() {
     assert!(worst < 2.0, "top-5 logits off by {worst}");
 }
 
+/// Last-position logits of `prompt` prefilled in one step.
+fn prompt_logits(e: &mut Engine, prompt: Vec<u32>) -> Vec<f32> {
+    let mut table = Vec::new();
+    assert!(e
+        .pool
+        .ensure_capacity(&mut table, prompt.len(), e.cache.block_size()));
+    let batch = StepBatch {
+        seqs: vec![SeqChunk {
+            tokens: prompt,
+            start_pos: 0,
+            block_table: table.clone(),
+            want_logits: true,
+        }],
+    };
+    let got = rows(&e.model.forward(&batch, &e.cache).unwrap().unwrap()).remove(0);
+    e.pool.release(&table);
+    got
+}
+
 #[test]
 fn last_position_logits_within_quantized_tolerance() {
     let _g = model_lock();
@@ -77,22 +96,8 @@ fn last_position_logits_within_quantized_tolerance() {
         ("prompt20", "logits_prompt20_last.npy"),
         ("chat_prompt", "logits_chat_prompt_last.npy"),
     ] {
-        let prompt = ids(&lj[key]["ids"]);
         let (_, want) = read_npy(&fixtures().join("smollm2").join(file));
-        let mut table = Vec::new();
-        assert!(e
-            .pool
-            .ensure_capacity(&mut table, prompt.len(), e.cache.block_size()));
-        let batch = StepBatch {
-            seqs: vec![SeqChunk {
-                tokens: prompt,
-                start_pos: 0,
-                block_table: table.clone(),
-                want_logits: true,
-            }],
-        };
-        let got = rows(&e.model.forward(&batch, &e.cache).unwrap().unwrap()).remove(0);
-        e.pool.release(&table);
+        let got = prompt_logits(&mut e, ids(&lj[key]["ids"]));
         // Softmax ignores a constant shift of all logits, and candle's Q8_0 kernels shift them
         // (raw mean-abs-diff 0.20 / 0.35 here, of which the centered part is 0.12 / 0.16), so the
         // mean is compared after centering each vector; the max is compared raw.
@@ -127,22 +132,8 @@ fn dequantized_f32_weights_match_reference_and_greedy_ids() {
         ("prompt20", "logits_prompt20_last.npy"),
         ("chat_prompt", "logits_chat_prompt_last.npy"),
     ] {
-        let prompt = ids(&lj[key]["ids"]);
         let (_, want) = read_npy(&fixtures().join("smollm2").join(file));
-        let mut table = Vec::new();
-        assert!(e
-            .pool
-            .ensure_capacity(&mut table, prompt.len(), e.cache.block_size()));
-        let batch = StepBatch {
-            seqs: vec![SeqChunk {
-                tokens: prompt,
-                start_pos: 0,
-                block_table: table.clone(),
-                want_logits: true,
-            }],
-        };
-        let got = rows(&e.model.forward(&batch, &e.cache).unwrap().unwrap()).remove(0);
-        e.pool.release(&table);
+        let got = prompt_logits(&mut e, ids(&lj[key]["ids"]));
         let d = max_abs_diff(&got, &want);
         eprintln!("f32 {key}: max-abs-diff {d}");
         assert!(d < 1e-3, "{key}: max-abs-diff {d}");
