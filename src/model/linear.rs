@@ -39,6 +39,15 @@ const Q8_0_BLOCK: usize = 34;
 /// Dequantizes a CPU QTensor to F32 using all threads (Q8_0 by hand, other types through candle).
 fn dequantize_par(q: &QTensor) -> Result<Tensor> {
     let (rows, cols) = q.shape().dims2()?;
+    if q.dtype() == GgmlDType::Q4_1 && q.device().is_cpu() {
+        let data = q.data()?;
+        let row_bytes = cols / 32 * kernels::q4_1::BLOCK_BYTES;
+        let mut out = vec![0f32; rows * cols];
+        out.par_chunks_mut(cols)
+            .zip(data.par_chunks(row_bytes))
+            .for_each(|(o, r)| kernels::q4_1::dequantize_row(r, o));
+        return Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?);
+    }
     if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() {
         return Ok(q.dequantize(&q.device())?);
     }
@@ -69,6 +78,13 @@ impl Linear {
             if q.device().is_cpu() && rows >= DENSE_MIN_ROWS {
                 let w = dequantize_par(q)?;
                 return Ok(x.matmul(&w.t()?)?);
+            }
+            if q.device().is_cpu() && q.dtype() == GgmlDType::Q4_1 && x.rank() == 2 {
+                let (n, k) = q.shape().dims2()?;
+                let data = q.data()?;
+                let x = x.contiguous()?;
+                let out = with_cpu_slice(&x, |xs| kernels::q4_1::matmul(xs, rows, k, &data, n))?;
+                return Ok(Tensor::from_vec(out, (rows, n), &Device::Cpu)?);
             }
             if q.device().is_cpu()
                 && q.dtype() == GgmlDType::Q8_0

@@ -18,8 +18,18 @@ fn load(weights: WeightMode) -> Engine {
 
 #[test]
 fn teacher_forced_top1_agrees_with_reference() {
+    teacher_forced(WeightMode::Auto);
+}
+
+/// Q4_1 kept as stored, on our own Q4_1 kernel.
+#[test]
+fn teacher_forced_top1_agrees_with_q4_1_kept() {
+    teacher_forced(WeightMode::Keep);
+}
+
+fn teacher_forced(weights: WeightMode) {
     let _g = model_lock();
-    let mut e = load(WeightMode::Auto);
+    let mut e = load(weights);
     let gen = read_json(&fixtures().join("smollm2/generation_all_steps.json"));
     let prompt = ids(&gen["prompt_ids"]);
     let reference = ids(&gen["generated_ids"]);

@@ -2,10 +2,12 @@
 //!
 //! candle's quantized matmul runs one dot product per (activation row, weight row) pair and stays
 //! at ~39 GFLOP/s on this machine whatever the batch, so a step over 16 sequences costs 16 steps
-//! over one. `q8_0` loads each weight block once for a tile of activation rows. Each kernel has a
-//! scalar reference that the tests compare it with; the SIMD path is chosen at run time by CPU
+//! over one. `q8_0` loads each weight block once for a tile of activation rows; `q4_1` does the
+//! same for Q4_1 weights kept as stored (`weights = "keep"`), where candle has only a scalar loop.
+//! Each kernel has a scalar reference that the tests compare it with; the SIMD path is chosen at run time by CPU
 //! feature detection.
 
+pub mod q4_1;
 pub mod q8_0;
 pub mod rope;
 

@@ -15,9 +15,9 @@ pub const QK: usize = 32;
 /// Bytes per weight block: f16 scale + 32 i8.
 pub const BLOCK_BYTES: usize = 34;
 /// Activation rows per micro-kernel call (4 f32 accumulators plus weights fit AVX2's 16 registers).
-const TILE_ROWS: usize = 4;
+pub(crate) const TILE_ROWS: usize = 4;
 /// Output columns per parallel task: 16 weight rows of 1536 values are 26 KiB, inside L1.
-const COLS_PER_TASK: usize = 16;
+pub(crate) const COLS_PER_TASK: usize = 16;
 
 /// Activations quantized per 32-value block.
 #[derive(Debug, Clone)]
@@ -28,6 +28,8 @@ pub struct QuantizedRows {
     pub scales: Vec<f32>,
     /// `rows * blocks * 32` quants.
     pub qs: Vec<i8>,
+    /// `rows * blocks` values of scale * sum of the block's quants (Q8_1's `s`, for Q4_1's minimum).
+    pub sums: Vec<f32>,
 }
 
 /// ggml's `quantize_row_q8_0` (scale = amax / 127, round half away from zero) for every row.
@@ -36,12 +38,9 @@ pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
     assert!(k.is_multiple_of(QK));
     let blocks = k / QK;
     let mut scales = vec![0f32; rows * blocks];
+    let mut sums = vec![0f32; rows * blocks];
     let mut qs = vec![0i8; rows * k];
-    for ((xb, s), q) in x
-        .chunks_exact(QK)
-        .zip(scales.iter_mut())
-        .zip(qs.chunks_exact_mut(QK))
-    {
+    for (i, (xb, q)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -49,13 +48,15 @@ pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
             *qv = (v * id).round().clamp(-127.0, 127.0) as i8;
         }
         // As ggml: quantize with the f32 scale, store it as f16 (the kernels multiply by that).
-        *s = f16::from_f32(d).to_f32();
+        scales[i] = f16::from_f32(d).to_f32();
+        sums[i] = scales[i] * q.iter().map(|&v| v as i32).sum::<i32>() as f32;
     }
     QuantizedRows {
         rows,
         blocks,
         scales,
         qs,
+        sums,
     }
 }
 
@@ -131,7 +132,7 @@ mod avx2 {
     }
 }
 
-fn has_avx2() -> bool {
+pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
