@@ -58,12 +58,7 @@ async fn user(
     user: usize,
     next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 ) -> Result<Vec<Sample>, String> {
-    let (_, mut ws) = awc::Client::new()
-        .ws(&cfg.url)
-        .max_frame_size(1 << 20)
-        .connect()
-        .await
-        .map_err(|e| format!("connect {}: {e}", cfg.url))?;
+    let mut ws = connect(&cfg.url).await?;
     let mut out = Vec::new();
     loop {
         let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -117,6 +112,16 @@ async fn user(
 }
 
 type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
+
+async fn connect(url: &str) -> Result<Socket, String> {
+    let (_, ws) = awc::Client::new()
+        .ws(url)
+        .max_frame_size(1 << 20)
+        .connect()
+        .await
+        .map_err(|e| format!("connect {url}: {e}"))?;
+    Ok(ws)
+}
 
 /// The next JSON text frame; pings are answered on the way (the server closes connections that do
 /// not answer its heartbeat).
@@ -246,12 +251,7 @@ async fn chat_user(
     user: usize,
     system: String,
 ) -> Result<Vec<(f64, usize, usize, usize)>, String> {
-    let (_, mut ws) = awc::Client::new()
-        .ws(&cfg.url)
-        .max_frame_size(1 << 20)
-        .connect()
-        .await
-        .map_err(|e| format!("connect {}: {e}", cfg.url))?;
+    let mut ws = connect(&cfg.url).await?;
     let mut out = Vec::new();
     for turn in 0..cfg.turns {
         let q = format!(

@@ -49,7 +49,6 @@ pub struct Sequence {
     pub id: RequestId,
     /// Prompt, then generated tokens.
     pub tokens: Vec<u32>,
-    pub prompt_len: usize,
     /// Tokens whose K/V are in the cache.
     pub computed: usize,
     pub block_table: Vec<u32>,
@@ -70,10 +69,6 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn generated(&self) -> &[u32] {
-        &self.tokens[self.prompt_len..]
-    }
-
     fn pending(&self) -> usize {
         self.tokens.len() - self.computed
     }
@@ -190,7 +185,6 @@ impl Scheduler {
         }
         self.waiting.push_back(Sequence {
             id,
-            prompt_len: prompt.len(),
             tokens: prompt,
             computed: 0,
             block_table: Vec::new(),
@@ -219,7 +213,6 @@ impl Scheduler {
         }
         self.waiting.push_back(Sequence {
             id,
-            prompt_len: tokens.len(),
             tokens,
             computed: 0,
             block_table: Vec::new(),

@@ -167,10 +167,6 @@ impl Tenants {
             .collect()
     }
 
-    pub fn widget(&self, id: &str) -> Option<&WidgetSettings> {
-        self.widgets.get(id).map(|(_, w)| w)
-    }
-
     /// Decides who an upgrade request is. `widget` is the `?widget=` query value.
     pub fn identify(
         &self,

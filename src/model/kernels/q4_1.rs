@@ -10,9 +10,8 @@
 //! activation rows, columns split across threads.
 
 use half::f16;
-use rayon::prelude::*;
 
-use super::q8_0::{has_avx2, quantize_rows, QuantizedRows, COLS_PER_TASK, QK, TILE_ROWS};
+use super::q8_0::{has_avx2, tiled_matmul, QuantizedRows, QK, TILE_ROWS};
 
 /// Bytes per weight block: f16 scale, f16 minimum, 16 bytes of nibbles.
 pub const BLOCK_BYTES: usize = 20;
@@ -59,17 +58,9 @@ pub fn dequantize_row(w: &[u8], out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::q8_0::avx2::hsum;
     use super::*;
     use std::arch::x86_64::*;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
 
     /// # Safety
     /// AVX2 and FMA must be available; `w` holds `a.blocks` blocks; rows `r0..r0+NR` exist.
@@ -135,39 +126,14 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
 }
 
 pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, simd: bool) -> Vec<f32> {
-    assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
-    let row_bytes = k / QK * BLOCK_BYTES;
-    assert_eq!(w.len(), n * row_bytes, "weight bytes for [{n}, {k}]");
-    let a = quantize_rows(x, m, k);
-    let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(COLS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(ci, chunk)| {
-            let c0 = ci * COLS_PER_TASK;
-            let mut res = [0f32; TILE_ROWS];
-            for (j, col) in chunk.chunks_mut(m).enumerate() {
-                let wrow = &w[(c0 + j) * row_bytes..(c0 + j + 1) * row_bytes];
-                let mut r0 = 0;
-                while r0 < m {
-                    let nr = (m - r0).min(TILE_ROWS);
-                    tile(wrow, &a, r0, nr, &mut res, simd);
-                    col[r0..r0 + nr].copy_from_slice(&res[..nr]);
-                    r0 += nr;
-                }
-            }
-        });
-    let mut out = vec![0f32; m * n];
-    for (j, col) in out_t.chunks_exact(m).enumerate() {
-        for (r, v) in col.iter().enumerate() {
-            out[r * n + j] = *v;
-        }
-    }
-    out
+    tiled_matmul(x, m, k, w, n, BLOCK_BYTES, |wrow, a, r0, nr, res| {
+        tile(wrow, a, r0, nr, res, simd)
+    })
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::q8_0::quantize_rows;
     use super::*;
     use proptest::prelude::*;
 

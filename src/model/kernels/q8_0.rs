@@ -17,7 +17,7 @@ pub const BLOCK_BYTES: usize = 34;
 /// Activation rows per micro-kernel call (4 f32 accumulators plus weights fit AVX2's 16 registers).
 pub(crate) const TILE_ROWS: usize = 4;
 /// Output columns per parallel task: 16 weight rows of 1536 values are 26 KiB, inside L1.
-pub(crate) const COLS_PER_TASK: usize = 16;
+const COLS_PER_TASK: usize = 16;
 
 /// Activations quantized per 32-value block.
 #[derive(Debug, Clone)]
@@ -84,13 +84,14 @@ pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// Horizontal sum of 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(crate) unsafe fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -169,8 +170,26 @@ pub fn matmul(x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
 
 /// As `matmul`, choosing the kernel (tests run both).
 pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, simd: bool) -> Vec<f32> {
+    tiled_matmul(x, m, k, w, n, BLOCK_BYTES, |wrow, a, r0, nr, res| {
+        tile(wrow, a, r0, nr, res, simd)
+    })
+}
+
+/// The driver every quantized kernel shares: quantizes the activations once, splits output columns
+/// into tasks of `COLS_PER_TASK` (each task's weight rows stay in L1 while every tile of up to
+/// `TILE_ROWS` activation rows passes over them), and calls `tile` for one weight row and one row
+/// tile. `block_bytes` is the weight type's bytes per 32 values.
+pub(crate) fn tiled_matmul(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    w: &[u8],
+    n: usize,
+    block_bytes: usize,
+    tile: impl Fn(&[u8], &QuantizedRows, usize, usize, &mut [f32; TILE_ROWS]) + Sync,
+) -> Vec<f32> {
     assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
-    let row_bytes = k / QK * BLOCK_BYTES;
+    let row_bytes = k / QK * block_bytes;
     assert_eq!(w.len(), n * row_bytes, "weight bytes for [{n}, {k}]");
     let a = quantize_rows(x, m, k);
     // Transposed result: each task owns a contiguous run of output columns.
@@ -186,7 +205,7 @@ pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, simd: bool
                 let mut r0 = 0;
                 while r0 < m {
                     let nr = (m - r0).min(TILE_ROWS);
-                    tile(wrow, &a, r0, nr, &mut res, simd);
+                    tile(wrow, &a, r0, nr, &mut res);
                     col[r0..r0 + nr].copy_from_slice(&res[..nr]);
                     r0 += nr;
                 }
