@@ -20,6 +20,7 @@ pub struct Metrics {
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
+    pub kv_blocks_held: IntGauge,
     pub kv_blocks_free: IntGauge,
     pub kv_evictions: IntCounter,
     pub prefix_queries: IntCounter,
@@ -107,6 +108,10 @@ impl Metrics {
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),
+            kv_blocks_held: gauge(
+                "llama_relay_kv_blocks_held",
+                "KV blocks held between requests (session leases, pinned prefixes): the idle level of used",
+            ),
             kv_blocks_cached_free: gauge(
                 "llama_relay_kv_blocks_cached_free",
                 "Free KV blocks still holding a cached prefix",

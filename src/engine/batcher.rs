@@ -193,6 +193,7 @@ impl Batcher {
         m.requests_waiting.set(self.sched.waiting_len() as i64);
         let st = self.sched.pool().stats();
         m.kv_blocks_used.set(st.used as i64);
+        m.kv_blocks_held.set(self.sched.held_distinct() as i64);
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.

@@ -1,5 +1,7 @@
 //! Routes: `/ws` (the session), `/health` (503 while the model loads), `/metrics` (Prometheus),
-//! and the static chat page at `/`.
+//! the static chat page at `/`, the embeddable `widget.js`, and `/widget/{id}`, which tells a
+//! widget whether the page embedding it may use it (a refused WebSocket upgrade tells a page
+//! nothing; this answer, with CORS headers, lets the widget say why).
 
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
@@ -13,6 +15,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/health", web::get().to(health))
         .route("/metrics", web::get().to(metrics))
         .route("/", web::get().to(index))
+        .route("/widget/{id}", web::get().to(widget_check))
         .route("/{file:[A-Za-z0-9_.-]+}", web::get().to(static_file));
 }
 
@@ -73,18 +76,32 @@ async fn ws(
         .start()
 }
 
-async fn index(state: web::Data<AppState>) -> actix_web::Result<HttpResponse> {
-    serve_file(&state, "index.html").await
+/// How long browsers and CDNs may reuse `widget.js` before revalidating it: embedding sites load
+/// it on every page view, and an hour bounds how long a fix takes to reach them.
+const WIDGET_MAX_AGE_S: u32 = 3600;
+
+/// The chat page's Content-Security-Policy: its scripts, styles and sockets come from this
+/// server only, so even a rendering bug could not load or run anything from elsewhere.
+const PAGE_CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; \
+    img-src 'self' data:; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
+
+async fn index(req: HttpRequest, state: web::Data<AppState>) -> actix_web::Result<HttpResponse> {
+    serve_file(&req, &state, "index.html").await
 }
 
 async fn static_file(
+    req: HttpRequest,
     path: web::Path<String>,
     state: web::Data<AppState>,
 ) -> actix_web::Result<HttpResponse> {
-    serve_file(&state, &path).await
+    serve_file(&req, &state, &path).await
 }
 
-async fn serve_file(state: &AppState, name: &str) -> actix_web::Result<HttpResponse> {
+async fn serve_file(
+    req: &HttpRequest,
+    state: &AppState,
+    name: &str,
+) -> actix_web::Result<HttpResponse> {
     // The route pattern admits no '/' and no leading dot-dot path; check again all the same.
     if name.contains("..") || name.starts_with('.') {
         return Ok(HttpResponse::NotFound().finish());
@@ -97,10 +114,72 @@ async fn serve_file(state: &AppState, name: &str) -> actix_web::Result<HttpRespo
             None => return Ok(HttpResponse::NotFound().body(format!("{name} not found"))),
         },
     };
-    Ok(HttpResponse::Ok()
-        .content_type(mime_guess_from(name))
-        .insert_header(("Cache-Control", "no-cache"))
-        .body(bytes))
+    let etag = {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        bytes.hash(&mut h);
+        format!("\"{:016x}\"", h.finish())
+    };
+    let fresh = req
+        .headers()
+        .get("if-none-match")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag));
+    let mut resp = if fresh {
+        HttpResponse::NotModified()
+    } else {
+        HttpResponse::Ok()
+    };
+    resp.insert_header(("ETag", etag.as_str()))
+        .insert_header(("X-Content-Type-Options", "nosniff"));
+    if name == "widget.js" {
+        // Loaded by other sites' pages: public, cacheable, readable cross-origin. Who may talk to
+        // the server is decided on the WebSocket upgrade and at /widget/{id}, per widget.
+        resp.insert_header((
+            "Cache-Control",
+            format!("public, max-age={WIDGET_MAX_AGE_S}, stale-while-revalidate=86400"),
+        ))
+        .insert_header(("Access-Control-Allow-Origin", "*"))
+        .insert_header(("Cross-Origin-Resource-Policy", "cross-origin"));
+    } else {
+        resp.insert_header(("Cache-Control", "no-cache"));
+        if name.ends_with(".html") {
+            resp.insert_header(("Content-Security-Policy", PAGE_CSP))
+                .insert_header(("Referrer-Policy", "no-referrer"));
+        }
+    }
+    if fresh {
+        return Ok(resp.finish());
+    }
+    Ok(resp.content_type(mime_guess_from(name)).body(bytes))
+}
+
+/// `GET /widget/{id}`: 200 when the requesting page's `Origin` may use the widget, 403 (origin not
+/// allowed) or 404 (no such widget) otherwise, each readable by that page (CORS) so the widget can
+/// tell its user. The WebSocket upgrade checks the same rule again.
+async fn widget_check(
+    req: HttpRequest,
+    id: web::Path<String>,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let origin = req.headers().get("origin").and_then(|o| o.to_str().ok());
+    let known = state.tenants.has_widget(&id);
+    let verdict = state.tenants.widget_for(&id, origin);
+    let mut resp = match (&verdict, known) {
+        (Ok(_), _) => HttpResponse::Ok(),
+        (Err(_), true) => HttpResponse::Forbidden(),
+        (Err(_), false) => HttpResponse::NotFound(),
+    };
+    resp.insert_header(("Access-Control-Allow-Origin", origin.unwrap_or("*")))
+        .insert_header(("Vary", "Origin"))
+        .insert_header(("Cache-Control", "no-store"));
+    match verdict {
+        Ok(_) => resp.json(json!({"widget": id.as_str(), "ws": format!("/ws?widget={id}")})),
+        Err(Refusal::Forbidden(m) | Refusal::Unauthorized(m)) => {
+            let error_type = if known { "forbidden" } else { "not_found" };
+            resp.json(json!({"error_type": error_type, "message": m}))
+        }
+    }
 }
 
 /// The page built into the binary, so `llama-relay` serves it from any working directory.
@@ -108,6 +187,7 @@ const EMBEDDED: &[(&str, &str)] = &[
     ("index.html", include_str!("../../static/index.html")),
     ("chat.js", include_str!("../../static/chat.js")),
     ("chat.css", include_str!("../../static/chat.css")),
+    ("widget.js", include_str!("../../static/widget.js")),
 ];
 
 fn mime_guess_from(name: &str) -> &'static str {

@@ -167,6 +167,31 @@ impl Tenants {
             .collect()
     }
 
+    /// Whether a widget with this id is configured.
+    pub fn has_widget(&self, id: &str) -> bool {
+        self.widgets.contains_key(id)
+    }
+
+    /// The widget `id` and its tenant, if a page on `origin` may use it.
+    pub fn widget_for(
+        &self,
+        id: &str,
+        origin: Option<&str>,
+    ) -> std::result::Result<(&str, &WidgetSettings), Refusal> {
+        let Some((tenant, w)) = self.widgets.get(id) else {
+            return Err(Refusal::Forbidden(format!("unknown widget `{id}`")));
+        };
+        match origin {
+            Some(o) if w.origins.iter().any(|a| a == o) => Ok((tenant, w)),
+            Some(o) => Err(Refusal::Forbidden(format!(
+                "origin {o} may not embed widget `{id}`"
+            ))),
+            None => Err(Refusal::Forbidden(format!(
+                "widget `{id}` connects from a browser page: no Origin given"
+            ))),
+        }
+    }
+
     /// Decides who an upgrade request is. `widget` is the `?widget=` query value.
     pub fn identify(
         &self,
@@ -187,20 +212,8 @@ impl Tenants {
         }
         let origin = headers.get("origin").and_then(|o| o.to_str().ok());
         if let Some(id) = widget {
-            let Some((tenant, w)) = self.widgets.get(id) else {
-                return Err(Refusal::Forbidden(format!("unknown widget `{id}`")));
-            };
-            return match origin {
-                Some(o) if w.origins.iter().any(|a| a == o) => {
-                    Ok(self.identity(tenant, Some(w.system_prompt.clone())))
-                }
-                Some(o) => Err(Refusal::Forbidden(format!(
-                    "origin {o} may not embed widget `{id}`"
-                ))),
-                None => Err(Refusal::Forbidden(format!(
-                    "widget `{id}` connects from a browser page: no Origin given"
-                ))),
-            };
+            let (tenant, w) = self.widget_for(id, origin)?;
+            return Ok(self.identity(tenant, Some(w.system_prompt.clone())));
         }
         // No key, no widget: the server's own page (same origin) or a non-browser client.
         if let Some(o) = origin {

@@ -322,3 +322,62 @@ fn tenants_never_share_and_origins_are_checked() {
         app.wait_idle().await;
     });
 }
+
+/// `widget.js` is cacheable and readable cross-origin; `/widget/{id}` answers the embedding
+/// page's origin with the widget's rule (readable by that page, so the widget can say why).
+#[test]
+fn widget_script_and_origin_check() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), two_tenants);
+    actix_web::rt::System::new().block_on(async {
+        let get = |path: &str, headers: &[(&str, &str)]| {
+            let mut req = awc::Client::new().get(format!("http://{}{path}", app.addr));
+            for (k, v) in headers {
+                req = req.insert_header((*k, *v));
+            }
+            req.send()
+        };
+        let header = |r: &awc::ClientResponse<_>, k: &str| {
+            r.headers()
+                .get(k)
+                .map(|v| v.to_str().unwrap().to_string())
+                .unwrap_or_default()
+        };
+        let mut r = get("/widget.js", &[]).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert!(header(&r, "cache-control").contains("max-age=3600"));
+        assert_eq!(header(&r, "access-control-allow-origin"), "*");
+        assert!(header(&r, "content-type").starts_with("text/javascript"));
+        assert!(String::from_utf8_lossy(&r.body().await.unwrap()).contains("LlamaRelay"));
+        let etag = header(&r, "etag");
+        assert!(etag.starts_with('"'), "{etag}");
+        let r = get("/widget.js", &[("If-None-Match", &etag)])
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 304);
+        let r = get("/", &[]).await.unwrap();
+        assert!(header(&r, "content-security-policy").contains("script-src 'self'"));
+
+        let allowed = [("Origin", "http://shop.alpha.test")];
+        let mut r = get("/widget/alpha-help", &allowed).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            header(&r, "access-control-allow-origin"),
+            "http://shop.alpha.test"
+        );
+        let v: Value = serde_json::from_slice(&r.body().await.unwrap()).unwrap();
+        assert_eq!(v["ws"], "/ws?widget=alpha-help");
+        let mut r = get("/widget/alpha-help", &[("Origin", "https://evil.test")])
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 403);
+        let v: Value = serde_json::from_slice(&r.body().await.unwrap()).unwrap();
+        assert_eq!(v["error_type"], "forbidden");
+        assert!(
+            v["message"].as_str().unwrap().contains("https://evil.test"),
+            "{v}"
+        );
+        let r = get("/widget/nope", &allowed).await.unwrap();
+        assert_eq!(r.status(), 404);
+    });
+}

@@ -1,0 +1,401 @@
+// llama-relay browser client: the conversation logic shared by the chat page (index.html) and
+// the embeddable support widget. Embedding is one tag:
+//
+//   <script src="https://HOST/widget.js" data-widget="ID" async></script>
+//
+// with optional data-title, data-accent (a CSS colour), data-position ("bottom-right" |
+// "bottom-left") and data-greeting. The server URL comes from the script's own src. The widget
+// lives in a Shadow DOM under a custom element (host CSS such as `div { display: none }` cannot
+// reach it, and its CSS cannot leak out) and defines one global, `LlamaRelay`.
+//
+// Every piece of user or model text goes through `renderText`, which sets text, never HTML:
+// a reply containing `<img src=x onerror=...>` shows those characters and runs nothing.
+// The wire protocol is docs/protocol.md.
+(function (global) {
+  "use strict";
+  if (global.LlamaRelay && global.LlamaRelay.version) { return; }
+  var doc = global.document;
+
+  /** Backoff bounds for reconnecting, in ms. */
+  var BACKOFF_MIN_MS = 500, BACKOFF_MAX_MS = 15000;
+
+  /** The one rendering function for user and model text: inert text, never markup. */
+  function renderText(el, text) {
+    el.textContent = text;
+  }
+
+  function el(tag, cls, text) {
+    var e = doc.createElement(tag);
+    if (cls) { e.className = cls; }
+    if (text != null) { renderText(e, text); }
+    return e;
+  }
+
+  /**
+   * One conversation over one WebSocket (reconnecting with backoff), wired to a set of elements:
+   * els = { log, live, input, send, stop, conn, model?, newChat? }.
+   * opts = { url, els, greeting?, precheck?() -> Promise<{ok, fatal?, message?}>, WebSocket? }.
+   */
+  function Conversation(opts) {
+    this.opts = opts;
+    this.els = opts.els;
+    this.WS = opts.WebSocket || global.WebSocket;
+    this.ws = null;
+    this.backoff = BACKOFF_MIN_MS;
+    this.current = null;
+    this.counter = 0;
+    this.resetAfterDone = false;
+    this.refused = false;
+    this.started = false;
+    this.timer = null;
+  }
+
+  Conversation.prototype.start = function () {
+    if (this.started) { return; }
+    this.started = true;
+    var self = this, e = this.els;
+    e.input.addEventListener("keydown", function (ev) {
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); self.send(); }
+    });
+    if (e.form) {
+      e.form.addEventListener("submit", function (ev) { ev.preventDefault(); self.send(); });
+    } else {
+      e.send.addEventListener("click", function () { self.send(); });
+    }
+    e.stop.addEventListener("click", function () { self.stop(); });
+    if (e.newChat) { e.newChat.addEventListener("click", function () { self.newChat(); }); }
+    this.greet();
+    this.setBusy(false);
+    this.connect();
+  };
+
+  Conversation.prototype.greet = function () {
+    if (this.opts.greeting) { this.bubble("assistant", this.opts.greeting); }
+  };
+
+  Conversation.prototype.setConn = function (text, cls) {
+    renderText(this.els.conn, text);
+    this.els.conn.className = "conn " + (cls || "");
+  };
+
+  Conversation.prototype.setBusy = function (busy) {
+    this.els.stop.disabled = !busy;
+    this.els.send.disabled = busy || this.refused;
+    this.els.input.disabled = this.refused;
+  };
+
+  Conversation.prototype.connect = function () {
+    var self = this;
+    if (this.refused) { return; }
+    this.setConn("connecting…");
+    var check = this.opts.precheck ? this.opts.precheck() : Promise.resolve({ ok: true });
+    check.then(function (r) {
+      if (r.ok) { self.open(); } else if (r.fatal) { self.refuse(r.message); } else { self.retry(r.message); }
+    }, function () { self.retry("cannot reach the server"); });
+  };
+
+  Conversation.prototype.open = function () {
+    var self = this, ws;
+    try { ws = new this.WS(this.opts.url); } catch (e) { this.retry("cannot connect"); return; }
+    this.ws = ws;
+    ws.onmessage = function (ev) {
+      var f;
+      try { f = JSON.parse(ev.data); } catch (e) { return; }
+      if (self.ws === ws) { self.handle(f); }
+    };
+    ws.onclose = function () {
+      if (self.ws !== ws) { return; }
+      self.ws = null;
+      if (self.current) { self.finish(null, "connection lost"); }
+      self.retry("disconnected");
+    };
+  };
+
+  Conversation.prototype.retry = function (why) {
+    var self = this;
+    this.setConn((why || "disconnected") + ", retrying in " + Math.max(1, Math.round(this.backoff / 1000)) + " s", "bad");
+    clearTimeout(this.timer);
+    this.timer = setTimeout(function () { self.connect(); }, this.backoff);
+    this.backoff = Math.min(this.backoff * 2, BACKOFF_MAX_MS);
+  };
+
+  /** The server will never accept us (an origin the widget does not allow): say so and stop. */
+  Conversation.prototype.refuse = function (message) {
+    this.refused = true;
+    this.setConn("not available here", "bad");
+    this.bubble("error", message || "This chat is not available on this site.");
+    this.setBusy(false);
+  };
+
+  Conversation.prototype.isOpen = function () { return this.ws && this.ws.readyState === 1; };
+
+  Conversation.prototype.bubble = function (kind, text) {
+    var div = el("div", "msg " + kind);
+    var body = el("span", "body", text);
+    div.appendChild(body);
+    this.els.log.appendChild(div);
+    this.els.log.scrollTop = this.els.log.scrollHeight;
+    return { div: div, body: body };
+  };
+
+  Conversation.prototype.handle = function (f) {
+    var c = this.current;
+    var mine = c && f.id === c.id;
+    switch (f.type) {
+      case "ready":
+        this.backoff = BACKOFF_MIN_MS;
+        this.setConn("connected", "ok");
+        if (this.els.model) { renderText(this.els.model, f.model || ""); }
+        break;
+      case "queued":
+        if (mine && f.position > 0) { renderText(c.stats, "queued, position " + f.position); }
+        break;
+      case "started":
+        if (mine) { renderText(c.stats, ""); }
+        break;
+      case "delta":
+        if (mine) {
+          c.text += f.text;
+          renderText(c.body, c.text);
+          renderText(this.els.live, f.text);
+          this.els.log.scrollTop = this.els.log.scrollHeight;
+        }
+        break;
+      case "done":
+        if (mine) { this.finish(f); }
+        break;
+      case "error":
+        if (mine) { c.div.remove(); this.current = null; this.setBusy(false); }
+        this.bubble("error", (f.error_type || "error") + ": " + (f.message || ""));
+        break;
+    }
+  };
+
+  Conversation.prototype.finish = function (done, reason) {
+    var c = this.current;
+    this.current = null;
+    this.setBusy(false);
+    if (this.resetAfterDone) {
+      this.resetAfterDone = false;
+      if (this.isOpen()) { this.ws.send(JSON.stringify({ type: "reset" })); }
+      return;
+    }
+    if (!c) { return; }
+    if (!done) { renderText(c.stats, reason); return; }
+    var t = done.timings || {}, u = done.usage || {};
+    var parts = ["TTFT " + Math.round(t.ttft_ms || 0) + " ms", (t.decode_tokens_per_s || 0).toFixed(1) + " tok/s",
+      (u.cached_tokens || 0) + " cached tokens"];
+    if (done.finish_reason !== "stop") { parts.push("finished: " + done.finish_reason); }
+    renderText(c.stats, parts.join(" · "));
+    this.els.log.scrollTop = this.els.log.scrollHeight;
+  };
+
+  Conversation.prototype.send = function () {
+    var text = this.els.input.value;
+    if (!text.trim() || this.current || !this.isOpen()) { return false; }
+    this.bubble("user", text);
+    var b = this.bubble("assistant", "");
+    var stats = el("span", "stats");
+    b.div.appendChild(stats);
+    this.current = { id: "m" + (++this.counter), text: "", body: b.body, div: b.div, stats: stats };
+    this.ws.send(JSON.stringify({ type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] }));
+    this.els.input.value = "";
+    this.setBusy(true);
+    return true;
+  };
+
+  Conversation.prototype.stop = function () {
+    if (this.current && this.isOpen()) { this.ws.send(JSON.stringify({ type: "cancel", id: this.current.id })); }
+  };
+
+  Conversation.prototype.newChat = function () {
+    // A reset is refused while a reply runs: cancel it first and reset on its `done`.
+    if (this.current && this.isOpen()) {
+      this.resetAfterDone = true;
+      this.ws.send(JSON.stringify({ type: "cancel", id: this.current.id }));
+    } else if (this.isOpen()) {
+      this.ws.send(JSON.stringify({ type: "reset" }));
+    }
+    this.els.log.textContent = "";
+    this.greet();
+    this.els.input.focus();
+  };
+
+  // ---- The embeddable widget -------------------------------------------------------------
+
+  var CSS = [
+    ".root{all:initial;position:fixed;bottom:20px;right:20px;z-index:2147483000;display:flex;flex-direction:column;align-items:flex-end;gap:12px;",
+    "font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1b1d21;--accent:#2f6fdf}",
+    ".root.left{right:auto;left:20px;align-items:flex-start}",
+    "*{box-sizing:border-box}",
+    ".launcher{all:unset;box-sizing:border-box;width:56px;height:56px;border-radius:50%;background:var(--accent);color:#fff;cursor:pointer;",
+    "display:flex;align-items:center;justify-content:center;box-shadow:0 4px 14px rgba(0,0,0,.25)}",
+    ".launcher svg{width:28px;height:28px;fill:currentColor}",
+    ".launcher:focus-visible,button:focus-visible,textarea:focus-visible{outline:3px solid #8bb4ff;outline-offset:2px}",
+    ".panel{display:flex;flex-direction:column;width:min(380px,calc(100vw - 24px));height:min(560px,calc(100vh - 100px));background:#f6f7f9;",
+    "border-radius:12px;box-shadow:0 8px 30px rgba(0,0,0,.3);overflow:hidden}",
+    ".panel[hidden]{display:none}",
+    "header{display:flex;align-items:center;gap:8px;padding:10px 12px;background:var(--accent);color:#fff}",
+    ".title{font-weight:600;flex:1;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}",
+    ".conn{font-size:12px;opacity:.9}",
+    "header button{all:unset;cursor:pointer;padding:2px 6px;border-radius:4px;font-size:13px;color:#fff}",
+    "header button.close{font-size:20px;line-height:1}",
+    ".log{flex:1;overflow-y:auto;padding:12px;display:flex;flex-direction:column;gap:8px}",
+    ".msg{max-width:85%;padding:8px 10px;border-radius:10px;white-space:pre-wrap;overflow-wrap:anywhere}",
+    ".user{align-self:flex-end;background:var(--accent);color:#fff}",
+    ".assistant{align-self:flex-start;background:#fff;border:1px solid #dde1e6}",
+    ".error{align-self:stretch;background:#fff1f0;border:1px solid #f3b4ae;color:#8a1c12}",
+    ".stats{display:block;margin-top:4px;font-size:11px;color:#5b6270;white-space:normal}",
+    "form{display:flex;gap:6px;padding:8px;background:#fff;border-top:1px solid #dde1e6;margin:0}",
+    "textarea{flex:1;resize:none;font:inherit;color:inherit;padding:6px;border:1px solid #c4cad3;border-radius:6px;min-height:40px}",
+    "form button{font:inherit;padding:4px 10px;border-radius:6px;border:1px solid #c4cad3;background:#fff;color:#1b1d21;cursor:pointer}",
+    "form button.send{background:var(--accent);color:#fff;border-color:var(--accent)}",
+    "button:disabled{opacity:.5;cursor:default}",
+    ".sr-only{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0);white-space:nowrap}"
+  ].join("\n");
+
+  var ICON = "M4 4h16a2 2 0 0 1 2 2v10a2 2 0 0 1-2 2H8l-4 4V6a2 2 0 0 1 2-2z";
+
+  function attachStyle(shadow) {
+    try {
+      var sheet = new global.CSSStyleSheet();
+      sheet.replaceSync(CSS);
+      shadow.adoptedStyleSheets = [sheet];
+    } catch (e) {
+      shadow.appendChild(el("style", null, CSS));
+    }
+  }
+
+  /**
+   * Mounts the widget for `script` (the <script data-widget> element that loaded this file).
+   * Returns { host, conversation, open(), close() }.
+   */
+  function mountWidget(script) {
+    var d = script.dataset, id = d.widget;
+    var base = new URL("./", script.src);
+    var wsUrl = base.href.replace(/^http/, "ws") + "ws?widget=" + encodeURIComponent(id);
+    var checkUrl = base.href + "widget/" + encodeURIComponent(id);
+    var title = d.title || "Chat with us";
+    var accent = d.accent && global.CSS && global.CSS.supports("color", d.accent) ? d.accent : null;
+
+    var host = doc.createElement("llama-relay-widget");
+    var shadow = host.attachShadow({ mode: "open" });
+    attachStyle(shadow);
+    var root = el("div", "root" + (d.position === "bottom-left" ? " left" : ""));
+    if (accent) { root.style.setProperty("--accent", accent); }
+
+    var panel = el("section", "panel");
+    panel.hidden = true;
+    panel.setAttribute("role", "dialog");
+    panel.setAttribute("aria-label", title);
+    var header = el("header");
+    var conn = el("span", "conn", "");
+    conn.setAttribute("role", "status");
+    var newChat = el("button", "new", "New chat");
+    newChat.type = "button";
+    var close = el("button", "close", "×");
+    close.type = "button";
+    close.setAttribute("aria-label", "Close chat");
+    header.appendChild(el("span", "title", title));
+    header.appendChild(conn);
+    header.appendChild(newChat);
+    header.appendChild(close);
+    var log = el("div", "log");
+    log.setAttribute("role", "log");
+    log.setAttribute("aria-label", "Conversation");
+    var live = el("div", "sr-only");
+    live.setAttribute("aria-live", "polite");
+    var form = el("form");
+    var label = el("label", "sr-only", "Message");
+    label.htmlFor = "lr-input";
+    var input = el("textarea");
+    input.id = "lr-input";
+    input.rows = 2;
+    input.placeholder = "Type a message…";
+    var send = el("button", "send", "Send");
+    send.type = "submit";
+    var stop = el("button", "stop", "Stop");
+    stop.type = "button";
+    form.appendChild(label);
+    form.appendChild(input);
+    form.appendChild(send);
+    form.appendChild(stop);
+    panel.appendChild(header);
+    panel.appendChild(log);
+    panel.appendChild(live);
+    panel.appendChild(form);
+
+    var launcher = el("button", "launcher");
+    launcher.type = "button";
+    launcher.setAttribute("aria-label", "Open chat: " + title);
+    launcher.setAttribute("aria-expanded", "false");
+    launcher.setAttribute("aria-haspopup", "dialog");
+    var svg = doc.createElementNS("http://www.w3.org/2000/svg", "svg");
+    svg.setAttribute("viewBox", "0 0 24 24");
+    svg.setAttribute("aria-hidden", "true");
+    var path = doc.createElementNS("http://www.w3.org/2000/svg", "path");
+    path.setAttribute("d", ICON);
+    svg.appendChild(path);
+    launcher.appendChild(svg);
+    root.appendChild(panel);
+    root.appendChild(launcher);
+    shadow.appendChild(root);
+
+    var conversation = new Conversation({
+      url: wsUrl,
+      greeting: d.greeting,
+      els: { log: log, live: live, input: input, send: send, stop: stop, conn: conn, newChat: newChat, form: form },
+      // Ask first whether this page's origin may use the widget: a refused WebSocket upgrade
+      // tells a page nothing, this answer does (and the upgrade is checked again all the same).
+      precheck: function () {
+        return global.fetch(checkUrl, { mode: "cors", credentials: "omit" }).then(function (r) {
+          if (r.ok) { return { ok: true }; }
+          return r.json().then(function (j) { return j; }, function () { return {}; }).then(function (j) {
+            var fatal = r.status === 403 || r.status === 404;
+            return { ok: false, fatal: fatal, message: fatal ? "This chat is not available on this site: " + (j.message || r.status) : "server busy" };
+          });
+        });
+      }
+    });
+
+    var api = {
+      host: host,
+      conversation: conversation,
+      open: function () {
+        panel.hidden = false;
+        launcher.setAttribute("aria-expanded", "true");
+        conversation.start();
+        input.focus();
+      },
+      close: function () {
+        panel.hidden = true;
+        launcher.setAttribute("aria-expanded", "false");
+        launcher.focus();
+      }
+    };
+    launcher.addEventListener("click", function () { if (panel.hidden) { api.open(); } else { api.close(); } });
+    close.addEventListener("click", api.close);
+    panel.addEventListener("keydown", function (ev) { if (ev.key === "Escape") { api.close(); } });
+
+    var attach = function () { doc.body.appendChild(host); };
+    if (doc.body) { attach(); } else { doc.addEventListener("DOMContentLoaded", attach); }
+    return api;
+  }
+
+  var widgets = [];
+  global.LlamaRelay = {
+    version: "1",
+    renderText: renderText,
+    Conversation: Conversation,
+    mountWidget: mountWidget,
+    widgets: widgets
+  };
+
+  var me = doc.currentScript;
+  if (!me || !me.dataset) {
+    me = doc.querySelector("script[data-widget][src*='widget.js']");
+  }
+  if (me && me.dataset && me.dataset.widget) {
+    widgets.push(mountWidget(me));
+  }
+}(window));

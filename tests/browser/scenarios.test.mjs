@@ -1,0 +1,287 @@
+// Browser scenarios for the chat page and the embeddable widget, in Debian's chromium driven by
+// playwright-core. Started by tests/integration/browser.rs, which runs the relay on the default
+// model and a second server for the host page; it passes:
+//   RELAY      the relay's base URL, e.g. http://127.0.0.1:41234
+//   HOST_PORT  the port of the host-page server (reached as allowed.test and blocked.test)
+//   ARTIFACTS  where screenshots go
+//   CHROMIUM   the browser binary (default /usr/bin/chromium)
+// Run alone: node --test --test-concurrency=1 tests/browser/scenarios.test.mjs (with those set).
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { mkdirSync } from "node:fs";
+import { fileURLToPath } from "node:url";
+import path from "node:path";
+import { chromium } from "playwright-core";
+
+const RELAY = process.env.RELAY;
+const HOST_PORT = process.env.HOST_PORT;
+const ARTIFACTS = process.env.ARTIFACTS || "target/browser-artifacts";
+const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
+const WIDGET_JS = fileURLToPath(new URL("../../static/widget.js", import.meta.url));
+const ALLOWED = `http://allowed.test:${HOST_PORT}/`;
+const BLOCKED = `http://blocked.test:${HOST_PORT}/`;
+/** A reply should start streaming well within this (cold default model on 2 shared cores). */
+const REPLY_MS = 60_000;
+
+let browser;
+
+before(async () => {
+  assert.ok(RELAY && HOST_PORT, "RELAY and HOST_PORT must be set (run through cargo test)");
+  mkdirSync(ARTIFACTS, { recursive: true });
+  browser = await chromium.launch({
+    executablePath: CHROMIUM,
+    args: [
+      "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+      "--disable-background-networking", "--disable-component-update", "--disable-sync",
+      // Two origins for the host page, both served on loopback.
+      "--host-resolver-rules=MAP allowed.test 127.0.0.1, MAP blocked.test 127.0.0.1",
+    ],
+  });
+});
+
+after(async () => { await browser?.close(); });
+
+async function newPage(viewport = { width: 1100, height: 760 }) {
+  const context = await browser.newContext({ viewport });
+  const page = await context.newPage();
+  const errors = [];
+  page.on("pageerror", (e) => errors.push(e.message));
+  page.on("dialog", (d) => { errors.push("dialog: " + d.message()); d.dismiss(); });
+  return { page, context, errors };
+}
+
+/** Polls `fn` in the page every 15 ms until it returns a truthy value; collects what it saw. */
+async function until(page, fn, arg, timeout = REPLY_MS) {
+  const handle = await page.waitForFunction(fn, arg, { timeout, polling: 15 });
+  return handle.jsonValue();
+}
+
+/** Watches the text of the last `.assistant .body` under `rootSel` (piercing shadow roots) and
+ * records each distinct length until its stats line fills; returns { lengths, stats, text }. */
+async function watchReply(page, rootSel, onFirstGrowth) {
+  const lengths = [];
+  const t0 = Date.now();
+  let shot = false;
+  for (;;) {
+    const s = await page.locator(rootSel).locator(".assistant").last().evaluate((div) => ({
+      text: div.querySelector(".body").textContent,
+      stats: (div.querySelector(".stats") || {}).textContent || "",
+    }));
+    if (s.text.length && lengths[lengths.length - 1] !== s.text.length) { lengths.push(s.text.length); }
+    if (!shot && lengths.length >= 3 && onFirstGrowth) { shot = true; await onFirstGrowth(); }
+    if (/TTFT|finished|connection lost/.test(s.stats)) { return { lengths, ...s }; }
+    assert.ok(Date.now() - t0 < REPLY_MS * 2, `reply did not finish: ${JSON.stringify(s)}`);
+    await page.waitForTimeout(10);
+  }
+}
+
+async function metrics() {
+  const text = await (await fetch(RELAY + "/metrics")).text();
+  const get = (name) => Number((text.match(new RegExp("^" + name + " (\\S+)$", "m")) || [])[1]);
+  return {
+    running: get("vllm:num_requests_running"), waiting: get("vllm:num_requests_waiting"),
+    used: get("llama_relay_kv_blocks_used"), held: get("llama_relay_kv_blocks_held"),
+  };
+}
+
+/** Waits until nothing runs and the KV blocks in use are only the held ones (leases, pins). */
+async function kvIdle(timeout = 15_000) {
+  const t0 = Date.now();
+  for (;;) {
+    const m = await metrics();
+    if (m.running === 0 && m.waiting === 0 && m.used === m.held) { return m; }
+    assert.ok(Date.now() - t0 < timeout, `KV pool never idle: ${JSON.stringify(m)}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+const HOSTILE = [
+  "<img src=x onerror=\"window.__pwned='img'\">",
+  "<script>window.__pwned='script'</script>",
+  "<svg onload=\"window.__pwned='svg'\"></svg><b>bold?</b> &amp; &lt;",
+];
+
+// ---- Unit tests of the rendering path (the static file alone, no server) ----------------------
+
+test("renderText and the reply path render hostile text inertly", async () => {
+  const { page, context, errors } = await newPage();
+  await page.setContent("<div id='t'></div><div id='log'></div><div id='live'></div>" +
+    "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>");
+  await page.addScriptTag({ path: WIDGET_JS });
+  const out = await page.evaluate(async (hostile) => {
+    const R = window.LlamaRelay;
+    const t = document.getElementById("t");
+    const direct = hostile.map((h) => { R.renderText(t, h); return { text: t.textContent, children: t.children.length }; });
+    // The reply path: a Conversation over a fake socket, fed frames as the server would send them.
+    const sent = [];
+    let sock;
+    class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
+    const $ = (id) => document.getElementById(id);
+    const c = new R.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
+      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
+    c.start();
+    await new Promise((r) => setTimeout(r, 0));
+    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    frame({ type: "ready", session_id: "s", model: "m", limits: {} });
+    $("input").value = hostile[0];
+    c.send();
+    const id = sent[0].id;
+    frame({ type: "started", id, prompt_tokens: 9, cached_tokens: 0 });
+    // The hostile reply arrives split across deltas, as tokens do.
+    for (const piece of [hostile[1].slice(0, 9), hostile[1].slice(9), hostile[2]]) { frame({ type: "delta", id, index: 0, text: piece }); }
+    frame({ type: "done", id, finish_reason: "length", usage: { prompt_tokens: 9, completion_tokens: 3, cached_tokens: 4 },
+      timings: { queue_ms: 1, ttft_ms: 12.4, decode_tokens_per_s: 40 } });
+    frame({ type: "error", error_type: "invalid_request", message: hostile[0] });
+    await new Promise((r) => setTimeout(r, 200));
+    const log = $("log");
+    return {
+      direct, sent: sent[0], bodies: [...log.querySelectorAll(".body")].map((b) => b.textContent),
+      stats: log.querySelector(".stats").textContent, elements: log.querySelectorAll("img,script,svg,b").length,
+      pwned: window.__pwned === undefined ? null : window.__pwned,
+    };
+  }, HOSTILE);
+  out.direct.forEach((d, i) => assert.deepEqual(d, { text: HOSTILE[i], children: 0 }));
+  assert.deepEqual(out.sent.messages, [{ role: "user", content: HOSTILE[0] }]);
+  assert.deepEqual(out.bodies, [HOSTILE[0], HOSTILE[1] + HOSTILE[2], "invalid_request: " + HOSTILE[0]]);
+  assert.equal(out.stats, "TTFT 12 ms · 40.0 tok/s · 4 cached tokens · finished: length");
+  assert.equal(out.elements, 0);
+  assert.equal(out.pwned, null);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+// ---- The chat page on the real server --------------------------------------------------------
+
+test("chat page streams a reply with TTFT and tok/s, and a second turn hits the cache", async () => {
+  const { page, context, errors } = await newPage();
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("Tell me three facts about the Moon.");
+  await page.locator("#input").press("Enter");
+  const first = await watchReply(page, "#log", () => page.screenshot({ path: path.join(ARTIFACTS, "chat-midstream.png") }));
+  assert.ok(first.lengths.length >= 3, `text grew over several frames: ${first.lengths}`);
+  assert.match(first.stats, /^TTFT \d+ ms · \d+\.\d tok\/s · \d+ cached tokens/);
+  await page.locator("#input").fill("And one about the Sun?");
+  await page.keyboard.press("Enter");
+  const second = await watchReply(page, "#log");
+  assert.ok(second.text.length > 0, "second reply");
+  const cached = Number(second.stats.match(/(\d+) cached tokens/)[1]);
+  assert.ok(cached > 0, `turn two reuses turn one's KV: ${second.stats}`);
+  assert.equal(await page.locator("#log .user").count(), 2);
+  await page.screenshot({ path: path.join(ARTIFACTS, "chat.png") });
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("Stop ends the reply at once and the KV pool returns to idle", async () => {
+  const { page, context, errors } = await newPage();
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("Write a long story about a lighthouse keeper and a storm.");
+  await page.locator("#send").click();
+  await until(page, () => (document.querySelector("#log .assistant:last-child .body") || {}).textContent?.length > 0);
+  const t0 = Date.now();
+  await page.locator("#stop").click();
+  await page.locator("#log .assistant .stats", { hasText: "finished: cancelled" }).waitFor({ timeout: 5_000 });
+  const stopMs = Date.now() - t0;
+  assert.ok(await page.locator("#send").isEnabled(), "send enabled again");
+  await kvIdle();
+  await context.close();
+  // The socket is gone too: the session's lease ends after its grace, and the pool is idle again.
+  await kvIdle();
+  assert.deepEqual(errors, []);
+  console.log(`# stop to cancelled: ${stopMs} ms`);
+});
+
+test("hostile user text shows as characters on the chat page", async () => {
+  const { page, context, errors } = await newPage();
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill(HOSTILE[0]);
+  await page.locator("#input").press("Enter");
+  await watchReply(page, "#log");
+  assert.equal(await page.locator("#log .user .body").textContent(), HOSTILE[0]);
+  assert.equal(await page.locator("#log img").count(), 0);
+  assert.equal(await page.evaluate(() => window.__pwned), undefined);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("chat page fits a phone-sized screen", async () => {
+  const { page, context } = await newPage({ width: 390, height: 844 });
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  const fit = await page.evaluate(() => {
+    const r = (id) => document.getElementById(id).getBoundingClientRect();
+    const inside = (b) => b.left >= 0 && b.right <= innerWidth && b.bottom <= innerHeight && b.width > 0;
+    return { overflow: document.documentElement.scrollWidth - innerWidth, input: inside(r("input")),
+      send: inside(r("send")), stop: inside(r("stop")), newChat: inside(r("new-chat")) };
+  });
+  assert.deepEqual(fit, { overflow: 0, input: true, send: true, stop: true, newChat: true });
+  await page.screenshot({ path: path.join(ARTIFACTS, "chat-phone.png") });
+  await context.close();
+});
+
+// ---- The widget on a second origin -----------------------------------------------------------
+
+test("widget on an allowed origin opens, streams a reply, survives hostile host CSS and scripts", async () => {
+  const { page, context, errors } = await newPage();
+  await page.goto(ALLOWED);
+  const launcher = page.locator("llama-relay-widget .launcher");
+  await launcher.waitFor();
+  // Hostile host CSS (`* { all: unset }`, `div { display: none }`) does not reach inside.
+  const box = await launcher.boundingBox();
+  assert.ok(box && box.width === 56 && box.height === 56, `launcher box ${JSON.stringify(box)}`);
+  assert.ok(box.x < 100, "data-position=bottom-left");
+  assert.equal(await launcher.evaluate((b) => getComputedStyle(b).backgroundColor), "rgb(10, 125, 79)", "data-accent");
+  // ... and the widget's CSS does not leak out: the host's own button keeps the host's style.
+  assert.equal(await page.locator("#host-button").evaluate((b) => getComputedStyle(b).backgroundColor), "rgb(200, 0, 0)");
+  assert.equal(await page.locator("#hidden-by-host").isVisible(), false);
+  // One global: LlamaRelay (the host's own scripts add __globalsBefore).
+  const added = await page.evaluate(() => Object.getOwnPropertyNames(window).filter((k) => !window.__globalsBefore.includes(k)));
+  assert.deepEqual(added.filter((k) => k !== "__globalsBefore"), ["LlamaRelay"]);
+  assert.ok(errors.some((e) => /fails at load/.test(e)), "the host's script did throw");
+
+  await page.screenshot({ path: path.join(ARTIFACTS, "widget-closed.png") });
+  await launcher.click();
+  const panel = page.locator("llama-relay-widget .panel");
+  assert.ok(await panel.isVisible());
+  assert.equal(await launcher.getAttribute("aria-expanded"), "true");
+  assert.equal(await page.locator("llama-relay-widget .title").textContent(), "Acme Help");
+  assert.equal(await page.locator("llama-relay-widget .assistant .body").first().textContent(), "Hi! Ask us anything about your order.");
+  await page.locator("llama-relay-widget .conn", { hasText: "connected" }).waitFor({ timeout: REPLY_MS });
+  await page.locator("llama-relay-widget textarea").fill("Where is my order?");
+  await page.locator("llama-relay-widget textarea").press("Enter");
+  const reply = await watchReply(page, "llama-relay-widget", () => page.screenshot({ path: path.join(ARTIFACTS, "widget-midstream.png") }));
+  assert.ok(reply.lengths.length >= 3, `text grew over several frames: ${reply.lengths}`);
+  assert.match(reply.stats, /^TTFT \d+ ms/);
+  // The widget's pinned system prompt was prefilled at start: the first turn is a cache hit.
+  assert.ok(Number(reply.stats.match(/(\d+) cached tokens/)[1]) > 0, reply.stats);
+  await page.screenshot({ path: path.join(ARTIFACTS, "widget-open.png") });
+  // Escape closes the panel and gives focus back to the launcher.
+  await page.locator("llama-relay-widget textarea").press("Escape");
+  assert.equal(await panel.isVisible(), false);
+  assert.equal(await launcher.getAttribute("aria-expanded"), "false");
+  assert.deepEqual(errors.filter((e) => !/host (click handler|timer) fails|fails at load/.test(e)), []);
+  await context.close();
+  await kvIdle();
+});
+
+test("widget on an origin it does not allow cannot connect, and says so", async () => {
+  const { page, context } = await newPage();
+  await page.goto(BLOCKED);
+  await page.locator("llama-relay-widget .launcher").click();
+  const err = page.locator("llama-relay-widget .error .body");
+  await err.waitFor({ timeout: 10_000 });
+  assert.match(await err.textContent(), /not available on this site: origin http:\/\/blocked\.test:\d+ may not embed widget `acme-help`/);
+  assert.equal(await page.locator("llama-relay-widget textarea").isDisabled(), true);
+  // The WebSocket itself is refused too (403 on the upgrade), not only the widget's check.
+  const ws = await page.evaluate((url) => new Promise((resolve) => {
+    const s = new WebSocket(url);
+    s.onopen = () => resolve("open");
+    s.onclose = () => resolve("closed");
+  }), RELAY.replace(/^http/, "ws") + "/ws?widget=acme-help");
+  assert.equal(ws, "closed");
+  await page.screenshot({ path: path.join(ARTIFACTS, "widget-refused.png") });
+  await context.close();
+});
