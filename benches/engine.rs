@@ -4,6 +4,8 @@
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
+//!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
+//!     cargo bench --bench engine -- --decode-only 16     # one batch size, many steps (profiling)
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -20,6 +22,8 @@ struct Args {
     malloc_tuning: bool,
     compare_malloc: bool,
     prompt_only: bool,
+    kernels: bool,
+    decode_only: Option<usize>,
 }
 
 fn parse() -> Args {
@@ -30,6 +34,8 @@ fn parse() -> Args {
         malloc_tuning: true,
         compare_malloc: false,
         prompt_only: false,
+        kernels: false,
+        decode_only: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -40,6 +46,14 @@ fn parse() -> Args {
             "--no-malloc-tuning" => a.malloc_tuning = false,
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
+            "--kernels" => a.kernels = true,
+            "--decode-only" => {
+                a.decode_only = Some(
+                    it.next()
+                        .and_then(|v| v.parse().ok())
+                        .expect("--decode-only N"),
+                )
+            }
             "--bench" => {}
             other => panic!("unknown argument {other}"),
         }
@@ -143,8 +157,81 @@ fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
     median(times)
 }
 
+/// The Q8_0 kernels alone on SmolLM2-135M's projection shapes (QKV stacked, O, gate+up stacked,
+/// down, lm_head), random weights: row-at-a-time tiles (`q8_0`) against the 8-row repacked layout
+/// (`q8_0x8`), and the dense path (dequantize, then F32 gemm), in GFLOP/s (2*m*n*k per call),
+/// median of reps.
+fn kernels(reps: usize) {
+    use llama_relay::model::kernels::{q8_0, q8_0x8::Repacked};
+    let shapes = [
+        ("qkv", 960, 576),
+        ("o", 576, 576),
+        ("gate_up", 3072, 576),
+        ("down", 576, 1536),
+        ("lm_head", 49152, 576),
+    ];
+    println!("shape        m   q8_0 GFLOP/s   q8_0x8 GFLOP/s   dequant+gemm GFLOP/s");
+    for (name, n, k) in shapes {
+        let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
+            .iter()
+            .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
+            .collect();
+        let q = q8_0::quantize_rows(&wf, n, k);
+        let mut bytes = Vec::with_capacity(n * k / 32 * 34);
+        for (sc, qs) in q.scales.iter().zip(q.qs.chunks_exact(32)) {
+            bytes.extend_from_slice(&half::f16::from_f32(*sc).to_le_bytes());
+            bytes.extend(qs.iter().map(|&v| v as u8));
+        }
+        let rp = Repacked::from_q8_0(&bytes, n, k);
+        for m in [1usize, 4, 16, 32, 64, 128, 256] {
+            let x: Vec<f32> = wf[..m * k].to_vec();
+            let flop = 2.0 * (m * n * k) as f64 / 1e9;
+            let time = |f: &dyn Fn()| {
+                f();
+                median(
+                    (0..reps.max(3))
+                        .map(|_| {
+                            let t = Instant::now();
+                            f();
+                            t.elapsed().as_secs_f64()
+                        })
+                        .collect(),
+                )
+            };
+            let a = time(&|| {
+                std::hint::black_box(q8_0::matmul(&x, m, k, &bytes, n));
+            });
+            let b = time(&|| {
+                std::hint::black_box(rp.matmul(&x, m));
+            });
+            let xt = candle_core::Tensor::from_vec(x.clone(), (m, k), &candle_core::Device::Cpu)
+                .unwrap();
+            let c = time(&|| {
+                let dense = candle_core::Tensor::from_vec(
+                    rp.dequantize(),
+                    (n, k),
+                    &candle_core::Device::Cpu,
+                )
+                .unwrap();
+                std::hint::black_box(xt.matmul(&dense.t().unwrap()).unwrap());
+            });
+            println!(
+                "{name:<10} {m:>3}   {:>12.1}   {:>14.1}   {:>16.1}",
+                flop / a,
+                flop / b,
+                flop / c
+            );
+        }
+    }
+}
+
 fn main() {
     let a = parse();
+    if a.kernels {
+        apply_process_settings(a.threads, a.malloc_tuning);
+        kernels(a.reps);
+        return;
+    }
     if a.compare_malloc {
         let exe = std::env::current_exe().unwrap();
         for flag in [None, Some("--no-malloc-tuning")] {
@@ -183,6 +270,16 @@ fn main() {
         e.info.weight_types.join(", ")
     );
     prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up
+    if let Some(n) = a.decode_only {
+        // One batch size alone, many steps: for profiling a decode step (`perf record`).
+        let t = decode_batch(&mut e, n, 128, 40 * a.reps.max(1));
+        println!(
+            "decode {n} seqs: step {:.2} ms, {:.1} tok/s",
+            t * 1e3,
+            n as f64 / t
+        );
+        return;
+    }
     for n in [100, 500] {
         let p = tokens(n, n as u64, vocab);
         let t = median((0..a.reps).map(|_| prefill_once(&mut e, &p)).collect());

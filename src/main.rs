@@ -87,7 +87,7 @@ struct BenchArgs {
 #[derive(Args)]
 struct GenerateArgs {
     /// The user message (or the raw prompt with --raw).
-    #[arg(short, long, default_value = "What is the capital of France?")]
+    #[arg(short, long, default_value = "Name the capital of France.")]
     prompt: String,
     /// A system message for the chat template.
     #[arg(long)]

@@ -69,6 +69,76 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+/// Dot products of one query head with four key rows at once: four independent accumulators hide
+/// the latency of the adds that a single dot product waits on (measured: attention was ~20% of a
+/// 16-sequence decode step with one accumulator). AVX2+FMA when the CPU has them.
+#[inline]
+fn dot4<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if crate::model::kernels::q8_0::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected; every row is D wide and D is a multiple of 8.
+        return unsafe { dot4_avx2(q, k) };
+    }
+    let mut out = [0f32; 4];
+    for (o, kj) in out.iter_mut().zip(k) {
+        *o = dot(q, kj);
+    }
+    out
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA; `D` must be a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for c in (0..D).step_by(8) {
+        let qv = _mm256_loadu_ps(q.as_ptr().add(c));
+        for j in 0..4 {
+            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j].as_ptr().add(c)), acc[j]);
+        }
+    }
+    let mut out = [0f32; 4];
+    for j in 0..4 {
+        out[j] = crate::model::kernels::q8_0::avx2::hsum(acc[j]);
+    }
+    out
+}
+
+/// Scores of the `group` query heads in `q` against positions `0..ctx` (`krow(p)` is position
+/// `p`'s key row for this KV head), scaled, into `scores[qh * ctx + p]`.
+fn scores_for<'a, const D: usize>(
+    q: &[f32],
+    krow: &impl Fn(usize) -> &'a [f32],
+    ctx: usize,
+    scale: f32,
+    scores: &mut [f32],
+) {
+    let group = q.len() / D;
+    let heads: Vec<&[f32; D]> = q
+        .chunks_exact(D)
+        .map(|c| c.try_into().expect("D wide"))
+        .collect();
+    let key = |p: usize| -> &[f32; D] { krow(p).try_into().expect("a key row is D wide") };
+    let mut p = 0;
+    while p + 4 <= ctx {
+        let k = [key(p), key(p + 1), key(p + 2), key(p + 3)];
+        for (qh, qv) in heads.iter().enumerate() {
+            let d = dot4(qv, k);
+            for j in 0..4 {
+                scores[qh * ctx + p + j] = d[j] * scale;
+            }
+        }
+        p += 4;
+    }
+    for p in p..ctx {
+        for qh in 0..group {
+            scores[qh * ctx + p] = dot(heads[qh], key(p)) * scale;
+        }
+    }
+}
+
 /// `out = sum_p w[p] * v(p)` with the accumulator in registers (a const width lets the compiler
 /// keep all of it in vector registers across the loop instead of storing it every position).
 #[inline]
@@ -77,7 +147,7 @@ fn weighted_sum<'a, const D: usize>(w: &[f32], v: &impl Fn(usize) -> &'a [f32], 
     for (p, &wp) in w.iter().enumerate() {
         let row: &[f32; D] = v(p).try_into().expect("a value row is D wide");
         for i in 0..D {
-            acc[i] += wp * row[i];
+            acc[i] = wp.mul_add(row[i], acc[i]);
         }
     }
     out.copy_from_slice(&acc);
@@ -125,12 +195,20 @@ fn fast_cpu(
                         let qrow =
                             &qs[t * h * hd + g * group * hd..t * h * hd + (g + 1) * group * hd];
                         let mut scores = vec![0f32; group * ctx];
-                        for p in 0..ctx {
+                        let krow = |p: usize| {
                             let slot = slot_of(table, p, bs);
-                            let krow = &ks[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd];
-                            for qh in 0..group {
-                                scores[qh * ctx + p] =
-                                    dot(&qrow[qh * hd..(qh + 1) * hd], krow) * scale;
+                            &ks[slot * kv_dim + g * hd..slot * kv_dim + (g + 1) * hd]
+                        };
+                        match hd {
+                            64 => scores_for::<64>(qrow, &krow, ctx, scale, &mut scores),
+                            128 => scores_for::<128>(qrow, &krow, ctx, scale, &mut scores),
+                            _ => {
+                                for p in 0..ctx {
+                                    for qh in 0..group {
+                                        scores[qh * ctx + p] =
+                                            dot(&qrow[qh * hd..(qh + 1) * hd], krow(p)) * scale;
+                                    }
+                                }
                             }
                         }
                         for qh in 0..group {

@@ -104,7 +104,7 @@ impl Mlp {
         let up = src.linear(&format!("{p}.up_proj"), i, h)?;
         Ok(Mlp {
             gate_up: ProjectionGroup::new(vec![gate, up], vec![i, i])?,
-            down_proj: Linear::new(src.linear(&format!("{p}.down_proj"), h, i)?),
+            down_proj: Linear::new(src.linear(&format!("{p}.down_proj"), h, i)?)?,
         })
     }
 
@@ -143,7 +143,7 @@ impl SelfAttention {
         let v = src.linear(&format!("{p}.v_proj"), kvd, h)?;
         Ok(SelfAttention {
             qkv: ProjectionGroup::new(vec![q, k, v], vec![qd, kvd, kvd])?,
-            o_proj: Linear::new(src.linear(&format!("{p}.o_proj"), h, qd)?),
+            o_proj: Linear::new(src.linear(&format!("{p}.o_proj"), h, qd)?)?,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
         })
@@ -217,7 +217,7 @@ impl Llama {
         attention: AttentionImpl,
         device: &Device,
     ) -> Result<Self> {
-        let embed_tokens = src.embedding(cfg.vocab_size, cfg.hidden_size)?;
+        let embed_tokens = src.embedding(cfg.vocab_size, cfg.hidden_size)?.repack()?;
         let layers = (0..cfg.num_layers)
             .map(|i| DecoderLayer::load(src, i, cfg))
             .collect::<Result<Vec<_>>>()?;
@@ -226,14 +226,14 @@ impl Llama {
         let lm_head = if cfg.tie_word_embeddings {
             embed_tokens.as_linear()?
         } else {
-            src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?
+            Linear::new(src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?)?
         };
         Ok(Llama {
             cfg: cfg.clone(),
             embed_tokens,
             layers,
             norm,
-            lm_head: Linear::new(lm_head),
+            lm_head,
             rotary: RotaryEmbedding::load(cfg, max_positions, device)?,
             max_positions,
             attention,

@@ -25,6 +25,8 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 use super::config::{parse_id_list, ModelConfig, RopeScaling};
+use super::kernels::q8_0x8::Repacked;
+use super::linear::Linear;
 use crate::error::{EngineError, Result};
 
 /// How weights are stored after load.
@@ -49,22 +51,57 @@ pub enum WeightMode {
 #[derive(Debug, Clone)]
 pub enum Embedding {
     Quantized(Arc<QTensor>),
+    /// Q8_0 on CPU in the 8-row layout, shared with a tied output projection.
+    Repacked(Arc<Repacked>),
     Dense(Tensor),
 }
 
 impl Embedding {
-    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Embedding::Quantized(q) => q.embedding(ids)?,
+            Embedding::Dense(t) => t.index_select(ids, 0)?,
+            Embedding::Repacked(rp) => {
+                let ids = ids.to_vec1::<u32>()?;
+                let mut out = vec![0f32; ids.len() * rp.k];
+                for (o, &id) in out.chunks_exact_mut(rp.k).zip(&ids) {
+                    if id as usize >= rp.n {
+                        return Err(EngineError::InvalidBatch(format!(
+                            "token id {id} is outside the vocabulary of {}",
+                            rp.n
+                        )));
+                    }
+                    rp.dequantize_row(id as usize, o);
+                }
+                Tensor::from_vec(out, (ids.len(), rp.k), &candle_core::Device::Cpu)?
+            }
+        })
+    }
+
+    /// A CPU Q8_0 table moves to the 8-row layout (the table and a tied output projection then
+    /// share it); anything else stays as it is.
+    pub fn repack(self) -> Result<Self> {
         match self {
-            Embedding::Quantized(q) => q.embedding(ids),
-            Embedding::Dense(t) => t.index_select(ids, 0),
+            Embedding::Quantized(q)
+                if q.device().is_cpu() && q.dtype() == GgmlDType::Q8_0 && q.rank() == 2 =>
+            {
+                let (n, k) = q.shape().dims2()?;
+                Ok(Embedding::Repacked(Arc::new(Repacked::from_q8_0(
+                    &q.data()?,
+                    n,
+                    k,
+                ))))
+            }
+            other => Ok(other),
         }
     }
 
     /// The same table as an output projection (tied embeddings).
-    pub fn as_linear(&self) -> candle_core::Result<QMatMul> {
+    pub fn as_linear(&self) -> Result<Linear> {
         match self {
-            Embedding::Quantized(q) => QMatMul::from_arc(q.clone()),
-            Embedding::Dense(t) => Ok(QMatMul::Tensor(t.clone())),
+            Embedding::Quantized(q) => Linear::new(QMatMul::from_arc(q.clone())?),
+            Embedding::Repacked(rp) => Ok(Linear::repacked(rp.clone())),
+            Embedding::Dense(t) => Linear::new(QMatMul::Tensor(t.clone())),
         }
     }
 }

@@ -508,7 +508,9 @@ fn health_and_metrics() {
     });
 }
 
-/// The default model end to end: a real answer.
+/// The default model end to end: a real answer. (Not "What is the capital of France?": there the
+/// fp32 model's top two first tokens, "The" and "L", are 0.08 apart, and a quantized kernel's
+/// rounding picks either.)
 #[test]
 fn default_model_answers_over_the_websocket() {
     let _g = model_lock();
@@ -518,7 +520,7 @@ fn default_model_answers_over_the_websocket() {
     );
     run(async {
         let mut c = app.connect().await;
-        c.chat("paris", "What is the capital of France?", greedy(32))
+        c.chat("paris", "Name the capital of France.", greedy(32))
             .await;
         let r = c.reply("paris").await;
         assert_eq!(r.done["finish_reason"], "stop", "{:?}", r.done);

@@ -9,6 +9,7 @@
 
 pub mod q4_1;
 pub mod q8_0;
+pub mod q8_0x8;
 pub mod rope;
 
 use candle_core::{Storage, Tensor};

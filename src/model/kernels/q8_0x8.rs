@@ -1,0 +1,311 @@
+//! Q8_0 weights repacked eight rows at a time, times Q8_0 activations: `out[m, n] = x[m, k] . w[n, k]`.
+//!
+//! The layout (llama.cpp's "repacked" CPU kernels follow the same idea, `ggml_gemm_q4_0_8x8_q8_0`):
+//! for each group of 8 weight rows and each 32-value block, the 8 rows' f32 scales, then their
+//! quants interleaved 4 bytes at a time (`[k0..4 of rows 0..8][k4..8 of rows 0..8]...`). One 32-byte
+//! load then holds 4 consecutive values of 8 output columns, and one broadcast of 4 activation
+//! bytes multiplies all of them: after `maddubs` + `madd` each 32-bit lane is a partial dot product
+//! of one output column. A block's 8 loads leave 8 columns' integer dot products in one register,
+//! scaled by a vector of 8 weight scales: no horizontal sums, no per-pair scale broadcasts. The
+//! micro-kernel keeps up to 4 activation rows in registers against each weight load.
+//!
+//! Weights are repacked once at load; the GGUF bytes are dropped (no second copy). Rows past `n`
+//! in the last group are zero. `dequantize_row` reads a row back (embedding lookups, dense path).
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK};
+
+/// Weight rows per group (one AVX2 register of 32-bit lanes).
+pub const GROUP: usize = 8;
+/// Bytes per (group, block): 8 f32 scales + 8 x 32 quants.
+pub const GROUP_BLOCK_BYTES: usize = GROUP * 4 + GROUP * QK;
+/// Activation rows per micro-kernel call: 4 integer and 4 float accumulators, the weight vector,
+/// its absolute value and a constant fit AVX2's 16 registers.
+const TILE_ROWS: usize = 4;
+/// Weight groups per parallel task: 4 groups of 1536 values are 36 KiB, about L1, and every row
+/// tile of the step passes over them while they are there.
+const GROUPS_PER_TASK: usize = 4;
+
+/// A `[n, k]` Q8_0 matrix in the 8-row layout.
+#[derive(Debug, Clone)]
+pub struct Repacked {
+    pub n: usize,
+    pub k: usize,
+    data: Vec<u8>,
+}
+
+impl Repacked {
+    /// Repacks GGUF Q8_0 bytes (`n` rows of `k / 32` blocks of f16 scale + 32 i8).
+    pub fn from_q8_0(bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        let blocks = k / QK;
+        let row_bytes = blocks * BLOCK_BYTES;
+        assert_eq!(bytes.len(), n * row_bytes, "Q8_0 bytes for [{n}, {k}]");
+        let groups = n.div_ceil(GROUP);
+        let mut data = vec![0u8; groups * blocks * GROUP_BLOCK_BYTES];
+        data.par_chunks_mut(blocks * GROUP_BLOCK_BYTES)
+            .enumerate()
+            .for_each(|(g, dst)| {
+                for b in 0..blocks {
+                    let gb = &mut dst[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                    for r in 0..GROUP {
+                        let row = g * GROUP + r;
+                        if row >= n {
+                            continue;
+                        }
+                        let src = &bytes[row * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                        let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                        gb[r * 4..r * 4 + 4].copy_from_slice(&d.to_le_bytes());
+                        for c in 0..QK / 4 {
+                            let at = GROUP * 4 + c * GROUP * 4 + r * 4;
+                            gb[at..at + 4].copy_from_slice(&src[2 + c * 4..2 + c * 4 + 4]);
+                        }
+                    }
+                }
+            });
+        Repacked { n, k, data }
+    }
+
+    fn blocks(&self) -> usize {
+        self.k / QK
+    }
+
+    fn group(&self, g: usize) -> &[u8] {
+        let len = self.blocks() * GROUP_BLOCK_BYTES;
+        &self.data[g * len..(g + 1) * len]
+    }
+
+    /// Bytes held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `row` as f32 values.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.n && out.len() == self.k);
+        let (g, r) = (row / GROUP, row % GROUP);
+        let data = self.group(g);
+        for (b, ob) in out.chunks_exact_mut(QK).enumerate() {
+            let gb = &data[b * GROUP_BLOCK_BYTES..];
+            let d = f32::from_le_bytes(gb[r * 4..r * 4 + 4].try_into().unwrap());
+            for (i, o) in ob.iter_mut().enumerate() {
+                *o = d * (gb[GROUP * 4 + (i / 4) * GROUP * 4 + r * 4 + i % 4] as i8) as f32;
+            }
+        }
+    }
+
+    /// The whole matrix as f32, `[n, k]` row-major, all threads.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n * self.k];
+        out.par_chunks_mut(self.k)
+            .enumerate()
+            .for_each(|(row, o)| self.dequantize_row(row, o));
+        out
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_with(x, m, super::q8_0::has_avx2())
+    }
+
+    /// As `matmul`, choosing the kernel (tests run both).
+    pub fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k);
+        let a = quantize_rows(x, m, self.k);
+        let groups = self.n.div_ceil(GROUP);
+        // Each task writes `GROUPS_PER_TASK * 8` columns of every row: gather them in a task-local
+        // buffer, then scatter into the row-major result.
+        let per_task: Vec<(usize, Vec<f32>)> = (0..groups.div_ceil(GROUPS_PER_TASK))
+            .into_par_iter()
+            .map(|t| {
+                let g0 = t * GROUPS_PER_TASK;
+                let g1 = (g0 + GROUPS_PER_TASK).min(groups);
+                let mut buf = vec![0f32; (g1 - g0) * m * GROUP];
+                for (gi, g) in (g0..g1).enumerate() {
+                    let w = self.group(g);
+                    let out = &mut buf[gi * m * GROUP..(gi + 1) * m * GROUP];
+                    let mut r0 = 0;
+                    while r0 < m {
+                        let nr = (m - r0).min(TILE_ROWS);
+                        tile(w, &a, r0, nr, &mut out[r0 * GROUP..(r0 + nr) * GROUP], simd);
+                        r0 += nr;
+                    }
+                }
+                (g0, buf)
+            })
+            .collect();
+        let mut out = vec![0f32; m * self.n];
+        for (g0, buf) in per_task {
+            for (gi, gbuf) in buf.chunks_exact(m * GROUP).enumerate() {
+                let c0 = (g0 + gi) * GROUP;
+                let cols = GROUP.min(self.n - c0);
+                for r in 0..m {
+                    out[r * self.n + c0..r * self.n + c0 + cols]
+                        .copy_from_slice(&gbuf[r * GROUP..r * GROUP + cols]);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Scalar reference: one group against rows `r0..r0+nr`; `out` is `nr x 8`.
+pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32]) {
+    for r in 0..nr {
+        let row = r0 + r;
+        for c in 0..GROUP {
+            let mut sum = 0f32;
+            for b in 0..a.blocks {
+                let gb = &w[b * GROUP_BLOCK_BYTES..];
+                let d = f32::from_le_bytes(gb[c * 4..c * 4 + 4].try_into().unwrap());
+                let aq = &a.qs[(row * a.blocks + b) * QK..][..QK];
+                let mut isum = 0i32;
+                for (i, &av) in aq.iter().enumerate() {
+                    let wq = gb[GROUP * 4 + (i / 4) * GROUP * 4 + c * 4 + i % 4] as i8;
+                    isum += wq as i32 * av as i32;
+                }
+                sum += isum as f32 * d * a.scales[row * a.blocks + b];
+            }
+            out[r * GROUP + c] = sum;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` group blocks; rows
+    /// `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile<const NR: usize>(w: &[u8], a: &QuantizedRows, r0: usize, out: &mut [f32]) {
+        debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * GROUP);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); NR];
+        let wp = w.as_ptr();
+        let ap = a.qs.as_ptr();
+        let sp = a.scales.as_ptr();
+        for b in 0..a.blocks {
+            let gb = wp.add(b * GROUP_BLOCK_BYTES);
+            let mut isum = [_mm256_setzero_si256(); NR];
+            for c in 0..QK / 4 {
+                let wv = _mm256_loadu_si256(gb.add(GROUP * 4 + c * 32) as *const __m256i);
+                let aw = _mm256_sign_epi8(wv, wv);
+                for (r, s) in isum.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + c * 4);
+                    let av = _mm256_set1_epi32((at as *const i32).read_unaligned());
+                    let sa = _mm256_sign_epi8(av, wv);
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
+                    *s = _mm256_add_epi32(*s, p);
+                }
+            }
+            let dw = _mm256_loadu_ps(gb as *const f32);
+            for r in 0..NR {
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sp.add((r0 + r) * a.blocks + b)));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), d, acc[r]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * GROUP), *v);
+        }
+    }
+}
+
+/// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+    assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * GROUP_BLOCK_BYTES);
+    assert!(out.len() >= nr * GROUP);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+        unsafe {
+            match nr {
+                4 => avx2::tile::<4>(w, a, r0, out),
+                3 => avx2::tile::<3>(w, a, r0, out),
+                2 => avx2::tile::<2>(w, a, r0, out),
+                _ => avx2::tile::<1>(w, a, r0, out),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    tile_scalar(w, a, r0, nr, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// GGUF Q8_0 bytes for `[n, k]` values.
+    fn q8_0_bytes(w: &[f32], n: usize, k: usize) -> Vec<u8> {
+        let q = quantize_rows(w, n, k);
+        let mut bytes = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
+        for (s, qs) in q.scales.iter().zip(q.qs.chunks_exact(QK)) {
+            bytes.extend_from_slice(&f16::from_f32(*s).to_le_bytes());
+            bytes.extend(qs.iter().map(|&v| v as u8));
+        }
+        bytes
+    }
+
+    #[test]
+    fn repacked_rows_read_back_and_match_the_q8_0_kernel() {
+        let (m, k, n) = (6, 128, 21);
+        let wf = lcg(3, n * k);
+        let bytes = q8_0_bytes(&wf, n, k);
+        let rp = Repacked::from_q8_0(&bytes, n, k);
+        // Rows read back exactly as GGUF's dequantization gives them.
+        let mut row = vec![0f32; k];
+        for j in 0..n {
+            rp.dequantize_row(j, &mut row);
+            for b in 0..k / QK {
+                let src = &bytes[(j * k / QK + b) * BLOCK_BYTES..];
+                let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                for i in 0..QK {
+                    assert_eq!(row[b * QK + i], d * (src[2 + i] as i8) as f32);
+                }
+            }
+        }
+        // Same products as the row-at-a-time Q8_0 kernel.
+        let x = lcg(4, m * k);
+        let want = super::super::q8_0::matmul(&x, m, k, &bytes, n);
+        let got = rp.matmul(&x, m);
+        for (a, b) in want.iter().zip(&got) {
+            assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// SIMD and scalar kernels agree on odd shapes (rows not a multiple of the tile, columns
+        /// not a multiple of the group or of the task).
+        #[test]
+        fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
+            let k = kb * QK;
+            let x = lcg(seed, m * k);
+            let rp = Repacked::from_q8_0(&q8_0_bytes(&lcg(seed ^ 0xabc, n * k), n, k), n, k);
+            let s = rp.matmul_with(&x, m, false);
+            let v = rp.matmul_with(&x, m, true);
+            for (a, b) in s.iter().zip(&v) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
+}
