@@ -3,6 +3,7 @@
 //! latency), with peak RSS. Medians over repeated runs.
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
+//!                                   [--weights auto|keep|f32]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --decode-only 16     # one batch size, many steps (profiling)
@@ -24,6 +25,7 @@ struct Args {
     prompt_only: bool,
     kernels: bool,
     decode_only: Option<usize>,
+    weights: llama_relay::model::loader::WeightMode,
 }
 
 fn parse() -> Args {
@@ -36,6 +38,7 @@ fn parse() -> Args {
         prompt_only: false,
         kernels: false,
         decode_only: None,
+        weights: llama_relay::model::loader::WeightMode::Auto,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -47,6 +50,15 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
+            "--weights" => {
+                use llama_relay::model::loader::WeightMode;
+                a.weights = match it.next().as_deref() {
+                    Some("auto") => WeightMode::Auto,
+                    Some("keep") => WeightMode::Keep,
+                    Some("f32") => WeightMode::F32,
+                    other => panic!("--weights auto|keep|f32, not {other:?}"),
+                }
+            }
             "--decode-only" => {
                 a.decode_only = Some(
                     it.next()
@@ -159,7 +171,7 @@ fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
 
 /// The Q8_0 kernels alone on SmolLM2-135M's projection shapes (QKV stacked, O, gate+up stacked,
 /// down, lm_head), random weights: row-at-a-time tiles (`q8_0`) against the 8-row repacked layout
-/// (`q8_0x8`), and the dense path (dequantize, then F32 gemm), in GFLOP/s (2*m*n*k per call),
+/// (`q8_0x8`), Q4_1 in its 8-row layout (`q4_1x8`), and the dense path (dequantize, then F32 gemm), in GFLOP/s (2*m*n*k per call),
 /// median of reps.
 fn kernels(reps: usize) {
     use llama_relay::model::kernels::{q8_0, q8_0x8::Repacked};
@@ -170,7 +182,9 @@ fn kernels(reps: usize) {
         ("down", 576, 1536),
         ("lm_head", 49152, 576),
     ];
-    println!("shape        m   q8_0 GFLOP/s   q8_0x8 GFLOP/s   dequant+gemm GFLOP/s");
+    println!(
+        "shape        m   q8_0 GFLOP/s   q8_0x8 GFLOP/s   q4_1x8 GFLOP/s   dequant+gemm GFLOP/s"
+    );
     for (name, n, k) in shapes {
         let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
             .iter()
@@ -183,7 +197,14 @@ fn kernels(reps: usize) {
             bytes.extend(qs.iter().map(|&v| v as u8));
         }
         let rp = Repacked::from_q8_0(&bytes, n, k);
-        for m in [1usize, 4, 16, 32, 64, 128, 256] {
+        let wt =
+            candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
+        let q41 =
+            candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
+                .unwrap();
+        let rp4 =
+            llama_relay::model::kernels::q4_1x8::Repacked::from_q4_1(&q41.data().unwrap(), n, k);
+        for m in [1usize, 4, 16, 32, 64, 128, 256, 512] {
             let x: Vec<f32> = wf[..m * k].to_vec();
             let flop = 2.0 * (m * n * k) as f64 / 1e9;
             let time = |f: &dyn Fn()| {
@@ -204,6 +225,9 @@ fn kernels(reps: usize) {
             let b = time(&|| {
                 std::hint::black_box(rp.matmul(&x, m));
             });
+            let b4 = time(&|| {
+                std::hint::black_box(rp4.matmul(&x, m));
+            });
             let xt = candle_core::Tensor::from_vec(x.clone(), (m, k), &candle_core::Device::Cpu)
                 .unwrap();
             let c = time(&|| {
@@ -216,9 +240,10 @@ fn kernels(reps: usize) {
                 std::hint::black_box(xt.matmul(&dense.t().unwrap()).unwrap());
             });
             println!(
-                "{name:<10} {m:>3}   {:>12.1}   {:>14.1}   {:>16.1}",
+                "{name:<10} {m:>3}   {:>12.1}   {:>14.1}   {:>14.1}   {:>16.1}",
                 flop / a,
                 flop / b,
+                flop / b4,
                 flop / c
             );
         }
@@ -259,6 +284,7 @@ fn main() {
         .map(Into::into)
         .unwrap_or_else(|| llama_relay::default_model::ensure_default_model().unwrap());
     let mut o = EngineOptions::for_model(model);
+    o.weights = a.weights;
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
     let mut e = Engine::load(&o).unwrap();
     let vocab = e.model.config().vocab_size;

@@ -17,8 +17,8 @@ use candle_core::{Device, Module, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
-use super::kernels::q8_0x8::Repacked;
-use super::kernels::{self, with_cpu_slice};
+use super::kernels::with_cpu_slice;
+use super::kernels::{q4_1x8, q8_0x8};
 use crate::error::Result;
 
 /// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU. Measured
@@ -36,8 +36,63 @@ pub struct Linear {
 enum Weight {
     /// Anything candle stores (dense, other quantized types, any device).
     Candle(QMatMul),
-    /// Q8_0 on CPU, repacked eight rows at a time for `kernels::q8_0x8`.
-    Q8x8(Arc<Repacked>),
+    /// Q8_0 or Q4_1 on CPU, repacked eight rows at a time.
+    Packed(Arc<Packed>),
+}
+
+/// A CPU weight matrix `[n, k]` in one of the 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`).
+#[derive(Debug)]
+pub enum Packed {
+    Q8_0(q8_0x8::Repacked),
+    Q4_1(q4_1x8::Repacked),
+}
+
+impl Packed {
+    /// Repacks a CPU Q8_0 or Q4_1 matrix; `None` for anything else.
+    pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
+        if !q.device().is_cpu() || q.rank() != 2 {
+            return Ok(None);
+        }
+        let (n, k) = q.shape().dims2()?;
+        if !k.is_multiple_of(32) {
+            return Ok(None);
+        }
+        Ok(match q.dtype() {
+            GgmlDType::Q8_0 => Some(Packed::Q8_0(q8_0x8::Repacked::from_q8_0(&q.data()?, n, k))),
+            GgmlDType::Q4_1 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_1(&q.data()?, n, k))),
+            _ => None,
+        })
+    }
+
+    /// (rows, columns).
+    pub fn dims(&self) -> (usize, usize) {
+        match self {
+            Packed::Q8_0(r) => (r.n, r.k),
+            Packed::Q4_1(r) => (r.n, r.k),
+        }
+    }
+
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        match self {
+            Packed::Q8_0(r) => r.dequantize_row(row, out),
+            Packed::Q4_1(r) => r.dequantize_row(row, out),
+        }
+    }
+
+    pub fn dequantize(&self) -> Vec<f32> {
+        match self {
+            Packed::Q8_0(r) => r.dequantize(),
+            Packed::Q4_1(r) => r.dequantize(),
+        }
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]`.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        match self {
+            Packed::Q8_0(r) => r.matmul(x, m),
+            Packed::Q4_1(r) => r.matmul(x, m),
+        }
+    }
 }
 
 /// Bytes of one Q8_0 block: an f16 scale and 32 signed quants.
@@ -46,15 +101,6 @@ const Q8_0_BLOCK: usize = 34;
 /// Dequantizes a CPU QTensor to F32 using all threads (Q8_0 by hand, other types through candle).
 fn dequantize_par(q: &QTensor) -> Result<Tensor> {
     let (rows, cols) = q.shape().dims2()?;
-    if q.dtype() == GgmlDType::Q4_1 && q.device().is_cpu() {
-        let data = q.data()?;
-        let row_bytes = cols / 32 * kernels::q4_1::BLOCK_BYTES;
-        let mut out = vec![0f32; rows * cols];
-        out.par_chunks_mut(cols)
-            .zip(data.par_chunks(row_bytes))
-            .for_each(|(o, r)| kernels::q4_1::dequantize_row(r, o));
-        return Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?);
-    }
     if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() {
         return Ok(q.dequantize(&q.device())?);
     }
@@ -75,14 +121,12 @@ fn dequantize_par(q: &QTensor) -> Result<Tensor> {
 }
 
 impl Linear {
-    /// Wraps a weight, repacking CPU Q8_0 matrices for `kernels::q8_0x8` (the GGUF bytes are
-    /// dropped with the `QMatMul` unless something else holds them).
+    /// Wraps a weight, repacking CPU Q8_0 and Q4_1 matrices into the 8-row layouts (the GGUF
+    /// bytes are dropped with the `QMatMul` unless something else holds them).
     pub fn new(w: QMatMul) -> Result<Self> {
         if let QMatMul::QTensor(q) = &w {
-            if q.device().is_cpu() && q.dtype() == GgmlDType::Q8_0 && q.rank() == 2 {
-                let (n, k) = q.shape().dims2()?;
-                let rp = Repacked::from_q8_0(&q.data()?, n, k);
-                return Ok(Self::repacked(Arc::new(rp)));
+            if let Some(p) = Packed::from_qtensor(q)? {
+                return Ok(Self::packed(Arc::new(p)));
             }
         }
         Ok(Linear {
@@ -91,13 +135,15 @@ impl Linear {
     }
 
     /// A projection over an already repacked matrix (tied embeddings share theirs).
-    pub fn repacked(w: Arc<Repacked>) -> Self {
-        Linear { w: Weight::Q8x8(w) }
+    pub fn packed(w: Arc<Packed>) -> Self {
+        Linear {
+            w: Weight::Packed(w),
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let q = match &self.w {
-            Weight::Q8x8(rp) => return forward_repacked(rp, x),
+            Weight::Packed(p) => return forward_packed(p, x),
             Weight::Candle(QMatMul::QTensor(q)) => q,
             Weight::Candle(w) => return Ok(w.forward(x)?),
         };
@@ -105,13 +151,6 @@ impl Linear {
         if q.device().is_cpu() && rows >= DENSE_MIN_ROWS {
             let w = dequantize_par(q)?;
             return Ok(x.matmul(&w.t()?)?);
-        }
-        if q.device().is_cpu() && q.dtype() == GgmlDType::Q4_1 && x.rank() == 2 {
-            let (n, k) = q.shape().dims2()?;
-            let data = q.data()?;
-            let x = x.contiguous()?;
-            let out = with_cpu_slice(&x, |xs| kernels::q4_1::matmul(xs, rows, k, &data, n))?;
-            return Ok(Tensor::from_vec(out, (rows, n), &Device::Cpu)?);
         }
         Ok(QMatMul::QTensor(q.clone()).forward(x)?)
     }
@@ -161,26 +200,35 @@ impl Linear {
 }
 
 /// Rows from which a repacked Q8_0 projection runs as dequantize + F32 gemm. The 8-row kernel
-/// holds 95-150 GFLOP/s from 16 rows up; dequantizing first only pays near 256 rows (measured on
+/// holds 110-155 GFLOP/s from 16 rows up; dequantizing first only pays near 256 rows (measured on
 /// SmolLM2's shapes, `cargo bench --bench engine -- --kernels`: at 128 rows the kernel is ahead on
 /// every shape, at 256 the gemm by 3-17%).
-pub const REPACKED_DENSE_MIN_ROWS: usize = 192;
+pub const Q8_0_DENSE_MIN_ROWS: usize = 192;
 
-/// `x [.., k] . w^T` for a repacked Q8_0 matrix: the 8-row kernel for small steps, dequantize +
-/// F32 gemm from `REPACKED_DENSE_MIN_ROWS` rows.
-fn forward_repacked(rp: &Repacked, x: &Tensor) -> Result<Tensor> {
+/// The same for Q4_1, whose kernel holds 160-240 GFLOP/s: ahead of dequantize + gemm on every
+/// shape up to 256 rows, mixed at 512 (same benchmark).
+pub const Q4_1_DENSE_MIN_ROWS: usize = 512;
+
+/// `x [.., k] . w^T` for a repacked matrix: the 8-row kernel for small steps, dequantize + F32
+/// gemm from `Q8_0_DENSE_MIN_ROWS` / `Q4_1_DENSE_MIN_ROWS` rows.
+fn forward_packed(p: &Packed, x: &Tensor) -> Result<Tensor> {
+    let (n, k) = p.dims();
     let mut dims = x.dims().to_vec();
-    let rows = x.elem_count() / rp.k;
-    let x2 = x.reshape((rows, rp.k))?;
-    let out = if rows >= REPACKED_DENSE_MIN_ROWS {
-        let w = Tensor::from_vec(rp.dequantize(), (rp.n, rp.k), &Device::Cpu)?;
+    let rows = x.elem_count() / k;
+    let x2 = x.reshape((rows, k))?;
+    let dense_from = match p {
+        Packed::Q8_0(_) => Q8_0_DENSE_MIN_ROWS,
+        Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
+    };
+    let out = if rows >= dense_from {
+        let w = Tensor::from_vec(p.dequantize(), (n, k), &Device::Cpu)?;
         x2.matmul(&w.t()?)?
     } else {
         let x2 = x2.contiguous()?;
-        let out = with_cpu_slice(&x2, |xs| rp.matmul(xs, rows))?;
-        Tensor::from_vec(out, (rows, rp.n), &Device::Cpu)?
+        let out = with_cpu_slice(&x2, |xs| p.matmul(xs, rows))?;
+        Tensor::from_vec(out, (rows, n), &Device::Cpu)?
     };
-    *dims.last_mut().expect("a matrix") = rp.n;
+    *dims.last_mut().expect("a matrix") = n;
     Ok(out.reshape(dims)?)
 }
 
@@ -251,8 +299,8 @@ mod tests {
             w: Weight::Candle(QMatMul::from_arc(q.clone()).unwrap()),
         };
         let lin = Linear::new(QMatMul::from_arc(q).unwrap()).unwrap();
-        assert!(matches!(lin.w, Weight::Q8x8(_)));
-        for (lin, dense_rows) in [(&kept, DENSE_MIN_ROWS), (&lin, REPACKED_DENSE_MIN_ROWS)] {
+        assert!(matches!(lin.w, Weight::Packed(_)));
+        for (lin, dense_rows) in [(&kept, DENSE_MIN_ROWS), (&lin, Q8_0_DENSE_MIN_ROWS)] {
             let x = Tensor::randn(0f32, 1.0, (dense_rows, 64), &dev).unwrap();
             let dense = lin.forward(&x).unwrap();
             let exact = x.matmul(&deq.t().unwrap()).unwrap();

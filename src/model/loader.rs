@@ -6,13 +6,13 @@
 //! - GGUF stores Q/K projection rows permuted for llama.cpp's interleaved RoPE; we move the rows
 //!   back to the Hugging Face order (the rows of a quantized tensor are whole blocks, so this is a
 //!   byte copy) and use one RoPE for every model, as transformers does.
-//! - candle's CPU kernels have SIMD dot products for Q4_0, Q8_0 and the K-quants but only scalar
-//!   loops for Q4_1, Q5_0 and Q5_1; on CPU those are requantized to Q8_0 at load (Q4_K/Q6_K would
-//!   need rows that are multiples of 256, which SmolLM2's 576 is not). F16/BF16 become F32.
-//!   `weights = "keep"` keeps Q4_1 as stored and runs it on our AVX2 kernel (`kernels::q4_1`):
-//!   measured as fast as Q8_0 for SmolLM2 (105 vs 108 tok/s decode), with 80 MiB less memory, but
-//!   its rounding flips the default model's near-tie first token (margin 0.08), so it is not the
-//!   default.
+//! - On CPU, Q8_0 and Q4_1 run on our 8-row kernels (`kernels::q8_0x8`, `kernels::q4_1x8`; the
+//!   matrices are repacked by `linear.rs`). candle has only scalar loops for Q5_0 and Q5_1: those
+//!   are requantized to Q8_0 at load (Q4_K/Q6_K would need rows that are multiples of 256, which
+//!   SmolLM2's 576 is not). F16/BF16 become F32. `weights = "keep"` keeps every type as stored.
+//!   The default model's Q4_1 used to be requantized to Q8_0 too; kept, it decodes 161 against
+//!   126 tok/s single-stream and 383 against 285 at 16 sequences (`cargo bench --bench engine --
+//!   --weights keep` against the Q8_0 build, same machine, same hour).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -25,8 +25,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
 use super::config::{parse_id_list, ModelConfig, RopeScaling};
-use super::kernels::q8_0x8::Repacked;
-use super::linear::Linear;
+use super::linear::{Linear, Packed};
 use crate::error::{EngineError, Result};
 
 /// How weights are stored after load.
@@ -39,7 +38,8 @@ pub struct LoadOptions {
 /// What quantized weights become at load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightMode {
-    /// The fastest layout on this device: on CPU, types without a SIMD kernel become Q8_0.
+    /// The fastest layout on this device: on CPU, types without a fast kernel (Q5_0, Q5_1) become
+    /// Q8_0; Q8_0 and Q4_1 run on our 8-row kernels.
     Auto,
     /// As stored in the file.
     Keep,
@@ -51,8 +51,8 @@ pub enum WeightMode {
 #[derive(Debug, Clone)]
 pub enum Embedding {
     Quantized(Arc<QTensor>),
-    /// Q8_0 on CPU in the 8-row layout, shared with a tied output projection.
-    Repacked(Arc<Repacked>),
+    /// Q8_0 or Q4_1 on CPU in an 8-row layout, shared with a tied output projection.
+    Packed(Arc<Packed>),
     Dense(Tensor),
 }
 
@@ -61,46 +61,39 @@ impl Embedding {
         Ok(match self {
             Embedding::Quantized(q) => q.embedding(ids)?,
             Embedding::Dense(t) => t.index_select(ids, 0)?,
-            Embedding::Repacked(rp) => {
+            Embedding::Packed(p) => {
+                let (n, k) = p.dims();
                 let ids = ids.to_vec1::<u32>()?;
-                let mut out = vec![0f32; ids.len() * rp.k];
-                for (o, &id) in out.chunks_exact_mut(rp.k).zip(&ids) {
-                    if id as usize >= rp.n {
+                let mut out = vec![0f32; ids.len() * k];
+                for (o, &id) in out.chunks_exact_mut(k).zip(&ids) {
+                    if id as usize >= n {
                         return Err(EngineError::InvalidBatch(format!(
-                            "token id {id} is outside the vocabulary of {}",
-                            rp.n
+                            "token id {id} is outside the vocabulary of {n}"
                         )));
                     }
-                    rp.dequantize_row(id as usize, o);
+                    p.dequantize_row(id as usize, o);
                 }
-                Tensor::from_vec(out, (ids.len(), rp.k), &candle_core::Device::Cpu)?
+                Tensor::from_vec(out, (ids.len(), k), &candle_core::Device::Cpu)?
             }
         })
     }
 
-    /// A CPU Q8_0 table moves to the 8-row layout (the table and a tied output projection then
-    /// share it); anything else stays as it is.
+    /// A CPU Q8_0 or Q4_1 table moves to an 8-row layout (the table and a tied output
+    /// projection then share it); anything else stays as it is.
     pub fn repack(self) -> Result<Self> {
-        match self {
-            Embedding::Quantized(q)
-                if q.device().is_cpu() && q.dtype() == GgmlDType::Q8_0 && q.rank() == 2 =>
-            {
-                let (n, k) = q.shape().dims2()?;
-                Ok(Embedding::Repacked(Arc::new(Repacked::from_q8_0(
-                    &q.data()?,
-                    n,
-                    k,
-                ))))
+        if let Embedding::Quantized(q) = &self {
+            if let Some(p) = Packed::from_qtensor(q)? {
+                return Ok(Embedding::Packed(Arc::new(p)));
             }
-            other => Ok(other),
         }
+        Ok(self)
     }
 
     /// The same table as an output projection (tied embeddings).
     pub fn as_linear(&self) -> Result<Linear> {
         match self {
             Embedding::Quantized(q) => Linear::new(QMatMul::from_arc(q.clone())?),
-            Embedding::Repacked(rp) => Ok(Linear::repacked(rp.clone())),
+            Embedding::Packed(p) => Ok(Linear::packed(p.clone())),
             Embedding::Dense(t) => Linear::new(QMatMul::Tensor(t.clone())),
         }
     }
@@ -310,10 +303,8 @@ fn target_type(stored: GgmlDType, in_dim: usize, opts: &LoadOptions) -> GgmlDTyp
         WeightMode::Auto => {}
     }
     match stored {
-        // Scalar-only in candle's CPU backend: requantize to Q8_0 (SIMD on AVX2 and NEON).
-        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim.is_multiple_of(32) => {
-            GgmlDType::Q8_0
-        }
+        // Scalar-only in candle's CPU backend and no kernel of ours: requantize to Q8_0.
+        GgmlDType::Q5_0 | GgmlDType::Q5_1 if in_dim.is_multiple_of(32) => GgmlDType::Q8_0,
         // Half precision weights: candle's CPU matmul for them goes through F32 anyway.
         GgmlDType::F16 | GgmlDType::BF16 => GgmlDType::F32,
         other => other,

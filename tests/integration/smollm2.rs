@@ -1,5 +1,5 @@
-//! The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, requantized to Q8_0 on CPU)
-//! against transformers' fp32 references of the dequantized model. Quantized kernels differ
+//! The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF, run on our Q4_1 kernel) against
+//! transformers' fp32 references of the dequantized model. Quantized kernels differ
 //! legitimately (see tests/fixtures/README.shared.md, Part A), hence teacher forcing and the
 //! quantized-kernel tolerances.
 
@@ -21,9 +21,9 @@ fn teacher_forced_top1_agrees_with_reference() {
     teacher_forced(WeightMode::Auto);
 }
 
-/// Q4_1 kept as stored, on our own Q4_1 kernel.
+/// Every type kept as stored (for this file the same weights as `Auto`: Q4_1 and a Q8_0 tensor).
 #[test]
-fn teacher_forced_top1_agrees_with_q4_1_kept() {
+fn teacher_forced_top1_agrees_with_weights_kept() {
     teacher_forced(WeightMode::Keep);
 }
 
@@ -108,9 +108,11 @@ fn last_position_logits_within_quantized_tolerance() {
     ] {
         let (_, want) = read_npy(&fixtures().join("smollm2").join(file));
         let got = prompt_logits(&mut e, ids(&lj[key]["ids"]));
-        // Softmax ignores a constant shift of all logits, and candle's Q8_0 kernels shift them
-        // (raw mean-abs-diff 0.20 / 0.35 here, of which the centered part is 0.12 / 0.16), so the
-        // mean is compared after centering each vector; the max is compared raw.
+        // Softmax ignores a constant shift of all logits, and quantized weights shift them (raw
+        // mean-abs-diff 0.11 / 0.66 here, of which the centered part is 0.09 / 0.14), so the mean
+        // is compared after centering each vector; the max is compared raw. The chat prompt's
+        // first reply token is a near-tie in fp32 ("The" 25.33 against "L" 25.24) that Q4_1
+        // rounding turns over, as Q8_0 rounding can: its argmax is not asserted.
         let centered = |v: &[f32]| {
             let m = v.iter().sum::<f32>() / v.len() as f32;
             v.iter().map(|x| x - m).collect::<Vec<f32>>()

@@ -2,12 +2,15 @@
 //!
 //! candle's quantized matmul runs one dot product per (activation row, weight row) pair and stays
 //! at ~39 GFLOP/s on this machine whatever the batch, so a step over 16 sequences costs 16 steps
-//! over one. `q8_0` loads each weight block once for a tile of activation rows; `q4_1` does the
-//! same for Q4_1 weights kept as stored (`weights = "keep"`), where candle has only a scalar loop.
-//! Each kernel has a scalar reference that the tests compare it with; the SIMD path is chosen at run time by CPU
-//! feature detection.
+//! over one. Activations are quantized once per call (`q8_0::quantize_rows`, ggml's Q8_0 with
+//! Q8_1's block sums). `q8_0x8` and `q4_1x8` hold Q8_0 and Q4_1 weights repacked eight rows at a
+//! time, so one weight load serves 8 output columns and up to 4 activation rows with no horizontal
+//! sums (the engine's projections and the tied embedding use them); `q8_0` is the earlier
+//! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
+//! in tests. Each kernel has a scalar reference that proptests compare it with on odd shapes; the
+//! AVX2 path is chosen at run time by CPU feature detection, the scalar one elsewhere.
 
-pub mod q4_1;
+pub mod q4_1x8;
 pub mod q8_0;
 pub mod q8_0x8;
 pub mod rope;

@@ -23,7 +23,7 @@ pub const GROUP: usize = 8;
 pub const GROUP_BLOCK_BYTES: usize = GROUP * 4 + GROUP * QK;
 /// Activation rows per micro-kernel call: 4 integer and 4 float accumulators, the weight vector,
 /// its absolute value and a constant fit AVX2's 16 registers.
-const TILE_ROWS: usize = 4;
+pub(crate) const TILE_ROWS: usize = 4;
 /// Weight groups per parallel task: 4 groups of 1536 values are 36 KiB, about L1, and every row
 /// tile of the step passes over them while they are there.
 const GROUPS_PER_TASK: usize = 4;
@@ -114,41 +114,58 @@ impl Repacked {
     pub fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
         assert_eq!(x.len(), m * self.k);
         let a = quantize_rows(x, m, self.k);
-        let groups = self.n.div_ceil(GROUP);
-        // Each task writes `GROUPS_PER_TASK * 8` columns of every row: gather them in a task-local
-        // buffer, then scatter into the row-major result.
-        let per_task: Vec<(usize, Vec<f32>)> = (0..groups.div_ceil(GROUPS_PER_TASK))
-            .into_par_iter()
-            .map(|t| {
-                let g0 = t * GROUPS_PER_TASK;
-                let g1 = (g0 + GROUPS_PER_TASK).min(groups);
-                let mut buf = vec![0f32; (g1 - g0) * m * GROUP];
-                for (gi, g) in (g0..g1).enumerate() {
-                    let w = self.group(g);
-                    let out = &mut buf[gi * m * GROUP..(gi + 1) * m * GROUP];
-                    let mut r0 = 0;
-                    while r0 < m {
-                        let nr = (m - r0).min(TILE_ROWS);
-                        tile(w, &a, r0, nr, &mut out[r0 * GROUP..(r0 + nr) * GROUP], simd);
-                        r0 += nr;
-                    }
-                }
-                (g0, buf)
-            })
-            .collect();
-        let mut out = vec![0f32; m * self.n];
-        for (g0, buf) in per_task {
-            for (gi, gbuf) in buf.chunks_exact(m * GROUP).enumerate() {
-                let c0 = (g0 + gi) * GROUP;
-                let cols = GROUP.min(self.n - c0);
-                for r in 0..m {
-                    out[r * self.n + c0..r * self.n + c0 + cols]
-                        .copy_from_slice(&gbuf[r * GROUP..r * GROUP + cols]);
+        grouped_matmul(
+            self.n,
+            &a,
+            |g| self.group(g),
+            |w, a, r0, nr, out| tile(w, a, r0, nr, out, simd),
+        )
+    }
+}
+
+/// The driver the 8-row kernels share: output columns in tasks of `GROUPS_PER_TASK` groups (a
+/// task's weights stay in L1 while every tile of up to 4 activation rows passes over them), then
+/// the task results scattered into the row-major `[m, n]` result. `group(g)` is group `g`'s bytes;
+/// `tile(w, a, r0, nr, out)` writes rows `r0..r0+nr` x 8 columns into `out`.
+pub(crate) fn grouped_matmul<'w>(
+    n: usize,
+    a: &QuantizedRows,
+    group: impl Fn(usize) -> &'w [u8] + Sync,
+    tile: impl Fn(&[u8], &QuantizedRows, usize, usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let m = a.rows;
+    let groups = n.div_ceil(GROUP);
+    let per_task: Vec<(usize, Vec<f32>)> = (0..groups.div_ceil(GROUPS_PER_TASK))
+        .into_par_iter()
+        .map(|t| {
+            let g0 = t * GROUPS_PER_TASK;
+            let g1 = (g0 + GROUPS_PER_TASK).min(groups);
+            let mut buf = vec![0f32; (g1 - g0) * m * GROUP];
+            for (gi, g) in (g0..g1).enumerate() {
+                let w = group(g);
+                let out = &mut buf[gi * m * GROUP..(gi + 1) * m * GROUP];
+                let mut r0 = 0;
+                while r0 < m {
+                    let nr = (m - r0).min(TILE_ROWS);
+                    tile(w, a, r0, nr, &mut out[r0 * GROUP..(r0 + nr) * GROUP]);
+                    r0 += nr;
                 }
             }
+            (g0, buf)
+        })
+        .collect();
+    let mut out = vec![0f32; m * n];
+    for (g0, buf) in per_task {
+        for (gi, gbuf) in buf.chunks_exact(m * GROUP).enumerate() {
+            let c0 = (g0 + gi) * GROUP;
+            let cols = GROUP.min(n - c0);
+            for r in 0..m {
+                out[r * n + c0..r * n + c0 + cols]
+                    .copy_from_slice(&gbuf[r * GROUP..r * GROUP + cols]);
+            }
         }
-        out
     }
+    out
 }
 
 /// Scalar reference: one group against rows `r0..r0+nr`; `out` is `nr x 8`.

@@ -1,0 +1,342 @@
+//! Q4_1 weights repacked eight rows at a time, times Q8_0 activations (`q8_0x8`'s layout idea for
+//! 4-bit weights; the default model is Q4_1).
+//!
+//! A Q4_1 value is `d * q + m` with `q` in 0..16, so a block's dot product with an activation block
+//! (scale `da`, quants `qa`, `sa = da * sum(qa)`) is `d * da * sum(q * qa) + m * sa`. Per group of
+//! 8 rows and 32-value block: 8 f32 scales `d`, 8 f32 minimums `m`, then 4 x 32 bytes of nibbles.
+//! Byte `r * 4 + i` of the `s`-th 32 bytes holds row `r`'s value `8s + i` in its low nibble and
+//! value `8s + 4 + i` in its high nibble, so one load and two masks give two 4-value steps of
+//! `q8_0x8`'s kernel for 8 rows. The nibbles are unsigned, so `maddubs` takes them as they are, and
+//! its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole block's 8
+//! steps: one `madd` per block instead of one per step. Half the weight bytes of Q8_0 (24 bytes
+//! per 32 values against 36), which is what single-stream decode is bound by.
+
+use half::f16;
+use rayon::prelude::*;
+
+use super::q8_0::{quantize_rows, QuantizedRows, QK};
+use super::q8_0x8::{grouped_matmul, GROUP, TILE_ROWS};
+
+/// Bytes per GGUF Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
+pub const BLOCK_BYTES: usize = 20;
+/// Bytes per (group, block): 8 f32 scales, 8 f32 minimums, 8 x 16 bytes of nibbles.
+pub const GROUP_BLOCK_BYTES: usize = GROUP * 8 + GROUP * QK / 2;
+/// Offset of the nibbles in a group block.
+const QS: usize = GROUP * 8;
+
+/// A `[n, k]` Q4_1 matrix in the 8-row layout.
+#[derive(Debug, Clone)]
+pub struct Repacked {
+    pub n: usize,
+    pub k: usize,
+    data: Vec<u8>,
+}
+
+/// Where row `r`'s value `i` (0..32) of a block sits: (byte offset from `QS`, high nibble?).
+#[inline]
+fn nibble_at(r: usize, i: usize) -> (usize, bool) {
+    let (s, j) = (i / 8, i % 8);
+    (s * 32 + r * 4 + j % 4, j >= 4)
+}
+
+impl Repacked {
+    /// Repacks GGUF Q4_1 bytes (`n` rows of `k / 32` blocks).
+    pub fn from_q4_1(bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        let blocks = k / QK;
+        let row_bytes = blocks * BLOCK_BYTES;
+        assert_eq!(bytes.len(), n * row_bytes, "Q4_1 bytes for [{n}, {k}]");
+        let mut data = vec![0u8; n.div_ceil(GROUP) * blocks * GROUP_BLOCK_BYTES];
+        data.par_chunks_mut(blocks * GROUP_BLOCK_BYTES)
+            .enumerate()
+            .for_each(|(g, dst)| {
+                for b in 0..blocks {
+                    let gb = &mut dst[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                    for r in 0..GROUP {
+                        let row = g * GROUP + r;
+                        if row >= n {
+                            continue;
+                        }
+                        let src = &bytes[row * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                        let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                        let m = f16::from_le_bytes([src[2], src[3]]).to_f32();
+                        gb[r * 4..r * 4 + 4].copy_from_slice(&d.to_le_bytes());
+                        gb[GROUP * 4 + r * 4..GROUP * 4 + r * 4 + 4]
+                            .copy_from_slice(&m.to_le_bytes());
+                        for i in 0..QK {
+                            // GGUF: value j is the low nibble of byte j, value j + 16 its high one.
+                            let q = if i < 16 {
+                                src[4 + i] & 0x0F
+                            } else {
+                                src[4 + i - 16] >> 4
+                            };
+                            let (at, high) = nibble_at(r, i);
+                            gb[QS + at] |= if high { q << 4 } else { q };
+                        }
+                    }
+                }
+            });
+        Repacked { n, k, data }
+    }
+
+    fn blocks(&self) -> usize {
+        self.k / QK
+    }
+
+    fn group(&self, g: usize) -> &[u8] {
+        let len = self.blocks() * GROUP_BLOCK_BYTES;
+        &self.data[g * len..(g + 1) * len]
+    }
+
+    /// Bytes held.
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row `row` as f32 values.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.n && out.len() == self.k);
+        let (g, r) = (row / GROUP, row % GROUP);
+        let data = self.group(g);
+        for (b, ob) in out.chunks_exact_mut(QK).enumerate() {
+            let gb = &data[b * GROUP_BLOCK_BYTES..];
+            let (d, m) = scale_min(gb, r);
+            for (i, o) in ob.iter_mut().enumerate() {
+                *o = quant(gb, r, i) as f32 * d + m;
+            }
+        }
+    }
+
+    /// The whole matrix as f32, `[n, k]` row-major, all threads.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.n * self.k];
+        out.par_chunks_mut(self.k)
+            .enumerate()
+            .for_each(|(row, o)| self.dequantize_row(row, o));
+        out
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_with(x, m, super::q8_0::has_avx2())
+    }
+
+    /// As `matmul`, choosing the kernel (tests run both).
+    pub fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
+        assert_eq!(x.len(), m * self.k);
+        let a = quantize_rows(x, m, self.k);
+        grouped_matmul(
+            self.n,
+            &a,
+            |g| self.group(g),
+            |w, a, r0, nr, out| tile(w, a, r0, nr, out, simd),
+        )
+    }
+}
+
+#[inline]
+fn scale_min(gb: &[u8], r: usize) -> (f32, f32) {
+    let f = |at: usize| f32::from_le_bytes(gb[at..at + 4].try_into().unwrap());
+    (f(r * 4), f(GROUP * 4 + r * 4))
+}
+
+#[inline]
+fn quant(gb: &[u8], r: usize, i: usize) -> u8 {
+    let (at, high) = nibble_at(r, i);
+    let b = gb[QS + at];
+    if high {
+        b >> 4
+    } else {
+        b & 0x0F
+    }
+}
+
+/// Scalar reference: one group against rows `r0..r0+nr`; `out` is `nr x 8`.
+pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32]) {
+    for r in 0..nr {
+        let row = r0 + r;
+        for c in 0..GROUP {
+            let mut sum = 0f32;
+            for b in 0..a.blocks {
+                let gb = &w[b * GROUP_BLOCK_BYTES..];
+                let (d, m) = scale_min(gb, c);
+                let aq = &a.qs[(row * a.blocks + b) * QK..][..QK];
+                let mut isum = 0i32;
+                for (i, &av) in aq.iter().enumerate() {
+                    isum += quant(gb, c, i) as i32 * av as i32;
+                }
+                let ai = row * a.blocks + b;
+                sum += d * a.scales[ai] * isum as f32 + m * a.sums[ai];
+            }
+            out[r * GROUP + c] = sum;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` group blocks; rows
+    /// `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn tile<const NR: usize>(w: &[u8], a: &QuantizedRows, r0: usize, out: &mut [f32]) {
+        debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * GROUP);
+        let ones = _mm256_set1_epi16(1);
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); NR];
+        let wp = w.as_ptr();
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let gb = wp.add(b * GROUP_BLOCK_BYTES);
+            let mut s16 = [_mm256_setzero_si256(); NR];
+            for s in 0..4 {
+                let v = _mm256_loadu_si256(gb.add(QS + s * 32) as *const __m256i);
+                let lo = _mm256_and_si256(v, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (r, acc16) in s16.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
+                    let a_lo = _mm256_set1_epi32(at.read_unaligned());
+                    let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
+                    *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(lo, a_lo));
+                    *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(hi, a_hi));
+                }
+            }
+            let dw = _mm256_loadu_ps(gb as *const f32);
+            let mw = _mm256_loadu_ps(gb.add(GROUP * 4) as *const f32);
+            for r in 0..NR {
+                let ai = (r0 + r) * a.blocks + b;
+                let isum = _mm256_madd_epi16(s16[r], ones);
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*a.scales.get_unchecked(ai)));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), d, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.sums.get_unchecked(ai)), acc[r]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * GROUP), *v);
+        }
+    }
+}
+
+/// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+    assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * GROUP_BLOCK_BYTES);
+    assert!(out.len() >= nr * GROUP);
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+        unsafe {
+            match nr {
+                4 => avx2::tile::<4>(w, a, r0, out),
+                3 => avx2::tile::<3>(w, a, r0, out),
+                2 => avx2::tile::<2>(w, a, r0, out),
+                _ => avx2::tile::<1>(w, a, r0, out),
+            }
+        }
+        return;
+    }
+    let _ = simd;
+    tile_scalar(w, a, r0, nr, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn lcg(seed: u64, n: usize) -> Vec<u64> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                x >> 33
+            })
+            .collect()
+    }
+
+    /// Random GGUF Q4_1 bytes for `[n, k]` (scales 0.001..0.05, minimums -0.4..0).
+    fn q4_1_bytes(seed: u64, n: usize, k: usize) -> Vec<u8> {
+        let r = lcg(seed, n * k / QK * BLOCK_BYTES);
+        let mut bytes = Vec::with_capacity(r.len());
+        for blk in r.chunks_exact(BLOCK_BYTES) {
+            let d = 0.001 + (blk[0] % 1000) as f32 * 0.00005;
+            let m = -((blk[1] % 1000) as f32) * 0.0004;
+            bytes.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+            bytes.extend_from_slice(&f16::from_f32(m).to_le_bytes());
+            bytes.extend(blk[4..].iter().map(|&v| v as u8));
+        }
+        bytes
+    }
+
+    fn xs(seed: u64, n: usize) -> Vec<f32> {
+        lcg(seed, n)
+            .iter()
+            .map(|&v| (v % 20001) as f32 / 10000.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn rows_read_back_as_gguf_and_products_match_a_reference() {
+        let (m, k, n) = (6, 128, 21);
+        let bytes = q4_1_bytes(5, n, k);
+        let rp = Repacked::from_q4_1(&bytes, n, k);
+        let row_bytes = k / QK * BLOCK_BYTES;
+        // Rows read back as GGUF defines Q4_1: value j is the low nibble of byte j, j + 16 its
+        // high one; `d * q + m`.
+        let mut deq = vec![0f32; n * k];
+        for j in 0..n {
+            for b in 0..k / QK {
+                let src = &bytes[j * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
+                let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                let mm = f16::from_le_bytes([src[2], src[3]]).to_f32();
+                for i in 0..16 {
+                    deq[j * k + b * QK + i] = (src[4 + i] & 0x0F) as f32 * d + mm;
+                    deq[j * k + b * QK + i + 16] = (src[4 + i] >> 4) as f32 * d + mm;
+                }
+            }
+            let mut got = vec![0f32; k];
+            rp.dequantize_row(j, &mut got);
+            assert_eq!(got, deq[j * k..(j + 1) * k], "row {j}");
+        }
+        // Products against an f64 reference on those weights and the quantized activations.
+        let x = xs(6, m * k);
+        let a = quantize_rows(&x, m, k);
+        let got = rp.matmul(&x, m);
+        for r in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|i| {
+                        let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
+                        deq[j * k + i] as f64 * av
+                    })
+                    .sum();
+                let g = got[r * n + j] as f64;
+                assert!(
+                    (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "({r},{j}): {g} vs {want}"
+                );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// SIMD and scalar kernels agree on odd shapes.
+        #[test]
+        fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
+            let k = kb * QK;
+            let rp = Repacked::from_q4_1(&q4_1_bytes(seed, n, k), n, k);
+            let x = xs(seed ^ 0x5a5a, m * k);
+            let s = rp.matmul_with(&x, m, false);
+            let v = rp.matmul_with(&x, m, true);
+            for (a, b) in s.iter().zip(&v) {
+                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            }
+        }
+    }
+}
