@@ -6,7 +6,8 @@
 //!                                   [--weights auto|keep|f32]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
-//!     cargo bench --bench engine -- --decode-only 16     # one batch size, many steps (profiling)
+//!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
+//!     cargo bench --bench engine -- --chunk 44 --context 464   # a cache-hit turn's prefill step
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -25,6 +26,8 @@ struct Args {
     prompt_only: bool,
     kernels: bool,
     decode_only: Option<usize>,
+    context: usize,
+    chunk: Option<usize>,
     weights: llama_relay::model::loader::WeightMode,
 }
 
@@ -38,6 +41,8 @@ fn parse() -> Args {
         prompt_only: false,
         kernels: false,
         decode_only: None,
+        context: 128,
+        chunk: None,
         weights: llama_relay::model::loader::WeightMode::Auto,
     };
     let mut it = std::env::args().skip(1);
@@ -50,6 +55,8 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
+            "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
+            "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
             "--weights" => {
                 use llama_relay::model::loader::WeightMode;
                 a.weights = match it.next().as_deref() {
@@ -296,9 +303,42 @@ fn main() {
         e.info.weight_types.join(", ")
     );
     prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up
+    if let Some(n) = a.chunk {
+        // A cache-hit turn: `n` new prompt tokens after `--context` cached ones, one sequence.
+        let ctx = a.context;
+        let bs = e.cache.block_size();
+        let mut table = Vec::new();
+        assert!(e.pool.ensure_capacity(&mut table, ctx + n, bs));
+        let seq = |tokens: Vec<u32>, start_pos: usize, want_logits: bool| StepBatch {
+            seqs: vec![SeqChunk {
+                tokens,
+                start_pos,
+                block_table: table.clone(),
+                want_logits,
+            }],
+        };
+        if ctx > 0 {
+            e.model
+                .forward(&seq(tokens(ctx, 1, vocab), 0, false), &e.cache)
+                .unwrap();
+        }
+        let step = seq(tokens(n, 2, vocab), ctx, true);
+        let t = median(
+            (0..10 * a.reps.max(1))
+                .map(|_| {
+                    let t = Instant::now();
+                    e.model.forward(&step, &e.cache).unwrap();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect(),
+        );
+        println!("{n} new tokens after {ctx} cached: {:.1} ms", t * 1e3);
+        e.pool.release(&table);
+        return;
+    }
     if let Some(n) = a.decode_only {
         // One batch size alone, many steps: for profiling a decode step (`perf record`).
-        let t = decode_batch(&mut e, n, 128, 40 * a.reps.max(1));
+        let t = decode_batch(&mut e, n, a.context, 40 * a.reps.max(1));
         println!(
             "decode {n} seqs: step {:.2} ms, {:.1} tok/s",
             t * 1e3,

@@ -318,7 +318,15 @@ impl Batcher {
                 }
             }
         }
-        let logits = match self.engine.model.forward(&sch.batch, &self.engine.cache) {
+        let t_step = Instant::now();
+        let result = self.engine.model.forward(&sch.batch, &self.engine.cache);
+        tracing::debug!(
+            seqs = sch.batch.seqs.len(),
+            tokens = sch.batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
+            forward_ms = t_step.elapsed().as_secs_f64() * 1e3,
+            "step"
+        );
+        let logits = match result {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward step failed; failing its requests");

@@ -48,7 +48,8 @@ pub enum Packed {
 }
 
 impl Packed {
-    /// Repacks a CPU Q8_0 or Q4_1 matrix; `None` for anything else.
+    /// Repacks a CPU Q8_0, Q4_1 or Q4_0 matrix (Q4_0 as Q4_1 with minimum `-8 d`); `None` for
+    /// anything else.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         if !q.device().is_cpu() || q.rank() != 2 {
             return Ok(None);
@@ -60,6 +61,7 @@ impl Packed {
         Ok(match q.dtype() {
             GgmlDType::Q8_0 => Some(Packed::Q8_0(q8_0x8::Repacked::from_q8_0(&q.data()?, n, k))),
             GgmlDType::Q4_1 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_1(&q.data()?, n, k))),
+            GgmlDType::Q4_0 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_0(&q.data()?, n, k))),
             _ => None,
         })
     }

@@ -9,7 +9,8 @@
 //! `q8_0x8`'s kernel for 8 rows. The nibbles are unsigned, so `maddubs` takes them as they are, and
 //! its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole block's 8
 //! steps: one `madd` per block instead of one per step. Half the weight bytes of Q8_0 (24 bytes
-//! per 32 values against 36), which is what single-stream decode is bound by.
+//! per 32 values against 36), which is what single-stream decode is bound by. Q4_0 (`d * (q - 8)`)
+//! is repacked into the same layout with minimum `-8 d` and runs on the same kernel.
 
 use half::f16;
 use rayon::prelude::*;
@@ -19,6 +20,8 @@ use super::q8_0x8::{grouped_matmul, GROUP, TILE_ROWS};
 
 /// Bytes per GGUF Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 pub const BLOCK_BYTES: usize = 20;
+/// Bytes per GGUF Q4_0 block: f16 scale, 16 bytes of nibbles.
+pub const Q4_0_BLOCK_BYTES: usize = 18;
 /// Bytes per (group, block): 8 f32 scales, 8 f32 minimums, 8 x 16 bytes of nibbles.
 pub const GROUP_BLOCK_BYTES: usize = GROUP * 8 + GROUP * QK / 2;
 /// Offset of the nibbles in a group block.
@@ -77,6 +80,26 @@ impl Repacked {
                 }
             });
         Repacked { n, k, data }
+    }
+
+    /// Repacks GGUF Q4_0 bytes (`n` rows of `k / 32` blocks of f16 scale + 16 bytes of nibbles,
+    /// value `d * (q - 8)`): the same layout with minimum `-8 d`, so Q4_0 runs on this kernel too.
+    pub fn from_q4_0(bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        assert_eq!(
+            bytes.len(),
+            n * k / QK * Q4_0_BLOCK_BYTES,
+            "Q4_0 bytes for [{n}, {k}]"
+        );
+        // As Q4_1 blocks: the scale, a minimum of -8 * scale, the same nibbles.
+        let mut q4_1 = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
+        for b in bytes.chunks_exact(Q4_0_BLOCK_BYTES) {
+            let d = f16::from_le_bytes([b[0], b[1]]);
+            q4_1.extend_from_slice(&d.to_le_bytes());
+            q4_1.extend_from_slice(&f16::from_f32(-8.0 * d.to_f32()).to_le_bytes());
+            q4_1.extend_from_slice(&b[2..]);
+        }
+        Self::from_q4_1(&q4_1, n, k)
     }
 
     fn blocks(&self) -> usize {
@@ -320,6 +343,33 @@ mod tests {
                     (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
                     "({r},{j}): {g} vs {want}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn q4_0_rows_read_back_as_gguf() {
+        let (k, n) = (64, 9);
+        let r = lcg(11, n * k / QK * Q4_0_BLOCK_BYTES);
+        let mut bytes = Vec::new();
+        for blk in r.chunks_exact(Q4_0_BLOCK_BYTES) {
+            bytes.extend_from_slice(&f16::from_f32(0.001 * (1 + blk[0] % 50) as f32).to_le_bytes());
+            bytes.extend(blk[2..].iter().map(|&v| v as u8));
+        }
+        let rp = Repacked::from_q4_0(&bytes, n, k);
+        let mut got = vec![0f32; k];
+        for j in 0..n {
+            rp.dequantize_row(j, &mut got);
+            for b in 0..k / QK {
+                let src = &bytes[(j * k / QK + b) * Q4_0_BLOCK_BYTES..][..Q4_0_BLOCK_BYTES];
+                let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+                for i in 0..16 {
+                    let lo = ((src[2 + i] & 0x0F) as i32 - 8) as f32 * d;
+                    let hi = ((src[2 + i] >> 4) as i32 - 8) as f32 * d;
+                    // -8 d is exact in f16, and d * q - 8 d = d * (q - 8) exactly in f32.
+                    assert_eq!(got[b * QK + i], lo);
+                    assert_eq!(got[b * QK + i + 16], hi);
+                }
             }
         }
     }
