@@ -3,7 +3,7 @@
 //! latency), with peak RSS. Medians over repeated runs.
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
-//!                                   [--weights auto|keep|f32]
+//!                                   [--weights auto|keep|f32] [--kv-f16]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
@@ -28,6 +28,7 @@ struct Args {
     decode_only: Option<usize>,
     context: usize,
     chunk: Option<usize>,
+    kv_f16: bool,
     weights: llama_relay::model::loader::WeightMode,
 }
 
@@ -43,6 +44,7 @@ fn parse() -> Args {
         decode_only: None,
         context: 128,
         chunk: None,
+        kv_f16: false,
         weights: llama_relay::model::loader::WeightMode::Auto,
     };
     let mut it = std::env::args().skip(1);
@@ -55,6 +57,7 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
+            "--kv-f16" => a.kv_f16 = true,
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
             "--weights" => {
@@ -292,6 +295,9 @@ fn main() {
         .unwrap_or_else(|| llama_relay::default_model::ensure_default_model().unwrap());
     let mut o = EngineOptions::for_model(model);
     o.weights = a.weights;
+    if a.kv_f16 {
+        o.kv_dtype = candle_core::DType::F16;
+    }
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
     let mut e = Engine::load(&o).unwrap();
     let vocab = e.model.config().vocab_size;

@@ -42,6 +42,7 @@ pub struct EngineSettings {
     pub max_context: usize,
     pub attention: String,
     pub weights: String,
+    pub kv_dtype: String,
     pub malloc_tuning: bool,
 }
 
@@ -344,6 +345,17 @@ impl Settings {
                 ))
             }
         };
+        let kv_dtype = match e.kv_dtype.as_str() {
+            "f32" => candle_core::DType::F32,
+            "f16" => candle_core::DType::F16,
+            other => {
+                return Err(invalid(
+                    "engine.kv_dtype",
+                    format!("{other:?}"),
+                    "\"f32\" or \"f16\"",
+                ))
+            }
+        };
         let path = |s: &str| {
             if s.is_empty() {
                 None
@@ -364,6 +376,7 @@ impl Settings {
             },
             attention,
             weights,
+            kv_dtype,
         })
     }
 }
@@ -474,6 +487,18 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("engine.attention"));
+        let mut s = Settings::load(None).unwrap();
+        s.engine.kv_dtype = "bf16".into();
+        let e = s.engine_options().unwrap_err().to_string();
+        assert!(
+            e.contains("engine.kv_dtype") && e.contains("\"f16\""),
+            "{e}"
+        );
+        s.engine.kv_dtype = "f16".into();
+        assert_eq!(
+            s.engine_options().unwrap().kv_dtype,
+            candle_core::DType::F16
+        );
     }
 
     #[test]

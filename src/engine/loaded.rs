@@ -37,6 +37,8 @@ pub struct EngineOptions {
     /// `None` = the fastest for the device.
     pub attention: Option<AttentionImpl>,
     pub weights: WeightMode,
+    /// KV cache element type: F32 or F16.
+    pub kv_dtype: candle_core::DType,
 }
 
 impl EngineOptions {
@@ -51,6 +53,7 @@ impl EngineOptions {
             max_context: None,
             attention: None,
             weights: WeightMode::Auto,
+            kv_dtype: candle_core::DType::F32,
         }
     }
 }
@@ -129,10 +132,12 @@ impl Engine {
         let model = Llama::load(src.as_mut(), &cfg, max_positions, imp, &opts.device)?;
         let weight_types = src.load_summary();
         let spec = match opts.cache {
-            CacheSize::Mib(m) => KvCacheSpec::from_bytes(&cfg, opts.block_size, m << 20),
+            CacheSize::Mib(m) => {
+                KvCacheSpec::from_bytes(&cfg, opts.kv_dtype, opts.block_size, m << 20)
+            }
             CacheSize::Tokens(t) => KvCacheSpec::from_tokens(opts.block_size, t),
         };
-        let cache = KvCache::new(&cfg, spec, &opts.device)?;
+        let cache = KvCache::new(&cfg, spec, opts.kv_dtype, &opts.device)?;
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -144,7 +149,8 @@ impl Engine {
             "model loaded"
         );
         tracing::info!(
-            bytes_per_token = KvCacheSpec::bytes_per_token(&cfg),
+            bytes_per_token = KvCacheSpec::bytes_per_token(&cfg, opts.kv_dtype),
+            dtype = ?opts.kv_dtype,
             block_size = spec.block_size,
             blocks = spec.num_blocks,
             tokens = spec.num_slots(),

@@ -1,5 +1,5 @@
 //! The KV cache tensors: one K and one V tensor of shape `[layers, num_blocks * block_size,
-//! num_kv_heads * head_dim]`, F32; each layer works on its view. Rows are slots; a block is
+//! num_kv_heads * head_dim]`, F32 or F16 (`engine.kv_dtype`); each layer works on its view. Rows are slots; a block is
 //! `block_size` consecutive rows. One allocation each (not one per layer) so that the allocator maps
 //! fresh zero pages instead of clearing heap memory: a 1 GiB cache then costs nothing at start-up
 //! and pages are touched only as sequences fill them.
@@ -20,14 +20,14 @@ pub struct KvCacheSpec {
 }
 
 impl KvCacheSpec {
-    /// Bytes one token takes across all layers (K and V, F32).
-    pub fn bytes_per_token(cfg: &ModelConfig) -> usize {
-        2 * cfg.num_layers * cfg.kv_dim() * DType::F32.size_in_bytes()
+    /// Bytes one token takes across all layers (K and V).
+    pub fn bytes_per_token(cfg: &ModelConfig, dtype: DType) -> usize {
+        2 * cfg.num_layers * cfg.kv_dim() * dtype.size_in_bytes()
     }
 
     /// The largest whole number of blocks that fits in `bytes`.
-    pub fn from_bytes(cfg: &ModelConfig, block_size: usize, bytes: usize) -> Self {
-        let per_block = Self::bytes_per_token(cfg) * block_size;
+    pub fn from_bytes(cfg: &ModelConfig, dtype: DType, block_size: usize, bytes: usize) -> Self {
+        let per_block = Self::bytes_per_token(cfg, dtype) * block_size;
         KvCacheSpec {
             block_size,
             num_blocks: bytes / per_block,
@@ -51,12 +51,23 @@ pub struct KvCache {
     spec: KvCacheSpec,
     kv_dim: usize,
     layers: usize,
+    dtype: DType,
     k: Tensor,
     v: Tensor,
 }
 
 impl KvCache {
-    pub fn new(cfg: &ModelConfig, spec: KvCacheSpec, device: &Device) -> Result<Self> {
+    pub fn new(
+        cfg: &ModelConfig,
+        spec: KvCacheSpec,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if !matches!(dtype, DType::F32 | DType::F16) {
+            return Err(EngineError::KvCache(format!(
+                "the cache holds F32 or F16, not {dtype:?}"
+            )));
+        }
         if spec.block_size == 0 || spec.num_blocks == 0 {
             return Err(EngineError::KvCache(format!(
                 "the cache needs at least one block of at least one token (block_size {}, blocks {})",
@@ -68,8 +79,9 @@ impl KvCache {
             spec,
             kv_dim: cfg.kv_dim(),
             layers: cfg.num_layers,
-            k: Tensor::zeros(shape, DType::F32, device)?,
-            v: Tensor::zeros(shape, DType::F32, device)?,
+            dtype,
+            k: Tensor::zeros(shape, dtype, device)?,
+            v: Tensor::zeros(shape, dtype, device)?,
         })
     }
 
@@ -91,7 +103,11 @@ impl KvCache {
 
     /// Total bytes of K and V over all layers.
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.spec.num_slots() * self.kv_dim * DType::F32.size_in_bytes()
+        2 * self.layers * self.spec.num_slots() * self.kv_dim * self.dtype.size_in_bytes()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Views of one layer's K and V, `[slots, kv_dim]` (no copy).
@@ -103,8 +119,8 @@ impl KvCache {
     /// row filled with its slot id, as candle's scatter wants).
     pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
         let (kc, vc) = self.layer(layer)?;
-        kc.scatter_set(slot_index, &k.contiguous()?, 0)?;
-        vc.scatter_set(slot_index, &v.contiguous()?, 0)?;
+        kc.scatter_set(slot_index, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
+        vc.scatter_set(slot_index, &v.to_dtype(self.dtype)?.contiguous()?, 0)?;
         Ok(())
     }
 }

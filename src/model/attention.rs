@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use crate::engine::step::SeqMeta;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::slot_of;
-use crate::model::kernels::with_cpu_slice;
+use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,32 +51,81 @@ pub fn paged_attention(
     }
 }
 
+/// An element of the KV cache: F32, or F16 read into F32 lanes as it is loaded.
+pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// Eight values from `p` as F32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `p` must point to 8 readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+/// Whether the AVX2 + FMA + F16C paths may run.
+fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| {
+            crate::model::kernels::q8_0::has_avx2() && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 #[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
     // Eight independent lanes so the compiler keeps one vector accumulator (AVX2: one ymm).
     let mut acc = [0f32; 8];
     let chunks = a.len() / 8;
     for c in 0..chunks {
         let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
         for l in 0..8 {
-            acc[l] += x[l] * y[l];
+            acc[l] += x[l] * y[l].to_f32();
         }
     }
     let mut s: f32 = acc.iter().sum();
     for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
+        s += a[i] * b[i].to_f32();
     }
     s
 }
 
 /// Dot products of one query head with four key rows at once: four independent accumulators hide
 /// the latency of the adds that a single dot product waits on (measured: attention was ~20% of a
-/// 16-sequence decode step with one accumulator). AVX2+FMA when the CPU has them.
+/// 16-sequence decode step with one accumulator). AVX2 when the CPU has it.
 #[inline]
-fn dot4<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
+fn dot4<T: KvElem, const D: usize>(q: &[f32; D], k: [&[T; D]; 4]) -> [f32; 4] {
     #[cfg(target_arch = "x86_64")]
-    if crate::model::kernels::q8_0::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected; every row is D wide and D is a multiple of 8.
+    if simd() {
+        // SAFETY: AVX2, FMA and F16C were detected; every row is D wide, D a multiple of 8.
         return unsafe { dot4_avx2(q, k) };
     }
     let mut out = [0f32; 4];
@@ -87,16 +136,16 @@ fn dot4<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
 }
 
 /// # Safety
-/// The CPU must support AVX2 and FMA; `D` must be a multiple of 8.
+/// The CPU must support AVX2, FMA and F16C; `D` must be a multiple of 8.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot4_avx2<const D: usize>(q: &[f32; D], k: [&[f32; D]; 4]) -> [f32; 4] {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot4_avx2<T: KvElem, const D: usize>(q: &[f32; D], k: [&[T; D]; 4]) -> [f32; 4] {
     use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_ps(); 4];
     for c in (0..D).step_by(8) {
         let qv = _mm256_loadu_ps(q.as_ptr().add(c));
         for j in 0..4 {
-            acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j].as_ptr().add(c)), acc[j]);
+            acc[j] = _mm256_fmadd_ps(qv, T::load8(k[j].as_ptr().add(c)), acc[j]);
         }
     }
     let mut out = [0f32; 4];
@@ -170,9 +219,9 @@ unsafe fn exp8_minus(x: &mut [f32], m: f32) {
 
 /// Scores of the `group` query heads in `q` against positions `0..ctx` (`krow(p)` is position
 /// `p`'s key row for this KV head), scaled, into `scores[qh * ctx + p]`.
-fn scores_for<'a, const D: usize>(
+fn scores_for<'a, T: KvElem, const D: usize>(
     q: &[f32],
-    krow: &impl Fn(usize) -> &'a [f32],
+    krow: &impl Fn(usize) -> &'a [T],
     ctx: usize,
     scale: f32,
     scores: &mut [f32],
@@ -182,7 +231,7 @@ fn scores_for<'a, const D: usize>(
         .chunks_exact(D)
         .map(|c| c.try_into().expect("D wide"))
         .collect();
-    let key = |p: usize| -> &[f32; D] { krow(p).try_into().expect("a key row is D wide") };
+    let key = |p: usize| -> &[T; D] { krow(p).try_into().expect("a key row is D wide") };
     let mut p = 0;
     while p + 4 <= ctx {
         let k = [key(p), key(p + 1), key(p + 2), key(p + 3)];
@@ -204,21 +253,121 @@ fn scores_for<'a, const D: usize>(
 /// `out = sum_p w[p] * v(p)` with the accumulator in registers (a const width lets the compiler
 /// keep all of it in vector registers across the loop instead of storing it every position).
 #[inline]
-fn weighted_sum<'a, const D: usize>(w: &[f32], v: &impl Fn(usize) -> &'a [f32], out: &mut [f32]) {
+fn weighted_sum<'a, T: KvElem, const D: usize>(
+    w: &[f32],
+    v: &impl Fn(usize) -> &'a [T],
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if simd() && D == 64 {
+        // SAFETY: AVX2, FMA and F16C were detected; every value row is D = 64 wide.
+        unsafe { weighted_sum64_avx2(w, v, out) };
+        return;
+    }
     let mut acc = [0f32; D];
     for (p, &wp) in w.iter().enumerate() {
-        let row: &[f32; D] = v(p).try_into().expect("a value row is D wide");
+        let row: &[T; D] = v(p).try_into().expect("a value row is D wide");
         for i in 0..D {
-            acc[i] = wp.mul_add(row[i], acc[i]);
+            acc[i] = wp.mul_add(row[i].to_f32(), acc[i]);
         }
     }
     out.copy_from_slice(&acc);
 }
 
+/// `weighted_sum` for 64-wide rows: eight ymm accumulators.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; every `v(p)` must hold 64 values, `out` too.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weighted_sum64_avx2<'a, T: KvElem>(
+    w: &[f32],
+    v: &impl Fn(usize) -> &'a [T],
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 8];
+    for (p, &wp) in w.iter().enumerate() {
+        let row = v(p);
+        assert!(row.len() >= 64);
+        let wv = _mm256_set1_ps(wp);
+        for (c, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(wv, T::load8(row.as_ptr().add(c * 8)), *a);
+        }
+    }
+    assert!(out.len() >= 64);
+    for (c, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), *a);
+    }
+}
+
 #[inline]
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+fn axpy<T: KvElem>(y: &mut [f32], a: f32, x: &[T]) {
     for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+        *y += a * x.to_f32();
+    }
+}
+
+/// What every task of one `fast_cpu` call shares.
+struct Attend<'a> {
+    n_tokens: usize,
+    h: usize,
+    hd: usize,
+    group: usize,
+    scale: f32,
+    /// (sequence, position) of each flat row.
+    row_seq: &'a [(usize, usize)],
+    /// Each sequence's cache row offsets by position.
+    seq_rows: &'a [Vec<usize>],
+}
+
+impl Attend<'_> {
+    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T], tmp: &mut [f32]) {
+        let (n_tokens, h, hd, group, scale) =
+            (self.n_tokens, self.h, self.hd, self.group, self.scale);
+        // One task per (kv head, token), kv head major: a thread's run of tasks reads one head's K
+        // and V for token after token. Results land in `tmp` in that order and are moved to the
+        // output's token-major rows after.
+        tmp.par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each(|(i, o)| {
+                let (g, t) = (i / n_tokens, i % n_tokens);
+                let (si, pos) = self.row_seq[t];
+                let rows = &self.seq_rows[si];
+                let ctx = pos + 1;
+                let qrow = &qs[t * h * hd + g * group * hd..t * h * hd + (g + 1) * group * hd];
+                let mut scores = vec![0f32; group * ctx];
+                let krow = |p: usize| &ks[rows[p] + g * hd..rows[p] + (g + 1) * hd];
+                match hd {
+                    64 => scores_for::<T, 64>(qrow, &krow, ctx, scale, &mut scores),
+                    128 => scores_for::<T, 128>(qrow, &krow, ctx, scale, &mut scores),
+                    _ => {
+                        for p in 0..ctx {
+                            for qh in 0..group {
+                                scores[qh * ctx + p] =
+                                    dot(&qrow[qh * hd..(qh + 1) * hd], krow(p)) * scale;
+                            }
+                        }
+                    }
+                }
+                for qh in 0..group {
+                    softmax(&mut scores[qh * ctx..(qh + 1) * ctx]);
+                }
+                let vrow = |p: usize| &vs[rows[p] + g * hd..rows[p] + (g + 1) * hd];
+                for qh in 0..group {
+                    let w = &scores[qh * ctx..(qh + 1) * ctx];
+                    let out = &mut o[qh * hd..(qh + 1) * hd];
+                    match hd {
+                        64 => weighted_sum::<T, 64>(w, &vrow, out),
+                        128 => weighted_sum::<T, 128>(w, &vrow, out),
+                        _ => {
+                            for (p, &wp) in w.iter().enumerate() {
+                                axpy(out, wp, vrow(p));
+                            }
+                        }
+                    }
+                }
+            });
     }
 }
 
@@ -255,57 +404,22 @@ fn fast_cpu(
     let q = q.contiguous()?;
     let mut out = vec![0f32; n_tokens * h * hd];
     let mut tmp = vec![0f32; n_tokens * h * hd];
-    with_cpu_slice(&q, |qs| {
-        with_cpu_slice(k_cache, |ks| {
-            with_cpu_slice(v_cache, |vs| {
-                // One task per (kv head, token), kv head major: a thread's run of tasks reads one
-                // head's K and V (~250 KB at 500 positions, in L2) for token after token, where
-                // token-major order cycled through all heads' K/V and read them from L3 (a
-                // 44-token chunk at position 464 took 150 ms). Results land in `tmp` in that
-                // order and are moved to `out`'s token-major rows after.
-                tmp.par_chunks_mut(group * hd)
-                    .enumerate()
-                    .for_each(|(i, o)| {
-                        let (g, t) = (i / n_tokens, i % n_tokens);
-                        let (si, pos) = row_seq[t];
-                        let rows = &seq_rows[si];
-                        let ctx = pos + 1;
-                        let qrow =
-                            &qs[t * h * hd + g * group * hd..t * h * hd + (g + 1) * group * hd];
-                        let mut scores = vec![0f32; group * ctx];
-                        let krow = |p: usize| &ks[rows[p] + g * hd..rows[p] + (g + 1) * hd];
-                        match hd {
-                            64 => scores_for::<64>(qrow, &krow, ctx, scale, &mut scores),
-                            128 => scores_for::<128>(qrow, &krow, ctx, scale, &mut scores),
-                            _ => {
-                                for p in 0..ctx {
-                                    for qh in 0..group {
-                                        scores[qh * ctx + p] =
-                                            dot(&qrow[qh * hd..(qh + 1) * hd], krow(p)) * scale;
-                                    }
-                                }
-                            }
-                        }
-                        for qh in 0..group {
-                            softmax(&mut scores[qh * ctx..(qh + 1) * ctx]);
-                        }
-                        let vrow = |p: usize| &vs[rows[p] + g * hd..rows[p] + (g + 1) * hd];
-                        for qh in 0..group {
-                            let w = &scores[qh * ctx..(qh + 1) * ctx];
-                            let out = &mut o[qh * hd..(qh + 1) * hd];
-                            match hd {
-                                64 => weighted_sum::<64>(w, &vrow, out),
-                                128 => weighted_sum::<128>(w, &vrow, out),
-                                _ => {
-                                    for (p, &wp) in w.iter().enumerate() {
-                                        axpy(out, wp, vrow(p));
-                                    }
-                                }
-                            }
-                        }
-                    });
-            })
-        })
+    let a = Attend {
+        n_tokens,
+        h,
+        hd,
+        group,
+        scale,
+        row_seq: &row_seq,
+        seq_rows: &seq_rows,
+    };
+    with_cpu_slice(&q, |qs| match k_cache.dtype() {
+        DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {
+            with_cpu_slice_of::<half::f16, _>(v_cache, |vs| a.run(qs, ks, vs, &mut tmp))
+        }),
+        _ => with_cpu_slice_of::<f32, _>(k_cache, |ks| {
+            with_cpu_slice_of::<f32, _>(v_cache, |vs| a.run(qs, ks, vs, &mut tmp))
+        }),
     })???;
     for (i, o) in tmp.chunks_exact(group * hd).enumerate() {
         let (g, t) = (i / n_tokens, i % n_tokens);
@@ -336,6 +450,7 @@ fn generic(
         let expand = |cache: &Tensor| -> candle_core::Result<Tensor> {
             cache
                 .index_select(&idx, 0)?
+                .to_dtype(DType::F32)?
                 .reshape((ctx, kvh, hd))?
                 .transpose(0, 1)?
                 .unsqueeze(1)?

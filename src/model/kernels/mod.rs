@@ -37,3 +37,28 @@ pub fn with_cpu_slice<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
         )),
     }
 }
+
+/// Runs `f` on the contents of a contiguous CPU tensor of element type `T` (F32 or F16 here).
+pub fn with_cpu_slice_of<T: candle_core::WithDType, R>(
+    t: &Tensor,
+    f: impl FnOnce(&[T]) -> R,
+) -> Result<R> {
+    if !t.is_contiguous() {
+        return Err(EngineError::InvalidBatch(
+            "CPU kernels need contiguous tensors".into(),
+        ));
+    }
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => {
+            let v = T::cpu_storage_as_slice(cpu).map_err(|e| {
+                EngineError::InvalidBatch(format!("CPU kernel on the wrong element type: {e}"))
+            })?;
+            let start = layout.start_offset();
+            Ok(f(&v[start..start + t.elem_count()]))
+        }
+        _ => Err(EngineError::InvalidBatch(
+            "CPU kernels run on CPU tensors only".into(),
+        )),
+    }
+}
