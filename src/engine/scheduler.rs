@@ -14,8 +14,10 @@
 //! once their K/V have been written.
 //!
 //! Blocks can outlive their request. A session's *lease* keeps its conversation's full blocks
-//! referenced between turns (up to a cap per session and in all), so the next turn prefills only
-//! the new message; leases are the first thing dropped, oldest first, when blocks run out, and then
+//! referenced between turns (up to a cap per session and in all), and the partly filled block
+//! after them with the tokens it holds (only the lease references it: nothing else can share a
+//! block that is not full), so the next turn prefills only the new message, not the end of the last
+//! reply back to a block boundary; leases are the first thing dropped, oldest first, when blocks run out, and then
 //! the next turn simply finds fewer cached blocks. *Pinned* prefixes (configured system prompts)
 //! are prefilled once and never dropped.
 
@@ -107,6 +109,8 @@ pub struct Scheduler {
     /// Session leases by age (front = oldest): order -> (lease key, blocks).
     leases: std::collections::BTreeMap<u64, (u64, Vec<u32>)>,
     lease_order: std::collections::HashMap<u64, u64>,
+    /// Lease key -> the tokens in its last block, when that block is only partly filled.
+    lease_tails: std::collections::HashMap<u64, Vec<u32>>,
     next_lease: u64,
     /// Pinned prefixes' blocks (held for good).
     pinned: Vec<Vec<u32>>,
@@ -125,6 +129,7 @@ impl Scheduler {
             prefix_hits: 0,
             leases: Default::default(),
             lease_order: Default::default(),
+            lease_tails: Default::default(),
             next_lease: 0,
             pinned: Vec::new(),
         }
@@ -255,12 +260,21 @@ impl Scheduler {
         };
         let s = self.running.remove(i);
         let bs = self.cfg.block_size;
-        let keep = match lease {
-            Some(_) if self.cfg.prefix_caching && self.cfg.lease_tokens_per_session > 0 => {
-                (s.computed.min(self.cfg.lease_tokens_per_session) / bs).min(s.block_table.len())
-            }
-            _ => 0,
+        let leasing =
+            lease.is_some() && self.cfg.prefix_caching && self.cfg.lease_tokens_per_session > 0;
+        let keep = if leasing {
+            (s.computed.min(self.cfg.lease_tokens_per_session) / bs).min(s.block_table.len())
+        } else {
+            0
         };
+        // The partly filled block after the full ones, when the cap leaves room for all of it.
+        let tail_len = s.computed - keep * bs;
+        let tail = leasing
+            && tail_len > 0
+            && tail_len < bs
+            && s.computed <= self.cfg.lease_tokens_per_session
+            && s.block_table.len() > keep;
+        let held = keep + usize::from(tail);
         if keep > 0 {
             // Make the kept blocks findable before holding them.
             let mut parent = None;
@@ -273,15 +287,19 @@ impl Scheduler {
                 parent = Some(self.pool.register(*b, parent, s.salt, chunk));
             }
         }
-        self.pool.release_table(&s.block_table[keep..]);
+        self.pool.release_table(&s.block_table[held..]);
         if let Some(key) = lease {
             self.drop_lease(key);
-            if keep > 0 {
+            if held > 0 {
                 let order = self.next_lease;
                 self.next_lease += 1;
                 self.leases
-                    .insert(order, (key, s.block_table[..keep].to_vec()));
+                    .insert(order, (key, s.block_table[..held].to_vec()));
                 self.lease_order.insert(key, order);
+                if tail {
+                    self.lease_tails
+                        .insert(key, s.tokens[keep * bs..s.computed].to_vec());
+                }
                 let cap = self.cfg.lease_tokens_total / bs;
                 while self.held_blocks().0 > cap && self.drop_oldest_lease() {}
             }
@@ -290,6 +308,7 @@ impl Scheduler {
 
     /// Drops a session's lease (its blocks stay cached until evicted). Idempotent.
     pub fn drop_lease(&mut self, key: u64) {
+        self.lease_tails.remove(&key);
         if let Some(order) = self.lease_order.remove(&key) {
             if let Some((_, table)) = self.leases.remove(&order) {
                 self.pool.release_table(&table);
@@ -362,8 +381,27 @@ impl Scheduler {
         s.hashes = hashes;
         s.computed = shared.len() * bs;
         s.block_table = shared;
-        // The session's previous lease has served: its blocks are now referenced by this request.
         if let Some(k) = s.lease {
+            // The lease's partly filled last block continues this sequence when the full blocks
+            // before it matched and its tokens come next (with a token left to compute): the
+            // lease's reference moves to the sequence.
+            if let (Some(tail), Some(order)) = (self.lease_tails.get(&k), self.lease_order.get(&k))
+            {
+                let table = &self.leases[order].1;
+                let start = (table.len() - 1) * bs;
+                if s.block_table.len() == table.len() - 1
+                    && s.tokens.len() > start + tail.len()
+                    && s.tokens[start..start + tail.len()] == tail[..]
+                {
+                    s.computed = start + tail.len();
+                    let order = *order;
+                    self.lease_tails.remove(&k);
+                    let b = self.leases.get_mut(&order).and_then(|(_, t)| t.pop());
+                    s.block_table.extend(b);
+                }
+            }
+            // The session's previous lease has served: its blocks are now referenced by this
+            // request.
             self.drop_lease(k);
         }
         if !s.started {
@@ -746,6 +784,44 @@ mod tests {
         s.finish(2, None);
         s.drop_lease(42);
         assert_eq!(s.pool().used_count(), 0);
+    }
+
+    #[test]
+    fn a_lease_keeps_its_partly_filled_block_and_the_next_turn_continues_it() {
+        let mut s = caching(16, 64, 64);
+        let turn1: Vec<u32> = (0..12).collect();
+        s.add(1, turn1.clone(), 15, 0).unwrap();
+        step(&mut s);
+        step(&mut s);
+        step(&mut s); // 12 prompt + 3 generated; 14 computed: 3 full blocks and 2 tokens
+        s.finish(1, Some(42));
+        assert_eq!(s.held_blocks().0, 4, "3 full blocks and the partial one");
+        assert_eq!(s.pool().used_count(), 4);
+        // Turn 2 continues exactly: all 14 computed tokens are reused, the partial block included.
+        let mut turn2 = s_tokens(&turn1, 3);
+        turn2.extend([50, 51, 52]);
+        s.add(2, turn2.clone(), 20, 0).unwrap();
+        s.set_lease(2, 42);
+        assert_eq!(step(&mut s).started, vec![(2, 14)]);
+        assert_eq!(s.held_blocks().0, 0);
+        assert_eq!(
+            s.pool().used_count(),
+            5,
+            "the partial block was continued, not copied"
+        );
+        s.pool().check().unwrap();
+        s.finish(2, Some(42));
+        // Turn 3 diverges inside the partial block: only the full blocks are reused, and the
+        // partial block the lease held is freed.
+        let mut turn3 = turn2[..13].to_vec();
+        turn3.extend([90, 91, 92, 93]);
+        s.add(3, turn3, 20, 0).unwrap();
+        s.set_lease(3, 42);
+        assert_eq!(step(&mut s).started, vec![(3, 12)]);
+        s.finish(3, None);
+        s.drop_lease(42);
+        assert_eq!(s.pool().used_count(), 0);
+        s.pool().check().unwrap();
     }
 
     /// Turn 1's tokens as the scheduler generated them in the test above (7 sampled thrice).
