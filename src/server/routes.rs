@@ -15,8 +15,12 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/health", web::get().to(health))
         .route("/metrics", web::get().to(metrics))
         .route("/", web::get().to(index))
+        .route("/", web::head().to(index))
         .route("/widget/{id}", web::get().to(widget_check))
-        .route("/{file:[A-Za-z0-9_.-]+}", web::get().to(static_file));
+        .route("/{file:[A-Za-z0-9_.-]+}", web::get().to(static_file))
+        // HEAD for the static files too (caches and CDNs revalidate with it); actix sends the
+        // headers without the body.
+        .route("/{file:[A-Za-z0-9_.-]+}", web::head().to(static_file));
 }
 
 async fn health(state: web::Data<AppState>) -> HttpResponse {

@@ -372,6 +372,14 @@ fn widget_script_and_origin_check() {
             .await
             .unwrap();
         assert_eq!(r.status(), 304);
+        let mut r = awc::Client::new()
+            .head(format!("http://{}/widget.js", app.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(header(&r, "etag"), etag);
+        assert!(r.body().await.unwrap().is_empty(), "HEAD has no body");
         let r = get("/", &[]).await.unwrap();
         assert!(header(&r, "content-security-policy").contains("script-src 'self'"));
 
