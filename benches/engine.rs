@@ -200,12 +200,7 @@ fn kernels(reps: usize) {
             .iter()
             .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
             .collect();
-        let q = q8_0::quantize_rows(&wf, n, k);
-        let mut bytes = Vec::with_capacity(n * k / 32 * 34);
-        for (sc, qs) in q.scales.iter().zip(q.qs.chunks_exact(32)) {
-            bytes.extend_from_slice(&half::f16::from_f32(*sc).to_le_bytes());
-            bytes.extend(qs.iter().map(|&v| v as u8));
-        }
+        let bytes = q8_0::to_gguf_bytes(&wf, n, k);
         let rp = Repacked::from_q8_0(&bytes, n, k);
         let wt =
             candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();

@@ -157,6 +157,8 @@ pub struct Batcher {
     metrics: Arc<Metrics>,
     /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions.
     reported: [u64; 4],
+    /// The scheduler's `holds_version` when the held-blocks gauge was last counted.
+    held_counted: Option<u64>,
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: HashMap<u64, Instant>,
@@ -175,6 +177,7 @@ impl Batcher {
             max_context: cfg.max_context,
             metrics,
             reported: [0; 4],
+            held_counted: None,
             lease_grace: cfg.lease_grace,
             lease_expiry: HashMap::new(),
         }
@@ -193,7 +196,12 @@ impl Batcher {
         m.requests_waiting.set(self.sched.waiting_len() as i64);
         let st = self.sched.pool().stats();
         m.kv_blocks_used.set(st.used as i64);
-        m.kv_blocks_held.set(self.sched.held_distinct() as i64);
+        // Counting held blocks walks every lease: only when leases or pins changed.
+        let version = self.sched.holds_version();
+        if self.held_counted != Some(version) {
+            self.held_counted = Some(version);
+            m.kv_blocks_held.set(self.sched.held_distinct() as i64);
+        }
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.

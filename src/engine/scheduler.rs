@@ -114,6 +114,8 @@ pub struct Scheduler {
     next_lease: u64,
     /// Pinned prefixes' blocks (held for good).
     pinned: Vec<Vec<u32>>,
+    /// Changes whenever leases or pins change (so the held-block count is recounted only then).
+    holds_version: u64,
 }
 
 impl Scheduler {
@@ -132,6 +134,7 @@ impl Scheduler {
             lease_tails: Default::default(),
             next_lease: 0,
             pinned: Vec::new(),
+            holds_version: 0,
         }
     }
 
@@ -231,6 +234,11 @@ impl Scheduler {
         });
     }
 
+    /// A number that changes whenever `held_distinct` may have.
+    pub fn holds_version(&self) -> u64 {
+        self.holds_version
+    }
+
     /// Distinct blocks referenced only by leases and pins once nothing runs (the idle level).
     pub fn held_distinct(&self) -> usize {
         let mut all: std::collections::HashSet<u32> = std::collections::HashSet::new();
@@ -295,6 +303,7 @@ impl Scheduler {
                 self.next_lease += 1;
                 self.leases
                     .insert(order, (key, s.block_table[..held].to_vec()));
+                self.holds_version += 1;
                 self.lease_order.insert(key, order);
                 if tail {
                     self.lease_tails
@@ -312,6 +321,7 @@ impl Scheduler {
         if let Some(order) = self.lease_order.remove(&key) {
             if let Some((_, table)) = self.leases.remove(&order) {
                 self.pool.release_table(&table);
+                self.holds_version += 1;
             }
         }
     }
@@ -439,6 +449,7 @@ impl Scheduler {
                     let keep = p.hashes.len();
                     self.pool.release_table(&p.block_table[keep..]);
                     self.pinned.push(p.block_table[..keep].to_vec());
+                    self.holds_version += 1;
                 } else {
                     i += 1;
                 }

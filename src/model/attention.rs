@@ -310,7 +310,6 @@ fn axpy<T: KvElem>(y: &mut [f32], a: f32, x: &[T]) {
 
 /// What every task of one `fast_cpu` call shares.
 struct Attend<'a> {
-    n_tokens: usize,
     h: usize,
     hd: usize,
     group: usize,
@@ -322,16 +321,14 @@ struct Attend<'a> {
 }
 
 impl Attend<'_> {
-    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T], tmp: &mut [f32]) {
-        let (n_tokens, h, hd, group, scale) =
-            (self.n_tokens, self.h, self.hd, self.group, self.scale);
-        // One task per (kv head, token), kv head major: a thread's run of tasks reads one head's K
-        // and V for token after token. Results land in `tmp` in that order and are moved to the
-        // output's token-major rows after.
-        tmp.par_chunks_mut(group * hd)
+    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T], out: &mut [f32]) {
+        let (h, hd, group, scale) = (self.h, self.hd, self.group, self.scale);
+        let kvh = h / group;
+        // One task per (token, kv head): its `group` query heads are contiguous in `out`.
+        out.par_chunks_mut(group * hd)
             .enumerate()
             .for_each(|(i, o)| {
-                let (g, t) = (i / n_tokens, i % n_tokens);
+                let (t, g) = (i / kvh, i % kvh);
                 let (si, pos) = self.row_seq[t];
                 let rows = &self.seq_rows[si];
                 let ctx = pos + 1;
@@ -403,9 +400,7 @@ fn fast_cpu(
         .collect();
     let q = q.contiguous()?;
     let mut out = vec![0f32; n_tokens * h * hd];
-    let mut tmp = vec![0f32; n_tokens * h * hd];
     let a = Attend {
-        n_tokens,
         h,
         hd,
         group,
@@ -415,16 +410,12 @@ fn fast_cpu(
     };
     with_cpu_slice(&q, |qs| match k_cache.dtype() {
         DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {
-            with_cpu_slice_of::<half::f16, _>(v_cache, |vs| a.run(qs, ks, vs, &mut tmp))
+            with_cpu_slice_of::<half::f16, _>(v_cache, |vs| a.run(qs, ks, vs, &mut out))
         }),
         _ => with_cpu_slice_of::<f32, _>(k_cache, |ks| {
-            with_cpu_slice_of::<f32, _>(v_cache, |vs| a.run(qs, ks, vs, &mut tmp))
+            with_cpu_slice_of::<f32, _>(v_cache, |vs| a.run(qs, ks, vs, &mut out))
         }),
     })???;
-    for (i, o) in tmp.chunks_exact(group * hd).enumerate() {
-        let (g, t) = (i / n_tokens, i % n_tokens);
-        out[t * h * hd + g * group * hd..t * h * hd + (g + 1) * group * hd].copy_from_slice(o);
-    }
     Ok(Tensor::from_vec(out, (n_tokens, h * hd), q.device())?)
 }
 

@@ -1,10 +1,12 @@
-//! Projections: candle's `QMatMul`, plus two things it does not do for a step batch.
+//! Projections: CPU Q8_0 / Q4_1 / Q4_0 matrices repacked for our 8-row kernels (`Packed`),
+//! anything else through candle's `QMatMul`, plus:
 //!
 //! - **Dense path for big steps.** candle's quantized CPU matmul runs one dot product per (row,
 //!   column) pair and stays near 39 GFLOP/s however many rows there are, while its F32 gemm
 //!   reaches 150-180 GFLOP/s from 128 rows up (measured on this 2-core AVX2 machine). A step with at
-//!   least `DENSE_MIN_ROWS` tokens dequantizes each weight (in parallel, into a buffer that is
-//!   dropped right after) and runs the F32 gemm. No second copy of the weights is kept.
+//!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS`)
+//!   dequantizes the weight into a buffer that is dropped right after and runs the F32 gemm. No
+//!   second copy of the weights is kept.
 //! - **Fused projections.** Q, K and V (and gate and up) read the same input; stored as one matrix
 //!   they cost one activation quantization and one thread-pool dispatch instead of three.
 
@@ -14,8 +16,6 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
-use half::f16;
-use rayon::prelude::*;
 
 use super::kernels::with_cpu_slice;
 use super::kernels::{q4_1x8, q8_0x8};
@@ -97,31 +97,6 @@ impl Packed {
     }
 }
 
-/// Bytes of one Q8_0 block: an f16 scale and 32 signed quants.
-const Q8_0_BLOCK: usize = 34;
-
-/// Dequantizes a CPU QTensor to F32 using all threads (Q8_0 by hand, other types through candle).
-fn dequantize_par(q: &QTensor) -> Result<Tensor> {
-    let (rows, cols) = q.shape().dims2()?;
-    if q.dtype() != GgmlDType::Q8_0 || !q.device().is_cpu() {
-        return Ok(q.dequantize(&q.device())?);
-    }
-    let data = q.data()?;
-    let row_bytes = cols / 32 * Q8_0_BLOCK;
-    let mut out = vec![0f32; rows * cols];
-    out.par_chunks_mut(cols)
-        .zip(data.par_chunks(row_bytes))
-        .for_each(|(o, r)| {
-            for (ob, b) in o.chunks_exact_mut(32).zip(r.chunks_exact(Q8_0_BLOCK)) {
-                let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
-                for (x, &qv) in ob.iter_mut().zip(&b[2..]) {
-                    *x = d * (qv as i8) as f32;
-                }
-            }
-        });
-    Ok(Tensor::from_vec(out, (rows, cols), &Device::Cpu)?)
-}
-
 impl Linear {
     /// Wraps a weight, repacking CPU Q8_0 and Q4_1 matrices into the 8-row layouts (the GGUF
     /// bytes are dropped with the `QMatMul` unless something else holds them).
@@ -151,7 +126,7 @@ impl Linear {
         };
         let rows = x.dim(0)?;
         if q.device().is_cpu() && rows >= DENSE_MIN_ROWS {
-            let w = dequantize_par(q)?;
+            let w = q.dequantize(&q.device())?;
             return Ok(x.matmul(&w.t()?)?);
         }
         Ok(QMatMul::QTensor(q.clone()).forward(x)?)
@@ -293,8 +268,7 @@ mod tests {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (96, 64), &dev).unwrap();
         let q = QTensor::quantize(&w, GgmlDType::Q8_0).unwrap();
-        let deq = dequantize_par(&q).unwrap();
-        close(&deq, &q.dequantize(&dev).unwrap(), 0.0);
+        let deq = q.dequantize(&dev).unwrap();
         // Candle's copy (the Q4_1 and other-type path) and the repacked one (Q8_0).
         let q = std::sync::Arc::new(q);
         let kept = Linear {

@@ -116,12 +116,7 @@ fn check_batch3_in_one_step(which: Tiny) {
     let _g = model_lock();
     let exp = which.expected();
     let mut e = which.load(16);
-    let prompts: Vec<Vec<u32>> = exp["batch3"]["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(ids)
-        .collect();
+    let prompts = batch3(&exp);
     let (shape, want) = read_npy(&which.fixture_dir().join("logits_batch3_last.npy"));
     assert_eq!(shape[0], 3);
     let vocab = shape[1];
@@ -186,17 +181,24 @@ fn untied_greedy_chat_matches_reference() {
     check_greedy_chat(Tiny::Untied);
 }
 
+/// The three prompts of the fixture's batch.
+fn batch3(exp: &serde_json::Value) -> Vec<Vec<u32>> {
+    exp["batch3"]["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(ids)
+        .collect()
+}
+
 /// Same logits whether a prompt is prefilled in one step or in chunks of 7, with block size 1 and
 /// 16, on the fast path and the generic path.
 #[test]
 fn chunked_prefill_block_sizes_and_both_attention_paths_agree() {
     let _g = model_lock();
     let exp = Tiny::Tied.expected();
-    let prompts: Vec<Vec<u32>> = exp["batch3"]["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(ids)
+    let prompts: Vec<Vec<u32>> = batch3(&exp)
+        .into_iter()
         .chain([ids(&exp["prompt24"]["ids"])])
         .collect();
     let mut reference: Option<Vec<(Vec<f32>, Vec<u32>)>> = None;
@@ -275,12 +277,7 @@ fn end_of_turn_ids_come_from_config_and_generation_config() {
 fn f16_kv_cache_matches_f32_within_rounding() {
     let _g = model_lock();
     let exp = Tiny::Tied.expected();
-    let prompts: Vec<Vec<u32>> = exp["batch3"]["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(ids)
-        .collect();
+    let prompts = batch3(&exp);
     let f32_res = run_batched(&mut Tiny::Tied.load(16), &prompts, 7, 4);
     let mut o = llama_relay::engine::EngineOptions::for_model(Tiny::Tied.dir());
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(4096);

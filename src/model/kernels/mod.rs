@@ -10,6 +10,19 @@
 //! in tests. Each kernel has a scalar reference that proptests compare it with on odd shapes; the
 //! AVX2 path is chosen at run time by CPU feature detection, the scalar one elsewhere.
 
+/// Calls a kernel that is const-generic over its activation row count with `nr` (1 to 4) rows:
+/// `dispatch_rows!(nr, avx2::tile(w, a, r0, out))` becomes `avx2::tile::<4>(w, a, r0, out)` etc.
+macro_rules! dispatch_rows {
+    ($nr:expr, $($f:ident)::+ ($($arg:expr),* $(,)?)) => {
+        match $nr {
+            4 => $($f)::+::<4>($($arg),*),
+            3 => $($f)::+::<3>($($arg),*),
+            2 => $($f)::+::<2>($($arg),*),
+            _ => $($f)::+::<1>($($arg),*),
+        }
+    };
+}
+
 pub mod q4_1x8;
 pub mod q8_0;
 pub mod q8_0x8;
@@ -60,5 +73,30 @@ pub fn with_cpu_slice_of<T: candle_core::WithDType, R>(
         _ => Err(EngineError::InvalidBatch(
             "CPU kernels run on CPU tensors only".into(),
         )),
+    }
+}
+
+/// Deterministic test data for the kernels' tests.
+#[cfg(test)]
+pub(crate) mod test_data {
+    /// `n` successive states of a 64-bit LCG started from `seed`.
+    pub fn lcg_states(seed: u64, n: usize) -> Vec<u64> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                x
+            })
+            .collect()
+    }
+
+    /// `n` values in [-1, 1).
+    pub fn lcg(seed: u64, n: usize) -> Vec<f32> {
+        lcg_states(seed, n)
+            .into_iter()
+            .map(|x| ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+            .collect()
     }
 }

@@ -111,11 +111,6 @@ impl Repacked {
         &self.data[g * len..(g + 1) * len]
     }
 
-    /// Bytes held.
-    pub fn size_in_bytes(&self) -> usize {
-        self.data.len()
-    }
-
     /// Row `row` as f32 values.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.n && out.len() == self.k);
@@ -251,14 +246,7 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
-        unsafe {
-            match nr {
-                4 => avx2::tile::<4>(w, a, r0, out),
-                3 => avx2::tile::<3>(w, a, r0, out),
-                2 => avx2::tile::<2>(w, a, r0, out),
-                _ => avx2::tile::<1>(w, a, r0, out),
-            }
-        }
+        unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
     let _ = simd;
@@ -271,14 +259,9 @@ mod tests {
     use proptest::prelude::*;
 
     fn lcg(seed: u64, n: usize) -> Vec<u64> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                x >> 33
-            })
+        crate::model::kernels::test_data::lcg_states(seed, n)
+            .into_iter()
+            .map(|x| x >> 33)
             .collect()
     }
 

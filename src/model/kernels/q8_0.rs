@@ -143,20 +143,25 @@ pub(crate) fn has_avx2() -> bool {
     false
 }
 
+/// GGUF Q8_0 bytes (per 32 values: f16 scale, 32 i8) for `[n, k]` values, quantized as
+/// `quantize_rows` does (tests and the kernel benchmark build weights with it).
+pub fn to_gguf_bytes(w: &[f32], n: usize, k: usize) -> Vec<u8> {
+    let q = quantize_rows(w, n, k);
+    let mut bytes = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
+    for (s, qs) in q.scales.iter().zip(q.qs.chunks_exact(QK)) {
+        bytes.extend_from_slice(&f16::from_f32(*s).to_le_bytes());
+        bytes.extend(qs.iter().map(|&v| v as u8));
+    }
+    bytes
+}
+
 /// One weight row against rows `r0..r0+nr` (`nr <= 4`), with the best kernel this CPU has.
 fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32; TILE_ROWS], simd: bool) {
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * BLOCK_BYTES);
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
-        unsafe {
-            match nr {
-                4 => avx2::tile::<4>(w, a, r0, out),
-                3 => avx2::tile::<3>(w, a, r0, out),
-                2 => avx2::tile::<2>(w, a, r0, out),
-                _ => avx2::tile::<1>(w, a, r0, out),
-            }
-        }
+        unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
     let _ = simd;
@@ -225,35 +230,14 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// Builds Q8_0 weight bytes from values (scale per block = amax/127).
-    fn quantize_weights(w: &[f32], n: usize, k: usize) -> Vec<u8> {
-        let q = quantize_rows(w, n, k);
-        let mut bytes = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
-        for (s, qs) in q.scales.iter().zip(q.qs.chunks_exact(QK)) {
-            bytes.extend_from_slice(&f16::from_f32(*s).to_le_bytes());
-            bytes.extend(qs.iter().map(|&v| v as u8));
-        }
-        bytes
-    }
-
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::model::kernels::test_data::lcg;
 
     #[test]
     fn matches_dequantized_reference() {
         let (m, k, n) = (5, 96, 7);
         let x = lcg(1, m * k);
         let wf = lcg(2, n * k);
-        let w = quantize_weights(&wf, n, k);
+        let w = to_gguf_bytes(&wf, n, k);
         let got = matmul(&x, m, k, &w, n);
         // Reference in f64 on dequantized weights and dequantized activations.
         let a = quantize_rows(&x, m, k);
@@ -285,7 +269,7 @@ mod tests {
         fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..40, seed in any::<u64>()) {
             let k = kb * QK;
             let x = lcg(seed, m * k);
-            let w = quantize_weights(&lcg(seed ^ 0xabc, n * k), n, k);
+            let w = to_gguf_bytes(&lcg(seed ^ 0xabc, n * k), n, k);
             let s = matmul_with(&x, m, k, &w, n, false);
             let v = matmul_with(&x, m, k, &w, n, true);
             for (a, b) in s.iter().zip(&v) {

@@ -77,11 +77,6 @@ impl Repacked {
         &self.data[g * len..(g + 1) * len]
     }
 
-    /// Bytes held.
-    pub fn size_in_bytes(&self) -> usize {
-        self.data.len()
-    }
-
     /// Row `row` as f32 values.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.n && out.len() == self.k);
@@ -240,14 +235,7 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
-        unsafe {
-            match nr {
-                4 => avx2::tile::<4>(w, a, r0, out),
-                3 => avx2::tile::<3>(w, a, r0, out),
-                2 => avx2::tile::<2>(w, a, r0, out),
-                _ => avx2::tile::<1>(w, a, r0, out),
-            }
-        }
+        unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
     let _ = simd;
@@ -259,28 +247,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn lcg(seed: u64, n: usize) -> Vec<f32> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
-    /// GGUF Q8_0 bytes for `[n, k]` values.
-    fn q8_0_bytes(w: &[f32], n: usize, k: usize) -> Vec<u8> {
-        let q = quantize_rows(w, n, k);
-        let mut bytes = Vec::with_capacity(n * k / QK * BLOCK_BYTES);
-        for (s, qs) in q.scales.iter().zip(q.qs.chunks_exact(QK)) {
-            bytes.extend_from_slice(&f16::from_f32(*s).to_le_bytes());
-            bytes.extend(qs.iter().map(|&v| v as u8));
-        }
-        bytes
-    }
+    use crate::model::kernels::q8_0::to_gguf_bytes as q8_0_bytes;
+    use crate::model::kernels::test_data::lcg;
 
     #[test]
     fn repacked_rows_read_back_and_match_the_q8_0_kernel() {
