@@ -25,6 +25,7 @@ struct Args {
     compare_malloc: bool,
     prompt_only: bool,
     kernels: bool,
+    attention: Option<usize>,
     decode_only: Option<usize>,
     context: usize,
     chunk: Option<usize>,
@@ -41,6 +42,7 @@ fn parse() -> Args {
         compare_malloc: false,
         prompt_only: false,
         kernels: false,
+        attention: None,
         decode_only: None,
         context: 128,
         chunk: None,
@@ -57,6 +59,13 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
+            "--attention" => {
+                a.attention = Some(
+                    it.next()
+                        .and_then(|v| v.parse().ok())
+                        .expect("--attention SEQS"),
+                )
+            }
             "--kv-f16" => a.kv_f16 = true,
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
@@ -255,11 +264,84 @@ fn kernels(reps: usize) {
     }
 }
 
+/// Paged attention alone, SmolLM2-135M's shapes (9 query heads, 3 KV heads, 64 wide) on one layer:
+/// `seqs` sequences, each `q_len` new tokens after `ctx` cached ones, scattered over a cache of 30
+/// layers' worth of blocks (so the rows come from DRAM, as in a step). Time per call and the K/V bytes
+/// it reads per second.
+fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
+    use candle_core::{DType, Device, Tensor};
+    use llama_relay::engine::step::SeqMeta;
+    use llama_relay::model::attention::{paged_attention, AttentionImpl, AttnDims};
+    let (h, kvh, hd, bs) = (9, 3, 64, 16);
+    let blocks_per_seq = (ctx + q_len).div_ceil(bs);
+    // Spread each sequence's blocks over a cache 30x the working set, in a shuffled order.
+    let total_blocks = blocks_per_seq * seqs * 30;
+    let mut order: Vec<u32> = (0..total_blocks as u32).collect();
+    let mut r = 12345u64;
+    for i in (1..order.len()).rev() {
+        r = r
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        order.swap(i, (r >> 33) as usize % (i + 1));
+    }
+    let dev = Device::Cpu;
+    let dt = if f16 { DType::F16 } else { DType::F32 };
+    let slots = total_blocks * bs;
+    let kc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), &dev)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap();
+    let vc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), &dev)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap();
+    let q = Tensor::randn(0f32, 1.0, (seqs * q_len, h * hd), &dev).unwrap();
+    let metas: Vec<SeqMeta> = (0..seqs)
+        .map(|i| SeqMeta {
+            q_start: i * q_len,
+            q_len,
+            start_pos: ctx,
+            block_table: order[i * blocks_per_seq * 30..][..blocks_per_seq].to_vec(),
+        })
+        .collect();
+    let dims = AttnDims {
+        num_heads: h,
+        num_kv_heads: kvh,
+        head_dim: hd,
+        block_size: bs,
+    };
+    // From a pool thread, as the model's forward runs: a call from outside would pay for waking
+    // the pool each time.
+    let t = rayon::scope(|_| {
+        median(
+            (0..20 * reps.max(1))
+                .map(|_| {
+                    let t = Instant::now();
+                    paged_attention(AttentionImpl::FastCpu, &q, &kc, &vc, &metas, dims).unwrap();
+                    t.elapsed().as_secs_f64()
+                })
+                .collect(),
+        )
+    });
+    let bytes = (seqs * (ctx + q_len) * 2 * kvh * hd * dt.size_in_bytes()) as f64;
+    println!(
+        "attention {seqs} seqs x {q_len} tokens after {ctx}, {dt:?}: {:.1} us per layer, {:.1} GB/s of K/V, x30 layers = {:.2} ms",
+        t * 1e6,
+        bytes / t / 1e9,
+        t * 30e3
+    );
+}
+
 fn main() {
     let a = parse();
     if a.kernels {
         apply_process_settings(a.threads, a.malloc_tuning);
         kernels(a.reps);
+        return;
+    }
+    if let Some(n) = a.attention {
+        apply_process_settings(a.threads, a.malloc_tuning);
+        attention(n, a.context, a.chunk.unwrap_or(1), a.kv_f16, a.reps);
         return;
     }
     if a.compare_malloc {

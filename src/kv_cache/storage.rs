@@ -75,13 +75,17 @@ impl KvCache {
             )));
         }
         let shape = (cfg.num_layers, spec.num_slots(), cfg.kv_dim());
+        let k = Tensor::zeros(shape, dtype, device)?;
+        let v = Tensor::zeros(shape, dtype, device)?;
+        advise_huge_pages(&k);
+        advise_huge_pages(&v);
         Ok(KvCache {
             spec,
             kv_dim: cfg.kv_dim(),
             layers: cfg.num_layers,
             dtype,
-            k: Tensor::zeros(shape, dtype, device)?,
-            v: Tensor::zeros(shape, dtype, device)?,
+            k,
+            v,
         })
     }
 
@@ -122,5 +126,41 @@ impl KvCache {
         kc.scatter_set(slot_index, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
         vc.scatter_set(slot_index, &v.to_dtype(self.dtype)?.contiguous()?, 0)?;
         Ok(())
+    }
+}
+
+/// Asks Linux to back a CPU tensor's untouched pages with 2 MiB pages (`MADV_HUGEPAGE`; a no-op
+/// elsewhere, on other devices, or where transparent huge pages are off). Attention reads each
+/// sequence's rows scattered over the whole cache, one layer after another: with 4 KiB pages a
+/// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (measured: a 16-sequence decode
+/// step 43-44 ms without, 41.5-42 ms with; `cargo bench --bench engine -- --decode-only 16`). Pages
+/// are still touched only as sequences fill them, 2 MiB at a time.
+fn advise_huge_pages(t: &Tensor) {
+    #[cfg(target_os = "linux")]
+    {
+        use candle_core::{CpuStorage, Storage};
+        const HUGE: usize = 2 << 20;
+        let (storage, _) = t.storage_and_layout();
+        let (ptr, bytes) = match &*storage {
+            Storage::Cpu(CpuStorage::F32(v)) => (v.as_ptr() as usize, v.len() * 4),
+            Storage::Cpu(CpuStorage::F16(v)) => (v.as_ptr() as usize, v.len() * 2),
+            _ => return,
+        };
+        // Only whole huge pages inside the allocation.
+        let start = ptr.next_multiple_of(HUGE);
+        let end = (ptr + bytes) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: the range lies inside a live allocation; MADV_HUGEPAGE changes how pages are
+            // backed, never their contents.
+            let rc = unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
+            };
+            if rc != 0 {
+                tracing::debug!(
+                    "madvise(MADV_HUGEPAGE) on the KV cache failed: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
     }
 }

@@ -23,6 +23,7 @@ macro_rules! dispatch_rows {
     };
 }
 
+pub mod attn;
 pub mod q4_1x8;
 pub mod q8_0;
 pub mod q8_0x8;

@@ -1,0 +1,607 @@
+//! The attention tile kernel: one sequence, one KV head, a tile of query rows (the GQA group's query
+//! heads of one or more consecutive tokens) against the cached positions each row sees, read through
+//! the paged cache's row offsets.
+//!
+//! Written by hand because candle has no paged attention on CPU. The shape follows the register-tiled
+//! matmuls next door rather than one dot product per (row, position): scores take two query rows
+//! against four key rows at a time (eight accumulators, one key load serving both rows, the four
+//! sums of a row reduced together with `hadd`), and the weighted sum of values takes two rows over
+//! 32 columns (again eight accumulators, one value load serving both rows). With
+//! several tokens in a tile (a prefill chunk) positions go in blocks of `POS_BLOCK` so a block's keys
+//! and values stay in L1 while every row group uses them; K and V rows of the next positions are
+//! prefetched, since one KV head's row is a few cache lines at the stride of a whole cache row, a
+//! pattern the hardware prefetchers follow poorly, and a decode step's rows come from DRAM.
+//!
+//! The measured cost before (one task per (token, KV head), a dot product per (row, position), a
+//! weighted sum per row): 890 us per layer for a 29-token chunk after 479 cached tokens, 264 us for
+//! 16 decoding sequences at context 200 (`cargo bench --bench engine -- --attention 1 --chunk 29
+//! --context 479`). `tile_scalar` is the reference (and the path on CPUs without AVX2 + FMA + F16C
+//! and for head sizes other than 64 and 128); a proptest compares the two on odd shapes.
+
+/// An element of the KV cache: F32, or F16 read into F32 lanes as it is loaded.
+pub(crate) trait KvElem: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+    /// Eight values from `p` as F32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `p` must point to 8 readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl KvElem for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+}
+
+impl KvElem for half::f16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+/// Positions per block when a tile has more than one row group: 16 rows of a 64-wide head are
+/// 4 KiB of keys (F32), which stay in L1 while each pair of rows uses them.
+const POS_BLOCK: usize = 16;
+
+/// How many positions ahead the kernel asks for K and V rows (measured on a 16-sequence decode
+/// step: 8 beat 4 and 16).
+const PREFETCH_AHEAD: usize = 8;
+
+/// One tile of attention work.
+pub(crate) struct Tile<'a, T> {
+    /// Query rows, `[rows, d]`, already multiplied by the softmax scale.
+    pub q: &'a [f32],
+    /// How many positions each row sees (`0..ctx[r]`), each at least 1.
+    pub ctx: &'a [usize],
+    /// Element offset of each position's row in `k` and `v` (this KV head's `d` values start there).
+    pub rows: &'a [usize],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub d: usize,
+}
+
+/// `out[r] = softmax(q[r] . K[0..ctx[r]]^T) . V[0..ctx[r]]` for every row of the tile; `out` is
+/// `[rows, d]`.
+///
+/// # Panics
+/// When the shapes disagree or a row offset points outside `k` or `v` (a bug in the caller: block
+/// tables are validated when a step is planned).
+pub(crate) fn attend<T: KvElem>(t: &Tile<T>, out: &mut [f32]) {
+    let n = t.ctx.len();
+    assert_eq!(t.q.len(), n * t.d, "query rows are d wide");
+    assert_eq!(out.len(), n * t.d, "output rows are d wide");
+    let cmax = t.ctx.iter().copied().max().unwrap_or(0);
+    assert!(
+        t.ctx.iter().all(|&c| c >= 1),
+        "every row sees its own position"
+    );
+    assert!(cmax <= t.rows.len(), "a row offset for every position");
+    let last = t.rows[..cmax].iter().copied().max().unwrap_or(0) + t.d;
+    assert!(
+        last <= t.k.len() && last <= t.v.len(),
+        "row offsets inside the cache"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if simd() {
+        // SAFETY: AVX2, FMA and F16C were detected; the shapes and every row offset below `cmax`
+        // were checked above.
+        match t.d {
+            64 => return unsafe { avx2::tile::<T, 64>(t, cmax, out) },
+            128 => return unsafe { avx2::tile::<T, 128>(t, cmax, out) },
+            _ => {}
+        }
+    }
+    tile_scalar(t, out)
+}
+
+/// Whether the AVX2 + FMA + F16C paths may run.
+pub(crate) fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *HAS.get_or_init(|| super::q8_0::has_avx2() && is_x86_feature_detected!("f16c"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The reference: one row at a time, one dot product per position.
+pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) {
+    let d = t.d;
+    let mut s = Vec::new();
+    for (r, &c) in t.ctx.iter().enumerate() {
+        let q = &t.q[r * d..(r + 1) * d];
+        s.clear();
+        s.extend((0..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d])));
+        softmax(&mut s);
+        let o = &mut out[r * d..(r + 1) * d];
+        o.fill(0.0);
+        for (p, &w) in s.iter().enumerate() {
+            for (y, x) in o.iter_mut().zip(&t.v[t.rows[p]..t.rows[p] + d]) {
+                *y += w * x.to_f32();
+            }
+        }
+    }
+}
+
+#[inline]
+fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
+    // Eight independent lanes so the compiler keeps one vector accumulator.
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for l in 0..8 {
+            acc[l] += x[l] * y[l].to_f32();
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        s += a[i] * b[i].to_f32();
+    }
+    s
+}
+
+/// In-place softmax of one row of scores. With AVX2 the max, the exponentials (`exp8_minus`, eight
+/// at a time) and their sum run in vector registers: libm's scalar `expf` was a large share of a
+/// prefill chunk's attention at long context, and then the scalar sum (one dependent add per
+/// position, ~12% of a chunk's attention).
+pub(crate) fn softmax(s: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::q8_0::has_avx2() {
+        // SAFETY: AVX2 and FMA were detected.
+        return unsafe { softmax_avx2(s) };
+    }
+    // Eight lanes, so the compiler vectorizes the max and the sum.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    for c in s.chunks(8) {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = l.max(x);
+        }
+    }
+    let m = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sums = [0f32; 8];
+    for c in s.chunks_mut(8) {
+        for (l, x) in sums.iter_mut().zip(c) {
+            *x = (*x - m).exp();
+            *l += *x;
+        }
+    }
+    let inv = 1.0 / sums.iter().sum::<f32>();
+    for x in s.iter_mut() {
+        *x *= inv;
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn softmax_avx2(s: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let n = s.len();
+    let p = s.as_mut_ptr();
+    let full = n / 8 * 8;
+    let mut mv = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < full {
+        mv = _mm256_max_ps(mv, _mm256_loadu_ps(p.add(i)));
+        i += 8;
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), mv);
+    let m = lanes
+        .iter()
+        .chain(&s[full..])
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    let mut sv = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < full {
+        let e = exp8_minus(_mm256_loadu_ps(p.add(i)), m);
+        _mm256_storeu_ps(p.add(i), e);
+        sv = _mm256_add_ps(sv, e);
+        i += 8;
+    }
+    _mm256_storeu_ps(lanes.as_mut_ptr(), sv);
+    let mut sum: f32 = lanes.iter().sum();
+    for x in &mut s[full..] {
+        *x = (*x - m).exp();
+        sum += *x;
+    }
+    let inv = _mm256_set1_ps(1.0 / sum);
+    let mut i = 0;
+    while i < full {
+        _mm256_storeu_ps(p.add(i), _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), inv));
+        i += 8;
+    }
+    for x in &mut s[full..] {
+        *x *= 1.0 / sum;
+    }
+}
+
+/// `exp(x[i] - m)` for 8 values, `x[i] - m <= 0`: Cephes' `expf` (range reduction by `ln 2` in two
+/// parts, degree-5 polynomial, 2^n by the exponent bits), within 2 ulp of libm; results below
+/// `exp(-87)` flush to 0, as softmax weights that small do not count.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    let v = _mm256_sub_ps(x, _mm256_set1_ps(m));
+    let tiny = _mm256_cmp_ps(v, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
+    let v = _mm256_max_ps(v, _mm256_set1_ps(-87.0));
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), v);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let r2 = _mm256_mul_ps(r, r);
+    let e = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));
+    let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    ));
+    _mm256_andnot_ps(tiny, _mm256_mul_ps(e, pow2))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{softmax, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD};
+
+    /// Rows a micro-kernel takes at once: 2 rows x 4 accumulators + 4 loaded vectors + the query or
+    /// weight vectors fit the 16 ymm registers (3 rows spilled an accumulator to the stack every
+    /// position, and the store-to-load round trip made the loop ~2x slower).
+    const ROWS: usize = 2;
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `t` checked by `attend` (`cmax` its largest context); `D == t.d`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        cmax: usize,
+        out: &mut [f32],
+    ) {
+        let n = t.ctx.len();
+        // Row groups of up to ROWS rows and the furthest position each sees.
+        let groups: Vec<(usize, usize, usize)> = (0..n)
+            .step_by(ROWS)
+            .map(|r| {
+                let nr = ROWS.min(n - r);
+                (r, nr, t.ctx[r..r + nr].iter().copied().max().unwrap_or(0))
+            })
+            .collect();
+        // One group (a decode step's GQA heads): no reuse to block for, one pass.
+        let block = if groups.len() == 1 { cmax } else { POS_BLOCK };
+        let mut s = vec![0f32; n * cmax];
+        let (q, rows, k, v) = (t.q.as_ptr(), t.rows.as_ptr(), t.k.as_ptr(), t.v.as_ptr());
+        let sp = s.as_mut_ptr();
+        let mut pb = 0;
+        while pb < cmax {
+            let mut first = true;
+            for &(r, nr, c) in &groups {
+                if c <= pb {
+                    continue;
+                }
+                let pe = (pb + block).min(c);
+                // The first group to reach a block prefetches ahead for everyone.
+                let pf = if first { cmax } else { 0 };
+                first = false;
+                let (qr, sr) = (q.add(r * D), sp.add(r * cmax));
+                match nr {
+                    2 => qk::<T, D, 2>(qr, rows, k, sr, cmax, pb, pe, pf),
+                    _ => qk::<T, D, 1>(qr, rows, k, sr, cmax, pb, pe, pf),
+                }
+            }
+            pb += block;
+        }
+        for (r, &c) in t.ctx.iter().enumerate() {
+            let row = &mut s[r * cmax..(r + 1) * cmax];
+            softmax(&mut row[..c]);
+            row[c..].fill(0.0);
+        }
+        out.fill(0.0);
+        let (sp, op) = (s.as_ptr(), out.as_mut_ptr());
+        let mut pb = 0;
+        while pb < cmax {
+            let mut first = true;
+            for &(r, nr, c) in &groups {
+                if c <= pb {
+                    continue;
+                }
+                let pe = (pb + block).min(c);
+                for col in (0..D).step_by(32) {
+                    let pf = if first && col == 0 { cmax } else { 0 };
+                    let (wr, or, vc) = (sp.add(r * cmax), op.add(r * D + col), v.add(col));
+                    match nr {
+                        2 => pv::<T, D, 2>(wr, cmax, rows, vc, or, pb, pe, pf),
+                        _ => pv::<T, D, 1>(wr, cmax, rows, vc, or, pb, pe, pf),
+                    }
+                }
+                first = false;
+            }
+            pb += block;
+        }
+    }
+
+    /// Asks for the `D` values at `p` (a hint: never faults, no effect on results).
+    #[inline(always)]
+    unsafe fn prefetch<T, const D: usize>(p: *const T) {
+        let bytes = D * std::mem::size_of::<T>();
+        let mut off = 0;
+        while off < bytes {
+            _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
+            off += 64;
+        }
+    }
+
+    /// The four sums of `a[0..4]` in one vector.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum4(a: [__m256; 4]) -> __m128 {
+        let t0 = _mm256_hadd_ps(a[0], a[1]);
+        let t1 = _mm256_hadd_ps(a[2], a[3]);
+        let t2 = _mm256_hadd_ps(t0, t1);
+        _mm_add_ps(_mm256_castps256_ps128(t2), _mm256_extractf128_ps(t2, 1))
+    }
+
+    /// Scores of `NR` query rows (`q`, `D` apart) for positions `pb..pe` into `s[r * stride + p]`;
+    /// prefetches keys `PREFETCH_AHEAD` positions ahead while they are below `pf`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(
+        q: *const f32,
+        rows: *const usize,
+        k: *const T,
+        s: *mut f32,
+        stride: usize,
+        pb: usize,
+        pe: usize,
+        pf: usize,
+    ) {
+        let mut p = pb;
+        while p + 4 <= pe {
+            if p + PREFETCH_AHEAD + 4 <= pf {
+                for j in 0..4 {
+                    prefetch::<T, D>(k.add(*rows.add(p + PREFETCH_AHEAD + j)));
+                }
+            }
+            let kr = [
+                k.add(*rows.add(p)),
+                k.add(*rows.add(p + 1)),
+                k.add(*rows.add(p + 2)),
+                k.add(*rows.add(p + 3)),
+            ];
+            let mut acc = [[_mm256_setzero_ps(); 4]; NR];
+            let mut c = 0;
+            while c < D {
+                let kv = [
+                    T::load8(kr[0].add(c)),
+                    T::load8(kr[1].add(c)),
+                    T::load8(kr[2].add(c)),
+                    T::load8(kr[3].add(c)),
+                ];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm256_loadu_ps(q.add(r * D + c));
+                    for j in 0..4 {
+                        a[j] = _mm256_fmadd_ps(qv, kv[j], a[j]);
+                    }
+                }
+                c += 8;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm_storeu_ps(s.add(r * stride + p), hsum4(*a));
+            }
+            p += 4;
+        }
+        while p < pe {
+            let kr = k.add(*rows.add(p));
+            let mut acc = [_mm256_setzero_ps(); NR];
+            let mut c = 0;
+            while c < D {
+                let kv = T::load8(kr.add(c));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * D + c)), kv, *a);
+                }
+                c += 8;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let h = hsum4([
+                    *a,
+                    _mm256_setzero_ps(),
+                    _mm256_setzero_ps(),
+                    _mm256_setzero_ps(),
+                ]);
+                *s.add(r * stride + p) = _mm_cvtss_f32(h);
+            }
+            p += 1;
+        }
+    }
+
+    /// `out[r][0..32] += sum_p w[r * stride + p] * v(p)[0..32]` for `NR` rows (`out` rows `D`
+    /// apart), positions `pb..pe`; prefetches values ahead while they are below `pf`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pv<T: KvElem, const D: usize, const NR: usize>(
+        w: *const f32,
+        stride: usize,
+        rows: *const usize,
+        v: *const T,
+        out: *mut f32,
+        pb: usize,
+        pe: usize,
+        pf: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; NR];
+        for (r, a) in acc.iter_mut().enumerate() {
+            for (i, x) in a.iter_mut().enumerate() {
+                *x = _mm256_loadu_ps(out.add(r * D + 8 * i));
+            }
+        }
+        for p in pb..pe {
+            if p + PREFETCH_AHEAD < pf {
+                prefetch::<T, D>(v.add(*rows.add(p + PREFETCH_AHEAD)));
+            }
+            let vr = v.add(*rows.add(p));
+            let vv = [
+                T::load8(vr),
+                T::load8(vr.add(8)),
+                T::load8(vr.add(16)),
+                T::load8(vr.add(24)),
+            ];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let wv = _mm256_broadcast_ss(&*w.add(r * stride + p));
+                for i in 0..4 {
+                    a[i] = _mm256_fmadd_ps(wv, vv[i], a[i]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, x) in a.iter().enumerate() {
+                _mm256_storeu_ps(out.add(r * D + 8 * i), *x);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::kernels::test_data::{lcg, lcg_states};
+    use proptest::prelude::*;
+
+    #[test]
+    fn softmax_matches_libm_exp() {
+        // Scores spread over the range softmax sees, with a row length that leaves a scalar tail.
+        let row: Vec<f32> = (0..1003)
+            .map(|i| ((i * 37 % 1000) as f32 - 900.0) * 0.11)
+            .collect();
+        let mut got = row.clone();
+        softmax(&mut got);
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f64> = row.iter().map(|&x| ((x - m) as f64).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        for (g, w) in got.iter().zip(&e) {
+            let w = w / sum;
+            assert!((*g as f64 - w).abs() <= 1e-6 * w + 1e-30, "{g} vs {w}");
+        }
+    }
+
+    /// A tile over a shuffled cache of `slots` rows `width` wide, this head's values at `off`.
+    struct Case {
+        q: Vec<f32>,
+        ctx: Vec<usize>,
+        rows: Vec<usize>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        d: usize,
+    }
+
+    fn case(seed: u64, d: usize, n_rows: usize, ctx0: usize, per_token: usize) -> Case {
+        let heads = 3;
+        let width = heads * d;
+        let positions = ctx0 + n_rows.div_ceil(per_token);
+        let slots = positions + 7;
+        let order = lcg_states(seed ^ 0x77, slots);
+        let mut perm: Vec<usize> = (0..slots).collect();
+        perm.sort_by_key(|&i| order[i]);
+        let off = d; // the middle head of three
+        Case {
+            q: lcg(seed, n_rows * d).iter().map(|x| x * 0.6).collect(),
+            // Rows come `per_token` to a token, tokens one position apart (a chunk's causal rows).
+            ctx: (0..n_rows).map(|r| ctx0 + r / per_token + 1).collect(),
+            rows: perm[..positions].iter().map(|&s| s * width + off).collect(),
+            k: lcg(seed ^ 1, slots * width),
+            v: lcg(seed ^ 2, slots * width),
+            d,
+        }
+    }
+
+    fn check<T: KvElem>(c: &Case, k: &[T], v: &[T]) -> std::result::Result<(), TestCaseError> {
+        let t = Tile {
+            q: &c.q,
+            ctx: &c.ctx,
+            rows: &c.rows,
+            k,
+            v,
+            d: c.d,
+        };
+        let mut want = vec![0f32; c.q.len()];
+        tile_scalar(&t, &mut want);
+        let mut got = vec![0f32; c.q.len()];
+        attend(&t, &mut got);
+        for (a, b) in got.iter().zip(&want) {
+            prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// The tiled kernel equals the reference: row counts that leave partial groups, contexts that
+        /// leave partial position quads and blocks, one to three rows per token, F32 and F16 caches,
+        /// head sizes the SIMD path takes (64, 128) and one it does not (40).
+        #[test]
+        fn tiled_equals_reference(
+            seed in any::<u64>(),
+            d in prop::sample::select(vec![64usize, 128, 40]),
+            n_rows in 1usize..26,
+            ctx0 in 0usize..70,
+            per_token in 1usize..4,
+        ) {
+            let c = case(seed, d, n_rows, ctx0, per_token);
+            check::<f32>(&c, &c.k, &c.v)?;
+            let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            check(&c, &k16, &v16)?;
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "row offsets inside the cache")]
+    fn offsets_outside_the_cache_are_refused() {
+        let c = case(3, 64, 3, 5, 3);
+        let t = Tile {
+            q: &c.q,
+            ctx: &c.ctx,
+            rows: &c.rows,
+            k: &c.k[..c.k.len() / 4],
+            v: &c.v,
+            d: 64,
+        };
+        attend(&t, &mut vec![0f32; c.q.len()]);
+    }
+}
