@@ -3,7 +3,7 @@
 //! latency), with peak RSS. Medians over repeated runs.
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
-//!                                   [--weights auto|keep|f32] [--kv-f16]
+//!                                   [--weights auto|keep|f32] [--kv-f16] [--no-cpu-layers]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
@@ -30,6 +30,7 @@ struct Args {
     context: usize,
     chunk: Option<usize>,
     kv_f16: bool,
+    no_cpu_layers: bool,
     weights: llama_relay::model::loader::WeightMode,
 }
 
@@ -47,6 +48,7 @@ fn parse() -> Args {
         context: 128,
         chunk: None,
         kv_f16: false,
+        no_cpu_layers: false,
         weights: llama_relay::model::loader::WeightMode::Auto,
     };
     let mut it = std::env::args().skip(1);
@@ -67,6 +69,7 @@ fn parse() -> Args {
                 )
             }
             "--kv-f16" => a.kv_f16 = true,
+            "--no-cpu-layers" => a.no_cpu_layers = true,
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
             "--weights" => {
@@ -378,12 +381,15 @@ fn main() {
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
     let mut e = Engine::load(&o).unwrap();
     let vocab = e.model.config().vocab_size;
+    let cpu_layers = e.model.set_cpu_layers(!a.no_cpu_layers);
     println!(
-        "model {} | threads {} | malloc tuning {} | weights {}",
+        "model {} | threads {} | malloc tuning {} | weights {} | KV {:?} | CPU layer path {}",
         e.info.name,
         a.threads,
         a.malloc_tuning,
-        e.info.weight_types.join(", ")
+        e.info.weight_types.join(", "),
+        e.cache.dtype(),
+        if cpu_layers { "on" } else { "off" }
     );
     prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up
     if let Some(n) = a.chunk {

@@ -60,7 +60,8 @@ struct Job<'a> {
     seq_rows: &'a [Vec<usize>],
     /// (sequence, KV head, first token, tokens).
     tasks: &'a [(usize, usize, usize, usize)],
-    h: usize,
+    /// Distance between query rows in `qs` (Q may sit inside wider rows, as in a stacked QKV output).
+    q_stride: usize,
     hd: usize,
     group: usize,
     scale: f32,
@@ -69,7 +70,7 @@ struct Job<'a> {
 impl Job<'_> {
     /// Runs every task; returns each task's output rows, in task order.
     fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T]) -> Vec<Vec<f32>> {
-        let (h, hd, group) = (self.h, self.hd, self.group);
+        let (hd, group) = (self.hd, self.group);
         self.tasks
             .par_iter()
             .map(|&(si, g, t0, nt)| {
@@ -77,7 +78,7 @@ impl Job<'_> {
                 let mut qt = Vec::with_capacity(nt * group * hd);
                 let mut ctx = Vec::with_capacity(nt * group);
                 for t in t0..t0 + nt {
-                    let row = (s.q_start + t) * h * hd + g * group * hd;
+                    let row = (s.q_start + t) * self.q_stride + g * group * hd;
                     qt.extend(qs[row..row + group * hd].iter().map(|x| x * self.scale));
                     ctx.extend(std::iter::repeat_n(s.start_pos + t + 1, group));
                 }
@@ -108,7 +109,23 @@ fn fast_cpu(
     seqs: &[SeqMeta],
     d: AttnDims,
 ) -> Result<Tensor> {
-    let n_tokens = q.dim(0)?;
+    let (n_tokens, width) = q.dims2()?;
+    let q = q.contiguous()?;
+    let out = with_cpu_slice(&q, |qs| fast_cpu_rows(qs, width, k_cache, v_cache, seqs, d))??;
+    Ok(Tensor::from_vec(out, (n_tokens, width), q.device())?)
+}
+
+/// `fast_cpu` on query rows `q_stride` apart in `qs` (the heads first in each row); returns
+/// `[tokens, heads * head_dim]`.
+pub(crate) fn fast_cpu_rows(
+    qs: &[f32],
+    q_stride: usize,
+    k_cache: &Tensor,
+    v_cache: &Tensor,
+    seqs: &[SeqMeta],
+    d: AttnDims,
+) -> Result<Vec<f32>> {
+    let n_tokens = seqs.iter().map(|s| s.q_len).sum::<usize>();
     let (h, kvh, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
     let group = h / kvh;
     let kv_dim = kvh * hd;
@@ -137,24 +154,29 @@ fn fast_cpu(
             })
         })
         .collect();
-    let q = q.contiguous()?;
+    if q_stride < h * hd || qs.len() < n_tokens * q_stride {
+        return Err(EngineError::InvalidBatch(format!(
+            "attention needs {n_tokens} query rows of {} values, {q_stride} apart",
+            h * hd
+        )));
+    }
     let job = Job {
         seqs,
         seq_rows: &seq_rows,
         tasks: &tasks,
-        h,
+        q_stride,
         hd,
         group,
         scale,
     };
-    let outs = with_cpu_slice(&q, |qs| match k_cache.dtype() {
+    let outs = match k_cache.dtype() {
         DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {
             with_cpu_slice_of::<half::f16, _>(v_cache, |vs| job.run(qs, ks, vs))
-        }),
+        })??,
         _ => with_cpu_slice_of::<f32, _>(k_cache, |ks| {
             with_cpu_slice_of::<f32, _>(v_cache, |vs| job.run(qs, ks, vs))
-        }),
-    })???;
+        })??,
+    };
     let mut out = vec![0f32; n_tokens * h * hd];
     for (&(si, g, t0, nt), o) in tasks.iter().zip(&outs) {
         for (i, t) in (t0..t0 + nt).enumerate() {
@@ -162,7 +184,7 @@ fn fast_cpu(
             out[at..at + group * hd].copy_from_slice(&o[i * group * hd..(i + 1) * group * hd]);
         }
     }
-    Ok(Tensor::from_vec(out, (n_tokens, h * hd), q.device())?)
+    Ok(out)
 }
 
 fn generic(

@@ -118,6 +118,14 @@ impl Linear {
         }
     }
 
+    /// The repacked weight, when this projection has one (the CPU layer path needs it).
+    pub fn as_packed(&self) -> Option<&Packed> {
+        match &self.w {
+            Weight::Packed(p) => Some(p),
+            Weight::Candle(_) => None,
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let q = match &self.w {
             Weight::Packed(p) => return forward_packed(p, x),
@@ -192,24 +200,30 @@ fn forward_packed(p: &Packed, x: &Tensor) -> Result<Tensor> {
     let (n, k) = p.dims();
     let mut dims = x.dims().to_vec();
     let rows = x.elem_count() / k;
-    let x2 = x.reshape((rows, k))?;
-    let dense_from = match p {
-        Packed::Q8_0(_) => Q8_0_DENSE_MIN_ROWS,
-        Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
-    };
-    let out = if rows >= dense_from {
-        let w = Tensor::from_vec(p.dequantize(), (n, k), &Device::Cpu)?;
-        x2.matmul(&w.t()?)?
-    } else {
-        let x2 = x2.contiguous()?;
-        let out = with_cpu_slice(&x2, |xs| p.matmul(xs, rows))?;
-        Tensor::from_vec(out, (rows, n), &Device::Cpu)?
-    };
+    let x2 = x.reshape((rows, k))?.contiguous()?;
+    let out = with_cpu_slice(&x2, |xs| p.forward_rows(xs, rows))??;
     *dims.last_mut().expect("a matrix") = n;
-    Ok(out.reshape(dims)?)
+    Ok(Tensor::from_vec(out, dims, &Device::Cpu)?)
 }
 
-/// Projections of one input: stacked into one matmul when possible, else run one by one.
+impl Packed {
+    /// `x[rows, k] . w^T` as `[rows, n]`: the packed kernel, or from `*_DENSE_MIN_ROWS` rows on the
+    /// dense path (dequantize, then candle's F32 gemm).
+    pub fn forward_rows(&self, xs: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let (n, k) = self.dims();
+        let dense_from = match self {
+            Packed::Q8_0(_) => Q8_0_DENSE_MIN_ROWS,
+            Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
+        };
+        if rows < dense_from {
+            return Ok(self.matmul(xs, rows));
+        }
+        let w = Tensor::from_vec(self.dequantize(), (n, k), &Device::Cpu)?;
+        let x = Tensor::from_slice(xs, (rows, k), &Device::Cpu)?;
+        Ok(x.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
 #[derive(Debug, Clone)]
 pub enum ProjectionGroup {
     Stacked { linear: Linear, outs: Vec<usize> },
@@ -230,6 +244,14 @@ impl ProjectionGroup {
     }
 
     /// One `[tokens, out_i]` tensor per projection.
+    /// The stacked repacked weight and each part's width, when the group has one.
+    pub fn as_packed(&self) -> Option<(&Packed, &[usize])> {
+        match self {
+            ProjectionGroup::Stacked { linear, outs } => Some((linear.as_packed()?, outs)),
+            ProjectionGroup::Separate(_) => None,
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
             ProjectionGroup::Separate(ls) => ls.iter().map(|l| l.forward(x)).collect(),

@@ -5,14 +5,25 @@
 //! `forward`, weight names as in Hugging Face, then the public model. The matmuls run once over
 //! every token of the step; attention (see `attention.rs`) is the only per-sequence part; logits are
 //! computed only for the rows the caller will sample.
+//!
+//! On CPU, when every projection runs on a repacked kernel (GGUF Q4_0 / Q4_1 / Q8_0), the layers
+//! run on plain row buffers instead (`forward_cpu`): the same arithmetic without a tensor, an
+//! allocation and a parallel region per small op (norms, residual adds, SiLU, the QKV split, the
+//! cache-write copies). Each candle op woke the thread pool; at one decoding sequence that
+//! scheduling was ~18% of a step.
+
+/// Rows from which the row-wise ops of the CPU layer path run on the thread pool (below that,
+/// waking it costs more than the work).
+const PAR_ROWS: usize = 32;
 
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
 
-use super::attention::{paged_attention, AttentionImpl, AttnDims};
+use super::attention::{fast_cpu_rows, paged_attention, AttentionImpl, AttnDims};
 use super::config::{inv_freqs, ModelConfig};
-use super::kernels::rope::rope_half;
+use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::with_cpu_slice;
-use super::linear::{Linear, ProjectionGroup};
+use super::linear::{Linear, Packed, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use crate::engine::step::{StepBatch, StepPlan};
 use crate::error::{EngineError, Result};
@@ -86,7 +97,76 @@ impl RmsNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if self.on_cpu_f32() && x.dtype() == DType::F32 {
+            // The same arithmetic as the CPU layer path, so the two agree to the bit.
+            let (rows, width) = x.dims2()?;
+            let x = x.contiguous()?;
+            let out = with_cpu_slice(&x, |xs| self.forward_rows(xs, width))??;
+            return Ok(Tensor::from_vec(out, (rows, width), x.device())?);
+        }
         Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
+    }
+
+    /// `forward` on rows `width` wide: candle's formula with the sum of squares in eight lanes
+    /// (candle adds them one after another, a chain of dependent adds as long as the row). Any
+    /// change of summation order moves this quantized model's logits by up to ~1 (activations are
+    /// rounded to 8 bits before each matmul), so both paths use this one.
+    fn forward_rows(&self, x: &[f32], width: usize) -> Result<Vec<f32>> {
+        let eps = self.eps;
+        let mut out = vec![0f32; x.len()];
+        with_cpu_slice(&self.weight, |w| {
+            let norm = |(o, xr): (&mut [f32], &[f32])| {
+                let mut lanes = [0f32; 8];
+                for c in xr.chunks(8) {
+                    for (l, v) in lanes.iter_mut().zip(c) {
+                        *l += v * v;
+                    }
+                }
+                let m = (lanes.iter().sum::<f32>() / width as f32 + eps).sqrt();
+                for ((o, &v), &a) in o.iter_mut().zip(xr).zip(w) {
+                    *o = v / m * a;
+                }
+            };
+            if x.len() / width >= PAR_ROWS {
+                out.par_chunks_mut(width)
+                    .zip(x.par_chunks(width))
+                    .for_each(norm);
+            } else {
+                out.chunks_mut(width).zip(x.chunks(width)).for_each(norm);
+            }
+        })?;
+        Ok(out)
+    }
+
+    fn on_cpu_f32(&self) -> bool {
+        self.weight.device().is_cpu() && self.weight.dtype() == DType::F32
+    }
+}
+
+/// `silu(gate) * up` for rows holding `[gate | up]`, each `inter` wide.
+fn silu_mul(gu: &[f32], inter: usize) -> Vec<f32> {
+    let rows = gu.len() / (2 * inter);
+    let mut out = vec![0f32; rows * inter];
+    let f = |(o, r): (&mut [f32], &[f32])| {
+        let (g, u) = r.split_at(inter);
+        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+            // candle's silu: v / (exp(-v) + 1).
+            *o = g / ((-g).exp() + 1.0) * u;
+        }
+    };
+    if rows >= PAR_ROWS {
+        out.par_chunks_mut(inter)
+            .zip(gu.par_chunks(2 * inter))
+            .for_each(f);
+    } else {
+        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
+    }
+    out
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
     }
 }
 
@@ -183,6 +263,78 @@ impl DecoderLayer {
         })
     }
 
+    /// The repacked weights the CPU layer path needs, when the layer has them all.
+    fn cpu_parts(&self) -> Option<CpuParts<'_>> {
+        let (qkv, qkv_outs) = self.self_attn.qkv.as_packed()?;
+        let (gate_up, gu_outs) = self.mlp.gate_up.as_packed()?;
+        if qkv_outs.len() != 3 || gu_outs.len() != 2 || gu_outs[0] != gu_outs[1] {
+            return None;
+        }
+        if !self.input_layernorm.on_cpu_f32() || !self.post_attention_layernorm.on_cpu_f32() {
+            return None;
+        }
+        Some(CpuParts {
+            qkv,
+            q_width: qkv_outs[0],
+            kv_width: qkv_outs[1],
+            o_proj: self.self_attn.o_proj.as_packed()?,
+            gate_up,
+            inter: gu_outs[0],
+            down: self.mlp.down_proj.as_packed()?,
+        })
+    }
+
+    /// `forward` on CPU over plain rows: `x` (`[n, hidden]`) is updated in place; `cos`/`sin` are
+    /// the step's RoPE rows.
+    fn forward_cpu(
+        &self,
+        x: &mut [f32],
+        n: usize,
+        layer: usize,
+        ctx: &StepContext,
+        rope: (&[f32], &[f32]),
+    ) -> Result<()> {
+        let p = self.cpu_parts().ok_or_else(|| {
+            EngineError::InvalidBatch("the CPU layer path needs repacked weights".into())
+        })?;
+        let width = x.len() / n;
+        let (qd, kvd, hd) = (p.q_width, p.kv_width, ctx.dims.head_dim);
+        let stride = qd + 2 * kvd;
+        let h = self.input_layernorm.forward_rows(x, width)?;
+        let mut qkv = p.qkv.forward_rows(&h, n)?;
+        let (cos, sin) = rope;
+        rope_half_in_place(&mut qkv, stride, 0, self.self_attn.num_heads, hd, cos, sin);
+        rope_half_in_place(
+            &mut qkv,
+            stride,
+            qd,
+            self.self_attn.num_kv_heads,
+            hd,
+            cos,
+            sin,
+        );
+        let mut k = Vec::with_capacity(n * kvd);
+        let mut v = Vec::with_capacity(n * kvd);
+        for row in qkv.chunks_exact(stride) {
+            k.extend_from_slice(&row[qd..qd + kvd]);
+            v.extend_from_slice(&row[qd + kvd..]);
+        }
+        let dev = &Device::Cpu;
+        ctx.cache.write(
+            layer,
+            &ctx.slot_index,
+            &Tensor::from_vec(k, (n, kvd), dev)?,
+            &Tensor::from_vec(v, (n, kvd), dev)?,
+        )?;
+        let (kc, vc) = ctx.cache.layer(layer)?;
+        let o = fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, ctx.dims)?;
+        add_assign(x, &p.o_proj.forward_rows(&o, n)?);
+        let h = self.post_attention_layernorm.forward_rows(x, width)?;
+        let act = silu_mul(&p.gate_up.forward_rows(&h, n)?, p.inter);
+        add_assign(x, &p.down.forward_rows(&act, n)?);
+        Ok(())
+    }
+
     fn forward(&self, x: &Tensor, layer: usize, ctx: &StepContext) -> Result<Tensor> {
         let h = self
             .self_attn
@@ -195,6 +347,19 @@ impl DecoderLayer {
     }
 }
 
+/// A layer's repacked weights, for the CPU layer path.
+struct CpuParts<'a> {
+    /// q_proj, k_proj and v_proj stacked: rows `[q | k | v]`, `q_width` + 2 `kv_width` wide.
+    qkv: &'a Packed,
+    q_width: usize,
+    kv_width: usize,
+    o_proj: &'a Packed,
+    /// gate_proj and up_proj stacked: rows `[gate | up]`, each `inter` wide.
+    gate_up: &'a Packed,
+    inter: usize,
+    down: &'a Packed,
+}
+
 /// The public model: one forward over a flat step batch.
 pub struct Llama {
     cfg: ModelConfig,
@@ -205,6 +370,8 @@ pub struct Llama {
     rotary: RotaryEmbedding,
     max_positions: usize,
     attention: AttentionImpl,
+    /// Whether the layers run on the CPU layer path (see the module doc).
+    cpu_layers: bool,
     device: Device,
 }
 
@@ -228,7 +395,9 @@ impl Llama {
         } else {
             Linear::new(src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?)?
         };
+        let cpu_layers = device.is_cpu() && layers.iter().all(|l| l.cpu_parts().is_some());
         Ok(Llama {
+            cpu_layers,
             cfg: cfg.clone(),
             embed_tokens,
             layers,
@@ -255,6 +424,19 @@ impl Llama {
 
     pub fn attention(&self) -> AttentionImpl {
         self.attention
+    }
+
+    /// Whether the layers run on the CPU layer path over plain rows.
+    pub fn cpu_layers(&self) -> bool {
+        self.cpu_layers && self.attention == AttentionImpl::FastCpu
+    }
+
+    /// Turns the CPU layer path off (every op through candle, as on other devices) or back on where
+    /// the weights allow it; returns whether it is now on. Tests compare the two.
+    pub fn set_cpu_layers(&mut self, on: bool) -> bool {
+        self.cpu_layers =
+            on && self.device.is_cpu() && self.layers.iter().all(|l| l.cpu_parts().is_some());
+        self.cpu_layers()
     }
 
     pub fn set_attention(&mut self, imp: AttentionImpl) -> Result<()> {
@@ -314,8 +496,19 @@ impl Llama {
         if x.dtype() != DType::F32 {
             x = x.to_dtype(DType::F32)?;
         }
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, i, &ctx)?;
+        if self.cpu_layers() {
+            let width = self.cfg.hidden_size;
+            let mut xs = x.flatten_all()?.to_vec1::<f32>()?;
+            let cos = ctx.cos.flatten_all()?.to_vec1::<f32>()?;
+            let sin = ctx.sin.flatten_all()?.to_vec1::<f32>()?;
+            for (i, layer) in self.layers.iter().enumerate() {
+                layer.forward_cpu(&mut xs, n, i, &ctx, (&cos, &sin))?;
+            }
+            x = Tensor::from_vec(xs, (n, width), dev)?;
+        } else {
+            for (i, layer) in self.layers.iter().enumerate() {
+                x = layer.forward(&x, i, &ctx)?;
+            }
         }
         if plan.logit_rows.is_empty() {
             return Ok(None);

@@ -159,3 +159,57 @@ fn dequantized_f32_weights_match_reference_and_greedy_ids() {
     let stats = generate(&mut e, &ids(&gen["prompt_ids"]), &params, |_, _| Ok(())).unwrap();
     assert_eq!(stats.generated, ids(&gen["generated_ids"]));
 }
+
+/// The CPU layer path (plain rows, no candle op per norm, add or SiLU) computes what the candle-op
+/// path computes: a step with one sequence's 37-token prompt beside another's 5 (enough rows for
+/// the row-parallel branches), then decode steps of both (the serial ones).
+#[test]
+fn cpu_layer_path_equals_candle_ops() {
+    let _g = model_lock();
+    let mut e = load(WeightMode::Auto);
+    assert!(
+        e.model.cpu_layers(),
+        "the default model's projections are all repacked"
+    );
+    let run = |e: &mut Engine| -> Vec<Vec<f32>> {
+        let bs = e.cache.block_size();
+        let (mut t1, mut t2) = (Vec::new(), Vec::new());
+        assert!(e.pool.ensure_capacity(&mut t1, 48, bs));
+        assert!(e.pool.ensure_capacity(&mut t2, 48, bs));
+        let seq = |tokens: Vec<u32>, start_pos: usize, table: &Vec<u32>| SeqChunk {
+            tokens,
+            start_pos,
+            block_table: table.clone(),
+            want_logits: true,
+        };
+        let mut out = Vec::new();
+        let mut step = StepBatch {
+            seqs: vec![
+                seq((0..37).map(|i| 100 + i * 7).collect(), 0, &t1),
+                seq((0..5).map(|i| 900 + i).collect(), 0, &t2),
+            ],
+        };
+        for s in 0..4 {
+            let logits = rows(&e.model.forward(&step, &e.cache).unwrap().unwrap());
+            step = StepBatch {
+                seqs: vec![
+                    seq(vec![argmax(&logits[0])], 37 + s, &t1),
+                    seq(vec![argmax(&logits[1])], 5 + s, &t2),
+                ],
+            };
+            out.extend(logits);
+        }
+        e.pool.release(&t1);
+        e.pool.release(&t2);
+        out
+    };
+    let rows_path = run(&mut e);
+    assert!(!e.model.set_cpu_layers(false));
+    let ops_path = run(&mut e);
+    assert!(e.model.set_cpu_layers(true));
+    // The same kernels and the same arithmetic in the same order: equal to the bit (a different
+    // summation order in a norm moves these quantized logits by up to ~1).
+    for (i, (a, b)) in rows_path.iter().zip(&ops_path).enumerate() {
+        assert_eq!(max_abs_diff(a, b), 0.0, "row {i}");
+    }
+}

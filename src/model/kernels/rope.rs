@@ -39,6 +39,49 @@ pub fn rope_half(x: &[f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) ->
     out
 }
 
+/// `rope_half` in place on `heads * d` values at `offset` in each row of `x` (rows `stride` apart):
+/// the CPU layer path rotates Q and K where the stacked QKV projection put them.
+#[allow(clippy::too_many_arguments)]
+pub fn rope_half_in_place(
+    x: &mut [f32],
+    stride: usize,
+    offset: usize,
+    heads: usize,
+    d: usize,
+    cos: &[f32],
+    sin: &[f32],
+) {
+    let half = d / 2;
+    assert!(offset + heads * d <= stride && x.len().is_multiple_of(stride));
+    let tokens = x.len() / stride;
+    assert_eq!(cos.len(), tokens * half);
+    assert_eq!(sin.len(), tokens * half);
+    let rotate = |t: usize, row: &mut [f32]| {
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for h in row[offset..offset + heads * d].chunks_exact_mut(d) {
+            let (x1, x2) = h.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+    };
+    if tokens < 2 * TOKENS_PER_TASK {
+        x.chunks_exact_mut(stride)
+            .enumerate()
+            .for_each(|(t, r)| rotate(t, r));
+    } else {
+        x.par_chunks_mut(stride)
+            .with_min_len(TOKENS_PER_TASK)
+            .enumerate()
+            .for_each(|(t, r)| rotate(t, r));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,6 +104,25 @@ mod tests {
         let got = rope_half(&v(&x), h, d, &v(&cos), &v(&sin));
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        // In place, inside wider rows (Q's heads at offset 5 of 60), on enough tokens to go parallel.
+        for t in [t, 40] {
+            let (x, cos, sin) = (
+                super::super::test_data::lcg(1, t * h * d),
+                super::super::test_data::lcg(2, t * d / 2),
+                super::super::test_data::lcg(3, t * d / 2),
+            );
+            let want = rope_half(&x, h, d, &cos, &sin);
+            let stride = h * d + 12;
+            let mut wide = vec![7f32; t * stride];
+            for (w, xr) in wide.chunks_exact_mut(stride).zip(x.chunks_exact(h * d)) {
+                w[5..5 + h * d].copy_from_slice(xr);
+            }
+            rope_half_in_place(&mut wide, stride, 5, h, d, &cos, &sin);
+            for (w, wr) in wide.chunks_exact(stride).zip(want.chunks_exact(h * d)) {
+                assert_eq!(&w[5..5 + h * d], wr);
+                assert!(w[..5].iter().chain(&w[5 + h * d..]).all(|&v| v == 7.0));
+            }
         }
     }
 }
