@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use crate::engine::step::SeqMeta;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::slot_of;
-use crate::model::kernels::attn::{attend, KvElem, Tile};
+use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 
 /// Which attention implementation a model uses.
@@ -53,13 +53,24 @@ pub fn paged_attention(
     }
 }
 
+/// One task of a `fast_cpu` call: a tile of consecutive tokens' GQA rows of one sequence and KV
+/// head, over positions `from..` the rows' own ends, cut at `to`.
+#[derive(Debug, Clone, Copy)]
+struct Task {
+    seq: usize,
+    kv_head: usize,
+    t0: usize,
+    tokens: usize,
+    from: usize,
+    to: usize,
+}
+
 /// What every task of one `fast_cpu` call shares.
 struct Job<'a> {
     seqs: &'a [SeqMeta],
     /// Each sequence's cache row offsets by position.
     seq_rows: &'a [Vec<usize>],
-    /// (sequence, KV head, first token, tokens).
-    tasks: &'a [(usize, usize, usize, usize)],
+    tasks: &'a [Task],
     /// Distance between query rows in `qs` (Q may sit inside wider rows, as in a stacked QKV output).
     q_stride: usize,
     hd: usize,
@@ -67,32 +78,36 @@ struct Job<'a> {
     scale: f32,
 }
 
+/// A task's output rows and each row's softmax statistics.
+type TaskOut = (Vec<f32>, Vec<(f32, f32)>);
+
 impl Job<'_> {
-    /// Runs every task; returns each task's output rows, in task order.
-    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T]) -> Vec<Vec<f32>> {
+    /// Runs every task; returns each task's output, in task order.
+    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T]) -> Vec<TaskOut> {
         let (hd, group) = (self.hd, self.group);
         self.tasks
             .par_iter()
-            .map(|&(si, g, t0, nt)| {
-                let s = &self.seqs[si];
-                let mut qt = Vec::with_capacity(nt * group * hd);
-                let mut ctx = Vec::with_capacity(nt * group);
-                for t in t0..t0 + nt {
-                    let row = (s.q_start + t) * self.q_stride + g * group * hd;
+            .map(|t| {
+                let s = &self.seqs[t.seq];
+                let mut qt = Vec::with_capacity(t.tokens * group * hd);
+                let mut ctx = Vec::with_capacity(t.tokens * group);
+                for i in t.t0..t.t0 + t.tokens {
+                    let row = (s.q_start + i) * self.q_stride + t.kv_head * group * hd;
                     qt.extend(qs[row..row + group * hd].iter().map(|x| x * self.scale));
-                    ctx.extend(std::iter::repeat_n(s.start_pos + t + 1, group));
+                    ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), group));
                 }
                 let mut o = vec![0f32; qt.len()];
                 let tile = Tile {
                     q: &qt,
+                    from: t.from,
                     ctx: &ctx,
-                    rows: &self.seq_rows[si],
-                    k: &ks[g * hd..],
-                    v: &vs[g * hd..],
+                    rows: &self.seq_rows[t.seq],
+                    k: &ks[t.kv_head * hd..],
+                    v: &vs[t.kv_head * hd..],
                     d: hd,
                 };
-                attend(&tile, &mut o);
-                o
+                let stats = attend(&tile, &mut o);
+                (o, stats)
             })
             .collect()
     }
@@ -101,6 +116,58 @@ impl Job<'_> {
 /// Query rows a `fast_cpu` task aims for: with a GQA group of 3, 8 tokens of a prefill chunk, so
 /// each block of keys and values is loaded once for 24 rows; a decode step's task is one token.
 const TILE_ROWS: usize = 24;
+
+/// The fewest positions a part of a decode row's history gets when a step has too few tasks to
+/// keep every thread busy (one sequence: three KV heads on two threads left one idle a third of
+/// the time, while each task waited on DRAM).
+const MIN_PART: usize = 64;
+
+/// Tasks for a step: tiles of up to `TILE_ROWS` rows; when there are fewer than two per thread,
+/// each decode row's positions are cut into parts (merged after with `merge_parts`).
+fn plan_tasks(seqs: &[SeqMeta], kvh: usize, group: usize, threads: usize) -> Vec<Task> {
+    let per_task = (TILE_ROWS / group).max(1);
+    let base: Vec<Task> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(si, s)| {
+            (0..kvh).flat_map(move |g| {
+                (0..s.q_len).step_by(per_task).map(move |t0| Task {
+                    seq: si,
+                    kv_head: g,
+                    t0,
+                    tokens: per_task.min(s.q_len - t0),
+                    from: 0,
+                    to: usize::MAX,
+                })
+            })
+        })
+        .collect();
+    if base.len() >= 2 * threads {
+        return base;
+    }
+    let want = (2 * threads).div_ceil(base.len());
+    base.into_iter()
+        .flat_map(|t| {
+            // Only one-token tiles (decode rows) are cut: a chunk's rows end at different positions.
+            let ctx = seqs[t.seq].start_pos + t.t0 + 1;
+            let parts = if t.tokens == 1 {
+                want.min(ctx / MIN_PART).max(1)
+            } else {
+                1
+            };
+            (0..parts).map(move |p| {
+                if parts == 1 {
+                    return t;
+                }
+                Task {
+                    from: ctx * p / parts,
+                    to: ctx * (p + 1) / parts,
+                    ..t
+                }
+            })
+        })
+        .collect()
+}
 
 fn fast_cpu(
     q: &Tensor,
@@ -141,19 +208,7 @@ pub(crate) fn fast_cpu_rows(
                 .collect()
         })
         .collect();
-    // Tasks: (sequence, KV head, first token, tokens), a tile of consecutive tokens' GQA rows.
-    let per_task = (TILE_ROWS / group).max(1);
-    let tasks: Vec<(usize, usize, usize, usize)> = seqs
-        .iter()
-        .enumerate()
-        .flat_map(|(si, s)| {
-            (0..kvh).flat_map(move |g| {
-                (0..s.q_len)
-                    .step_by(per_task)
-                    .map(move |t0| (si, g, t0, per_task.min(s.q_len - t0)))
-            })
-        })
-        .collect();
+    let tasks = plan_tasks(seqs, kvh, group, rayon::current_num_threads());
     if q_stride < h * hd || qs.len() < n_tokens * q_stride {
         return Err(EngineError::InvalidBatch(format!(
             "attention needs {n_tokens} query rows of {} values, {q_stride} apart",
@@ -178,11 +233,33 @@ pub(crate) fn fast_cpu_rows(
         })??,
     };
     let mut out = vec![0f32; n_tokens * h * hd];
-    for (&(si, g, t0, nt), o) in tasks.iter().zip(&outs) {
-        for (i, t) in (t0..t0 + nt).enumerate() {
-            let at = (seqs[si].q_start + t) * h * hd + g * group * hd;
-            out[at..at + group * hd].copy_from_slice(&o[i * group * hd..(i + 1) * group * hd]);
+    let mut i = 0;
+    while i < tasks.len() {
+        let t = tasks[i];
+        // The parts of one tile are consecutive tasks.
+        let mut j = i + 1;
+        while j < tasks.len()
+            && (tasks[j].seq, tasks[j].kv_head, tasks[j].t0) == (t.seq, t.kv_head, t.t0)
+        {
+            j += 1;
         }
+        for (k, tok) in (t.t0..t.t0 + t.tokens).enumerate() {
+            let at = (seqs[t.seq].q_start + tok) * h * hd + t.kv_head * group * hd;
+            for r in 0..group {
+                let row = k * group + r;
+                let dst = &mut out[at + r * hd..at + (r + 1) * hd];
+                if j == i + 1 {
+                    dst.copy_from_slice(&outs[i].0[row * hd..(row + 1) * hd]);
+                } else {
+                    let parts: Vec<(&[f32], (f32, f32))> = outs[i..j]
+                        .iter()
+                        .map(|(o, st)| (&o[row * hd..(row + 1) * hd], st[row]))
+                        .collect();
+                    merge_parts(&parts, dst);
+                }
+            }
+        }
+        i = j;
     }
     Ok(out)
 }
@@ -258,5 +335,56 @@ pub fn choose(device: &Device, requested: Option<AttentionImpl>) -> Result<Atten
         (Some(imp), _) => Ok(imp),
         (None, true) => Ok(AttentionImpl::FastCpu),
         (None, false) => Ok(AttentionImpl::Generic),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(q_len: usize, start_pos: usize) -> SeqMeta {
+        SeqMeta {
+            q_start: 0,
+            q_len,
+            start_pos,
+            block_table: Vec::new(),
+        }
+    }
+
+    /// Positions `from..to` of each tile's parts, in task order.
+    fn spans(tasks: &[Task]) -> Vec<(usize, usize, usize)> {
+        tasks.iter().map(|t| (t.kv_head, t.from, t.to)).collect()
+    }
+
+    #[test]
+    fn one_decoding_sequence_is_cut_into_parts_for_idle_threads() {
+        // Three KV heads on two threads: each head's 300 positions in two parts.
+        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2);
+        assert_eq!(
+            spans(&t),
+            vec![
+                (0, 0, 150),
+                (0, 150, 300),
+                (1, 0, 150),
+                (1, 150, 300),
+                (2, 0, 150),
+                (2, 150, 300)
+            ]
+        );
+        // Too short to cut: MIN_PART positions a part at least.
+        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2);
+        assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
+        // Enough tasks already (four sequences): nothing is cut.
+        let t = plan_tasks(
+            &[seq(1, 999), seq(1, 999), seq(1, 999), seq(1, 999)],
+            3,
+            3,
+            2,
+        );
+        assert_eq!(t.len(), 12);
+        assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
+        // A prefill chunk's tiles are never cut.
+        let t = plan_tasks(&[seq(5, 900)], 1, 3, 2);
+        assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
     }
 }

@@ -66,7 +66,10 @@ const PREFETCH_AHEAD: usize = 8;
 pub(crate) struct Tile<'a, T> {
     /// Query rows, `[rows, d]`, already multiplied by the softmax scale.
     pub q: &'a [f32],
-    /// How many positions each row sees (`0..ctx[r]`), each at least 1.
+    /// The first position the tile covers: rows see positions `from..ctx[r]` (a decode row's
+    /// history can be cut into parts that run in parallel, then merged with `merge_parts`).
+    pub from: usize,
+    /// Where each row's positions end (`ctx[r] > from`).
     pub ctx: &'a [usize],
     /// Element offset of each position's row in `k` and `v` (this KV head's `d` values start there).
     pub rows: &'a [usize],
@@ -75,38 +78,69 @@ pub(crate) struct Tile<'a, T> {
     pub d: usize,
 }
 
-/// `out[r] = softmax(q[r] . K[0..ctx[r]]^T) . V[0..ctx[r]]` for every row of the tile; `out` is
-/// `[rows, d]`.
+/// `out[r] = softmax(q[r] . K[from..ctx[r]]^T) . V[from..ctx[r]]` for every row of the tile; `out`
+/// is `[rows, d]`. Returns each row's softmax statistics (largest score, sum of `exp(score - max)`),
+/// which `merge_parts` needs.
 ///
 /// # Panics
 /// When the shapes disagree or a row offset points outside `k` or `v` (a bug in the caller: block
 /// tables are validated when a step is planned).
-pub(crate) fn attend<T: KvElem>(t: &Tile<T>, out: &mut [f32]) {
+pub(crate) fn attend<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     let n = t.ctx.len();
     assert_eq!(t.q.len(), n * t.d, "query rows are d wide");
     assert_eq!(out.len(), n * t.d, "output rows are d wide");
     let cmax = t.ctx.iter().copied().max().unwrap_or(0);
     assert!(
-        t.ctx.iter().all(|&c| c >= 1),
-        "every row sees its own position"
+        t.ctx.iter().all(|&c| c > t.from),
+        "every row sees at least one position"
     );
     assert!(cmax <= t.rows.len(), "a row offset for every position");
-    let last = t.rows[..cmax].iter().copied().max().unwrap_or(0) + t.d;
+    let last = t.rows[t.from..cmax].iter().copied().max().unwrap_or(0) + t.d;
     assert!(
         last <= t.k.len() && last <= t.v.len(),
         "row offsets inside the cache"
     );
+    // The kernels count positions from the tile's first one.
+    let cmax = cmax - t.from;
+    let ctx: Vec<usize> = t.ctx.iter().map(|c| c - t.from).collect();
+    let t = Tile {
+        from: 0,
+        ctx: &ctx,
+        rows: &t.rows[t.from..],
+        ..*t
+    };
     #[cfg(target_arch = "x86_64")]
     if simd() {
         // SAFETY: AVX2, FMA and F16C were detected; the shapes and every row offset below `cmax`
         // were checked above.
         match t.d {
-            64 => return unsafe { avx2::tile::<T, 64>(t, cmax, out) },
-            128 => return unsafe { avx2::tile::<T, 128>(t, cmax, out) },
+            64 => return unsafe { avx2::tile::<T, 64>(&t, cmax, out) },
+            128 => return unsafe { avx2::tile::<T, 128>(&t, cmax, out) },
             _ => {}
         }
     }
-    tile_scalar(t, out)
+    tile_scalar(&t, out)
+}
+
+/// Combines the outputs of parts of one row's positions (each normalized over its own part, with
+/// its statistics from `attend`) into the row's attention over all of them: each part weighs
+/// `sum * exp(max - overall max)`, the flash-decoding merge.
+pub(crate) fn merge_parts(parts: &[(&[f32], (f32, f32))], out: &mut [f32]) {
+    let m = parts
+        .iter()
+        .map(|(_, (m, _))| *m)
+        .fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f32> = parts
+        .iter()
+        .map(|(_, (pm, l))| l * (pm - m).exp())
+        .collect();
+    let inv = 1.0 / w.iter().sum::<f32>();
+    out.fill(0.0);
+    for ((o, _), w) in parts.iter().zip(&w) {
+        for (y, x) in out.iter_mut().zip(o.iter()) {
+            *y += x * w * inv;
+        }
+    }
 }
 
 /// Whether the AVX2 + FMA + F16C paths may run.
@@ -121,22 +155,24 @@ pub(crate) fn simd() -> bool {
 }
 
 /// The reference: one row at a time, one dot product per position.
-pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) {
+pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     let d = t.d;
     let mut s = Vec::new();
+    let mut stats = Vec::with_capacity(t.ctx.len());
     for (r, &c) in t.ctx.iter().enumerate() {
         let q = &t.q[r * d..(r + 1) * d];
         s.clear();
-        s.extend((0..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d])));
-        softmax(&mut s);
+        s.extend((t.from..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d])));
+        stats.push(softmax(&mut s));
         let o = &mut out[r * d..(r + 1) * d];
         o.fill(0.0);
-        for (p, &w) in s.iter().enumerate() {
+        for (p, &w) in (t.from..c).zip(&s) {
             for (y, x) in o.iter_mut().zip(&t.v[t.rows[p]..t.rows[p] + d]) {
                 *y += w * x.to_f32();
             }
         }
     }
+    stats
 }
 
 #[inline]
@@ -161,7 +197,8 @@ fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
 /// at a time) and their sum run in vector registers: libm's scalar `expf` was a large share of a
 /// prefill chunk's attention at long context, and then the scalar sum (one dependent add per
 /// position, ~12% of a chunk's attention).
-pub(crate) fn softmax(s: &mut [f32]) {
+/// Returns the largest score and the sum of `exp(score - largest)`.
+pub(crate) fn softmax(s: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
     if super::q8_0::has_avx2() {
         // SAFETY: AVX2 and FMA were detected.
@@ -182,17 +219,19 @@ pub(crate) fn softmax(s: &mut [f32]) {
             *l += *x;
         }
     }
-    let inv = 1.0 / sums.iter().sum::<f32>();
+    let sum = sums.iter().sum::<f32>();
+    let inv = 1.0 / sum;
     for x in s.iter_mut() {
         *x *= inv;
     }
+    (m, sum)
 }
 
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_avx2(s: &mut [f32]) {
+unsafe fn softmax_avx2(s: &mut [f32]) -> (f32, f32) {
     use std::arch::x86_64::*;
     let n = s.len();
     let p = s.as_mut_ptr();
@@ -233,6 +272,7 @@ unsafe fn softmax_avx2(s: &mut [f32]) {
     for x in &mut s[full..] {
         *x *= 1.0 / sum;
     }
+    (m, sum)
 }
 
 /// `exp(x[i] - m)` for 8 values, `x[i] - m <= 0`: Cephes' `expf` (range reduction by `ln 2` in two
@@ -292,7 +332,7 @@ mod avx2 {
         t: &Tile<T>,
         cmax: usize,
         out: &mut [f32],
-    ) {
+    ) -> Vec<(f32, f32)> {
         let n = t.ctx.len();
         // Row groups of up to ROWS rows and the furthest position each sees.
         let groups: Vec<(usize, usize, usize)> = (0..n)
@@ -326,9 +366,10 @@ mod avx2 {
             }
             pb += block;
         }
+        let mut stats = Vec::with_capacity(n);
         for (r, &c) in t.ctx.iter().enumerate() {
             let row = &mut s[r * cmax..(r + 1) * cmax];
-            softmax(&mut row[..c]);
+            stats.push(softmax(&mut row[..c]));
             row[c..].fill(0.0);
         }
         out.fill(0.0);
@@ -353,6 +394,7 @@ mod avx2 {
             }
             pb += block;
         }
+        stats
     }
 
     /// Asks for the `D` values at `p` (a hint: never faults, no effect on results).
@@ -553,6 +595,7 @@ mod tests {
     fn check<T: KvElem>(c: &Case, k: &[T], v: &[T]) -> std::result::Result<(), TestCaseError> {
         let t = Tile {
             q: &c.q,
+            from: 0,
             ctx: &c.ctx,
             rows: &c.rows,
             k,
@@ -590,12 +633,58 @@ mod tests {
         }
     }
 
+    /// A decode row's positions cut into parts, each attended alone and merged, equal the whole
+    /// (the flash-decoding split `fast_cpu` uses when a step has too few tasks for its threads).
+    #[test]
+    fn parts_merge_into_the_whole() {
+        for (d, ctx0) in [(64, 299), (128, 130), (40, 77)] {
+            let c = case(11, d, 3, ctx0, 3);
+            let full = |from: usize, ctx: &[usize], out: &mut [f32]| {
+                let t = Tile {
+                    q: &c.q,
+                    from,
+                    ctx,
+                    rows: &c.rows,
+                    k: &c.k,
+                    v: &c.v,
+                    d,
+                };
+                attend(&t, out)
+            };
+            let mut want = vec![0f32; c.q.len()];
+            full(0, &c.ctx, &mut want);
+            let n = c.ctx[0];
+            let cuts = [0, n / 3, n / 2 + 5, n];
+            let outs: Vec<_> = cuts
+                .windows(2)
+                .map(|w| {
+                    let ctx = vec![w[1]; 3];
+                    let mut o = vec![0f32; c.q.len()];
+                    let st = full(w[0], &ctx, &mut o);
+                    (o, st)
+                })
+                .collect();
+            for r in 0..3 {
+                let parts: Vec<(&[f32], (f32, f32))> = outs
+                    .iter()
+                    .map(|(o, st)| (&o[r * d..(r + 1) * d], st[r]))
+                    .collect();
+                let mut got = vec![0f32; d];
+                merge_parts(&parts, &mut got);
+                for (a, b) in got.iter().zip(&want[r * d..(r + 1) * d]) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "d {d}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
     #[test]
     #[should_panic(expected = "row offsets inside the cache")]
     fn offsets_outside_the_cache_are_refused() {
         let c = case(3, 64, 3, 5, 3);
         let t = Tile {
             q: &c.q,
+            from: 0,
             ctx: &c.ctx,
             rows: &c.rows,
             k: &c.k[..c.k.len() / 4],
