@@ -196,7 +196,10 @@ fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
 /// (`q8_0x8`), Q4_1 in its 8-row layout (`q4_1x8`), and the dense path (dequantize, then F32 gemm), in GFLOP/s (2*m*n*k per call),
 /// median of reps.
 fn kernels(reps: usize) {
-    use llama_relay::model::kernels::{q8_0, q8_0x8::Repacked};
+    use llama_relay::model::kernels::{
+        q8_0,
+        q8_0x8::{Repacked, RowGroups},
+    };
     let shapes = [
         ("qkv", 960, 576),
         ("o", 576, 576),

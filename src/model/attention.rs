@@ -48,7 +48,9 @@ pub fn paged_attention(
     dims: AttnDims,
 ) -> Result<Tensor> {
     match imp {
-        AttentionImpl::FastCpu => fast_cpu(q, k_cache, v_cache, seqs, dims),
+        AttentionImpl::FastCpu => {
+            fast_cpu(q, k_cache, v_cache, seqs, &FastCpuPlan::new(seqs, dims))
+        }
         AttentionImpl::Generic => generic(q, k_cache, v_cache, seqs, dims),
     }
 }
@@ -65,17 +67,47 @@ struct Task {
     to: usize,
 }
 
+/// What the CPU fast path derives from a step's sequences, the same for every layer: each
+/// sequence's cache row offsets and the task list. The model builds it once per step.
+pub(crate) struct FastCpuPlan {
+    dims: AttnDims,
+    n_tokens: usize,
+    /// Each sequence's cache row offsets by position: looking the slot up per position and head (a
+    /// division by the block size each time) cost more than the arithmetic it fed.
+    seq_rows: Vec<Vec<usize>>,
+    tasks: Vec<Task>,
+}
+
+impl FastCpuPlan {
+    pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims) -> Self {
+        let kv_dim = d.num_kv_heads * d.head_dim;
+        FastCpuPlan {
+            dims: d,
+            n_tokens: seqs.iter().map(|s| s.q_len).sum(),
+            seq_rows: seqs
+                .iter()
+                .map(|s| {
+                    (0..s.start_pos + s.q_len)
+                        .map(|p| slot_of(&s.block_table, p, d.block_size) * kv_dim)
+                        .collect()
+                })
+                .collect(),
+            tasks: plan_tasks(
+                seqs,
+                d.num_kv_heads,
+                d.num_heads / d.num_kv_heads,
+                rayon::current_num_threads(),
+            ),
+        }
+    }
+}
+
 /// What every task of one `fast_cpu` call shares.
 struct Job<'a> {
     seqs: &'a [SeqMeta],
-    /// Each sequence's cache row offsets by position.
-    seq_rows: &'a [Vec<usize>],
-    tasks: &'a [Task],
+    plan: &'a FastCpuPlan,
     /// Distance between query rows in `qs` (Q may sit inside wider rows, as in a stacked QKV output).
     q_stride: usize,
-    hd: usize,
-    group: usize,
-    scale: f32,
 }
 
 /// A task's output rows and each row's softmax statistics.
@@ -84,8 +116,11 @@ type TaskOut = (Vec<f32>, Vec<(f32, f32)>);
 impl Job<'_> {
     /// Runs every task; returns each task's output, in task order.
     fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T]) -> Vec<TaskOut> {
-        let (hd, group) = (self.hd, self.group);
-        self.tasks
+        let d = self.plan.dims;
+        let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.plan
+            .tasks
             .par_iter()
             .map(|t| {
                 let s = &self.seqs[t.seq];
@@ -93,7 +128,7 @@ impl Job<'_> {
                 let mut ctx = Vec::with_capacity(t.tokens * group);
                 for i in t.t0..t.t0 + t.tokens {
                     let row = (s.q_start + i) * self.q_stride + t.kv_head * group * hd;
-                    qt.extend(qs[row..row + group * hd].iter().map(|x| x * self.scale));
+                    qt.extend(qs[row..row + group * hd].iter().map(|x| x * scale));
                     ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), group));
                 }
                 let mut o = vec![0f32; qt.len()];
@@ -101,7 +136,7 @@ impl Job<'_> {
                     q: &qt,
                     from: t.from,
                     ctx: &ctx,
-                    rows: &self.seq_rows[t.seq],
+                    rows: &self.plan.seq_rows[t.seq],
                     k: &ks[t.kv_head * hd..],
                     v: &vs[t.kv_head * hd..],
                     d: hd,
@@ -169,16 +204,19 @@ fn plan_tasks(seqs: &[SeqMeta], kvh: usize, group: usize, threads: usize) -> Vec
         .collect()
 }
 
-fn fast_cpu(
+/// `q`: `[tokens, heads * head_dim]`; `plan` made from the same `seqs`.
+pub(crate) fn fast_cpu(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
     seqs: &[SeqMeta],
-    d: AttnDims,
+    plan: &FastCpuPlan,
 ) -> Result<Tensor> {
     let (n_tokens, width) = q.dims2()?;
     let q = q.contiguous()?;
-    let out = with_cpu_slice(&q, |qs| fast_cpu_rows(qs, width, k_cache, v_cache, seqs, d))??;
+    let out = with_cpu_slice(&q, |qs| {
+        fast_cpu_rows(qs, width, k_cache, v_cache, seqs, plan)
+    })??;
     Ok(Tensor::from_vec(out, (n_tokens, width), q.device())?)
 }
 
@@ -190,25 +228,11 @@ pub(crate) fn fast_cpu_rows(
     k_cache: &Tensor,
     v_cache: &Tensor,
     seqs: &[SeqMeta],
-    d: AttnDims,
+    plan: &FastCpuPlan,
 ) -> Result<Vec<f32>> {
-    let n_tokens = seqs.iter().map(|s| s.q_len).sum::<usize>();
-    let (h, kvh, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
-    let group = h / kvh;
-    let kv_dim = kvh * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // Each sequence's cache row offsets by position, computed once per call: looking the slot up
-    // per position and head (a division by the block size each time) cost more than the
-    // arithmetic it fed.
-    let seq_rows: Vec<Vec<usize>> = seqs
-        .iter()
-        .map(|s| {
-            (0..s.start_pos + s.q_len)
-                .map(|p| slot_of(&s.block_table, p, bs) * kv_dim)
-                .collect()
-        })
-        .collect();
-    let tasks = plan_tasks(seqs, kvh, group, rayon::current_num_threads());
+    let (n_tokens, d) = (plan.n_tokens, plan.dims);
+    let (h, hd) = (d.num_heads, d.head_dim);
+    let group = h / d.num_kv_heads;
     if q_stride < h * hd || qs.len() < n_tokens * q_stride {
         return Err(EngineError::InvalidBatch(format!(
             "attention needs {n_tokens} query rows of {} values, {q_stride} apart",
@@ -217,12 +241,8 @@ pub(crate) fn fast_cpu_rows(
     }
     let job = Job {
         seqs,
-        seq_rows: &seq_rows,
-        tasks: &tasks,
+        plan,
         q_stride,
-        hd,
-        group,
-        scale,
     };
     let outs = match k_cache.dtype() {
         DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {
@@ -232,6 +252,7 @@ pub(crate) fn fast_cpu_rows(
             with_cpu_slice_of::<f32, _>(v_cache, |vs| job.run(qs, ks, vs))
         })??,
     };
+    let tasks = &plan.tasks;
     let mut out = vec![0f32; n_tokens * h * hd];
     let mut i = 0;
     while i < tasks.len() {

@@ -17,6 +17,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
 use super::kernels::{q4_1x8, q8_0x8};
 use crate::error::Result;
@@ -69,8 +70,8 @@ impl Packed {
     /// (rows, columns).
     pub fn dims(&self) -> (usize, usize) {
         match self {
-            Packed::Q8_0(r) => (r.n, r.k),
-            Packed::Q4_1(r) => (r.n, r.k),
+            Packed::Q8_0(r) => r.dims(),
+            Packed::Q4_1(r) => r.dims(),
         }
     }
 
@@ -88,7 +89,9 @@ impl Packed {
         }
     }
 
-    /// `out[m, n] = x[m, k] . w[n, k]`.
+    /// `out[m, n] = x[m, k] . w[n, k]`. Each method matches on the layout rather than going
+    /// through `&dyn RowGroups`: with the dynamic call a 16-sequence decode step measured ~5%
+    /// slower (39.5-41.8 against 37.1-39.0 ms, alternating runs of `--decode-only 16`).
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         match self {
             Packed::Q8_0(r) => r.matmul(x, m),

@@ -19,7 +19,9 @@ const PAR_ROWS: usize = 32;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use super::attention::{fast_cpu_rows, paged_attention, AttentionImpl, AttnDims};
+use super::attention::{
+    fast_cpu, fast_cpu_rows, paged_attention, AttentionImpl, AttnDims, FastCpuPlan,
+};
 use super::config::{inv_freqs, ModelConfig};
 use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::with_cpu_slice;
@@ -213,6 +215,9 @@ struct StepContext<'a> {
     cache: &'a KvCache,
     imp: AttentionImpl,
     dims: AttnDims,
+    /// The fast attention's per-step plan (row offsets, tasks), when the step uses it: every layer
+    /// shares it.
+    fast: Option<FastCpuPlan>,
 }
 
 impl SelfAttention {
@@ -235,7 +240,10 @@ impl SelfAttention {
         let k = RotaryEmbedding::forward(&qkv[1], self.num_kv_heads, &ctx.cos, &ctx.sin)?;
         ctx.cache.write(layer, &ctx.slot_index, &k, &qkv[2])?;
         let (kc, vc) = ctx.cache.layer(layer)?;
-        let o = paged_attention(ctx.imp, &q, &kc, &vc, &ctx.plan.seqs, ctx.dims)?;
+        let o = match &ctx.fast {
+            Some(plan) => fast_cpu(&q, &kc, &vc, &ctx.plan.seqs, plan)?,
+            None => paged_attention(ctx.imp, &q, &kc, &vc, &ctx.plan.seqs, ctx.dims)?,
+        };
         self.o_proj.forward(&o)
     }
 }
@@ -327,7 +335,10 @@ impl DecoderLayer {
             &Tensor::from_vec(v, (n, kvd), dev)?,
         )?;
         let (kc, vc) = ctx.cache.layer(layer)?;
-        let o = fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, ctx.dims)?;
+        let fast = ctx.fast.as_ref().ok_or_else(|| {
+            EngineError::InvalidBatch("the CPU layer path needs the fast attention".into())
+        })?;
+        let o = fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, fast)?;
         add_assign(x, &p.o_proj.forward_rows(&o, n)?);
         let h = self.post_attention_layernorm.forward_rows(x, width)?;
         let act = silu_mul(&p.gate_up.forward_rows(&h, n)?, p.inter);
@@ -358,6 +369,11 @@ struct CpuParts<'a> {
     gate_up: &'a Packed,
     inter: usize,
     down: &'a Packed,
+}
+
+/// Whether the CPU layer path can run: on CPU, every layer's projections repacked.
+fn cpu_path_possible(device: &Device, layers: &[DecoderLayer]) -> bool {
+    device.is_cpu() && layers.iter().all(|l| l.cpu_parts().is_some())
 }
 
 /// The public model: one forward over a flat step batch.
@@ -395,7 +411,7 @@ impl Llama {
         } else {
             Linear::new(src.linear("lm_head", cfg.vocab_size, cfg.hidden_size)?)?
         };
-        let cpu_layers = device.is_cpu() && layers.iter().all(|l| l.cpu_parts().is_some());
+        let cpu_layers = cpu_path_possible(device, &layers);
         Ok(Llama {
             cpu_layers,
             cfg: cfg.clone(),
@@ -434,8 +450,7 @@ impl Llama {
     /// Turns the CPU layer path off (every op through candle, as on other devices) or back on where
     /// the weights allow it; returns whether it is now on. Tests compare the two.
     pub fn set_cpu_layers(&mut self, on: bool) -> bool {
-        self.cpu_layers =
-            on && self.device.is_cpu() && self.layers.iter().all(|l| l.cpu_parts().is_some());
+        self.cpu_layers = on && cpu_path_possible(&self.device, &self.layers);
         self.cpu_layers()
     }
 
@@ -478,19 +493,22 @@ impl Llama {
         let slot_index = Tensor::from_slice(&plan.slots, (n, 1), dev)?
             .broadcast_as((n, self.cfg.kv_dim()))?
             .contiguous()?;
+        let dims = AttnDims {
+            num_heads: self.cfg.num_heads,
+            num_kv_heads: self.cfg.num_kv_heads,
+            head_dim: self.cfg.head_dim,
+            block_size: cache.block_size(),
+        };
         let ctx = StepContext {
             cos,
             sin,
             slot_index,
+            fast: (self.attention == AttentionImpl::FastCpu)
+                .then(|| FastCpuPlan::new(&plan.seqs, dims)),
             plan: &plan,
             cache,
             imp: self.attention,
-            dims: AttnDims {
-                num_heads: self.cfg.num_heads,
-                num_kv_heads: self.cfg.num_kv_heads,
-                head_dim: self.cfg.head_dim,
-                block_size: cache.block_size(),
-            },
+            dims,
         };
         let mut x = self.embed_tokens.forward(&ids)?;
         if x.dtype() != DType::F32 {

@@ -15,8 +15,8 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::q8_0::{quantize_rows, QuantizedRows, QK};
-use super::q8_0x8::{grouped_matmul, GROUP, TILE_ROWS};
+use super::q8_0::{QuantizedRows, QK};
+use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
 
 /// Bytes per GGUF Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 pub const BLOCK_BYTES: usize = 20;
@@ -105,6 +105,12 @@ impl Repacked {
     fn blocks(&self) -> usize {
         self.k / QK
     }
+}
+
+impl RowGroups for Repacked {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
 
     fn group(&self, g: usize) -> &[u8] {
         let len = self.blocks() * GROUP_BLOCK_BYTES;
@@ -112,7 +118,7 @@ impl Repacked {
     }
 
     /// Row `row` as f32 values.
-    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.n && out.len() == self.k);
         let (g, r) = (row / GROUP, row % GROUP);
         let data = self.group(g);
@@ -125,30 +131,8 @@ impl Repacked {
         }
     }
 
-    /// The whole matrix as f32, `[n, k]` row-major, all threads.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.n * self.k];
-        out.par_chunks_mut(self.k)
-            .enumerate()
-            .for_each(|(row, o)| self.dequantize_row(row, o));
-        out
-    }
-
-    /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
-    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.matmul_with(x, m, super::q8_0::has_avx2())
-    }
-
-    /// As `matmul`, choosing the kernel (tests run both).
-    pub fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k);
-        let a = quantize_rows(x, m, self.k);
-        grouped_matmul(
-            self.n,
-            &a,
-            |g| self.group(g),
-            |w, a, r0, nr, out| tile(w, a, r0, nr, out, simd),
-        )
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+        tile(w, a, r0, nr, out, simd)
     }
 }
 
@@ -256,6 +240,7 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::kernels::q8_0::quantize_rows;
     use proptest::prelude::*;
 
     fn lcg(seed: u64, n: usize) -> Vec<u64> {

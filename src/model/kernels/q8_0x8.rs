@@ -71,6 +71,12 @@ impl Repacked {
     fn blocks(&self) -> usize {
         self.k / QK
     }
+}
+
+impl RowGroups for Repacked {
+    fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
 
     fn group(&self, g: usize) -> &[u8] {
         let len = self.blocks() * GROUP_BLOCK_BYTES;
@@ -78,7 +84,7 @@ impl Repacked {
     }
 
     /// Row `row` as f32 values.
-    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+    fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.n && out.len() == self.k);
         let (g, r) = (row / GROUP, row % GROUP);
         let data = self.group(g);
@@ -91,30 +97,8 @@ impl Repacked {
         }
     }
 
-    /// The whole matrix as f32, `[n, k]` row-major, all threads.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0f32; self.n * self.k];
-        out.par_chunks_mut(self.k)
-            .enumerate()
-            .for_each(|(row, o)| self.dequantize_row(row, o));
-        out
-    }
-
-    /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
-    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.matmul_with(x, m, super::q8_0::has_avx2())
-    }
-
-    /// As `matmul`, choosing the kernel (tests run both).
-    pub fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
-        assert_eq!(x.len(), m * self.k);
-        let a = quantize_rows(x, m, self.k);
-        grouped_matmul(
-            self.n,
-            &a,
-            |g| self.group(g),
-            |w, a, r0, nr, out| tile(w, a, r0, nr, out, simd),
-        )
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+        tile(w, a, r0, nr, out, simd)
     }
 }
 
@@ -161,6 +145,48 @@ pub(crate) fn grouped_matmul<'w>(
         }
     }
     out
+}
+
+/// A weight matrix stored in groups of `GROUP` rows for `grouped_matmul`: the 8-row Q8_0 and Q4_1
+/// layouts share the driver, the whole-matrix dequantization and the matmul entry points.
+pub trait RowGroups: Sync {
+    /// `(n, k)`: output columns, inner dimension.
+    fn dims(&self) -> (usize, usize);
+    /// Group `g`'s bytes.
+    fn group(&self, g: usize) -> &[u8];
+    /// Row `row` as f32 values.
+    fn dequantize_row(&self, row: usize, out: &mut [f32]);
+    /// One group against activation rows `r0..r0+nr` into `out` (`nr x GROUP`), with the AVX2
+    /// kernel when `simd`, else the scalar one.
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool);
+
+    /// The whole matrix as f32, `[n, k]` row-major, all threads.
+    fn dequantize(&self) -> Vec<f32> {
+        let (n, k) = self.dims();
+        let mut out = vec![0f32; n * k];
+        out.par_chunks_mut(k)
+            .enumerate()
+            .for_each(|(row, o)| self.dequantize_row(row, o));
+        out
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
+    fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_with(x, m, super::q8_0::has_avx2())
+    }
+
+    /// As `matmul`, choosing the kernel (tests run both).
+    fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
+        let (n, k) = self.dims();
+        assert_eq!(x.len(), m * k);
+        let a = quantize_rows(x, m, k);
+        grouped_matmul(
+            n,
+            &a,
+            |g| self.group(g),
+            |w, a, r0, nr, out| self.tile(w, a, r0, nr, out, simd),
+        )
+    }
 }
 
 /// Scalar reference: one group against rows `r0..r0+nr`; `out` is `nr x 8`.
