@@ -6,6 +6,7 @@
 //!                                   [--weights auto|keep|f32] [--kv-f16] [--no-cpu-layers]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
+//!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
 //!     cargo bench --bench engine -- --chunk 44 --context 464   # a cache-hit turn's prefill step
 //!
@@ -25,6 +26,7 @@ struct Args {
     compare_malloc: bool,
     prompt_only: bool,
     kernels: bool,
+    kernels_k: bool,
     attention: Option<usize>,
     decode_only: Option<usize>,
     context: usize,
@@ -43,6 +45,7 @@ fn parse() -> Args {
         compare_malloc: false,
         prompt_only: false,
         kernels: false,
+        kernels_k: false,
         attention: None,
         decode_only: None,
         context: 128,
@@ -61,6 +64,7 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
+            "--kernels-k" => a.kernels_k = true,
             "--attention" => {
                 a.attention = Some(
                     it.next()
@@ -270,6 +274,70 @@ fn kernels(reps: usize) {
     }
 }
 
+/// The K-quant kernels alone (Llama 3 GGUFs are mostly Q4_K + Q6_K) on Llama 3.2 1B's attention
+/// output (2048 x 2048) and MLP down (2048 x 8192) shapes, random weights: our repacked kernels
+/// (`Packed`: Q4_K as Q4_1 blocks, Q6_K as 8-bit quants with 16-value scales) against candle's
+/// `QMatMul` on the same `QTensor` (candle 0.11 has its own repacked x86 tiles for Q4_K, and for
+/// Q6_K from 2 rows). GFLOP/s (2*m*n*k per call), and at one row the GB/s of our weight bytes.
+fn kernels_k(reps: usize) {
+    use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+    use candle_core::{Device, Module, Tensor};
+    use llama_relay::model::linear::Packed;
+    println!("type  shape         m   ours GFLOP/s   candle GFLOP/s   ours GB/s (weights)");
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+        for (name, n, k) in [("o", 2048, 2048), ("down", 2048, 8192)] {
+            let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
+                .iter()
+                .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
+                .collect();
+            let wt = Tensor::from_vec(wf.clone(), (n, k), &Device::Cpu).unwrap();
+            let q = std::sync::Arc::new(QTensor::quantize(&wt, dtype).unwrap());
+            let ours = Packed::from_qtensor(&q)
+                .unwrap()
+                .expect("a repacked K-quant");
+            let bytes_per_value = match dtype {
+                GgmlDType::Q4K => 0.75, // nibble + f32 scale and minimum per 32
+                _ => 1.25,              // i8 + two f32 scales per 32
+            };
+            let theirs = QMatMul::from_arc(q).unwrap();
+            for m in [1usize, 4, 16, 32, 64] {
+                let x: Vec<f32> = wf[..m * k].to_vec();
+                let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
+                let flop = 2.0 * (m * n * k) as f64 / 1e9;
+                let time = |f: &dyn Fn()| {
+                    f();
+                    median(
+                        (0..reps.max(3))
+                            .map(|_| {
+                                let t = Instant::now();
+                                f();
+                                t.elapsed().as_secs_f64()
+                            })
+                            .collect(),
+                    )
+                };
+                let a = time(&|| {
+                    std::hint::black_box(ours.matmul(&x, m));
+                });
+                let b = time(&|| {
+                    std::hint::black_box(theirs.forward(&xt).unwrap());
+                });
+                let gbs = if m == 1 {
+                    format!("{:>10.1}", (n * k) as f64 * bytes_per_value / a / 1e9)
+                } else {
+                    String::new()
+                };
+                println!(
+                    "{:<5} {name:<10} {m:>4}   {:>12.1}   {:>14.1}   {gbs}",
+                    format!("{dtype:?}"),
+                    flop / a,
+                    flop / b
+                );
+            }
+        }
+    }
+}
+
 /// Paged attention alone, SmolLM2-135M's shapes (9 query heads, 3 KV heads, 64 wide) on one layer:
 /// `seqs` sequences, each `q_len` new tokens after `ctx` cached ones, scattered over a cache of 30
 /// layers' worth of blocks (so the rows come from DRAM, as in a step). Time per call and the K/V bytes
@@ -340,6 +408,11 @@ fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
 
 fn main() {
     let a = parse();
+    if a.kernels_k {
+        apply_process_settings(a.threads, a.malloc_tuning);
+        kernels_k(a.reps);
+        return;
+    }
     if a.kernels {
         apply_process_settings(a.threads, a.malloc_tuning);
         kernels(a.reps);

@@ -6,10 +6,11 @@
 //! - GGUF stores Q/K projection rows permuted for llama.cpp's interleaved RoPE; we move the rows
 //!   back to the Hugging Face order (the rows of a quantized tensor are whole blocks, so this is a
 //!   byte copy) and use one RoPE for every model, as transformers does.
-//! - On CPU, Q8_0 and Q4_1 run on our 8-row kernels (`kernels::q8_0x8`, `kernels::q4_1x8`; the
-//!   matrices are repacked by `linear.rs`). candle has only scalar loops for Q5_0 and Q5_1: those
-//!   are requantized to Q8_0 at load (Q4_K/Q6_K would need rows that are multiples of 256, which
-//!   SmolLM2's 576 is not). F16/BF16 become F32. `weights = "keep"` keeps every type as stored.
+//! - On CPU, Q8_0, Q4_1, Q4_0, Q4_K and Q6_K run on our 8-row kernels (`kernels::q8_0x8`,
+//!   `kernels::q4_1x8`; the matrices are repacked by `linear.rs`, Q4_0 and Q4_K as Q4_1 blocks).
+//!   candle has only scalar loops for Q5_0 and Q5_1: those are requantized to Q8_0 at load (not to
+//!   a K-quant, whose rows must be multiples of 256, which SmolLM2's 576 is not). F16/BF16 become
+//!   F32. `weights = "keep"` keeps every type as stored.
 //!   The default model's Q4_1 used to be requantized to Q8_0 too; kept, it decodes 161 against
 //!   126 tok/s single-stream and 383 against 285 at 16 sequences (`cargo bench --bench engine --
 //!   --weights keep` against the Q8_0 build, same machine, same hour).
@@ -39,7 +40,7 @@ pub struct LoadOptions {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightMode {
     /// The fastest layout on this device: on CPU, types without a fast kernel (Q5_0, Q5_1) become
-    /// Q8_0; Q8_0 and Q4_1 run on our 8-row kernels.
+    /// Q8_0; Q8_0, Q4_1, Q4_0, Q4_K and Q6_K run on our 8-row kernels.
     Auto,
     /// As stored in the file.
     Keep,

@@ -11,6 +11,11 @@
 //!
 //! Weights are repacked once at load; the GGUF bytes are dropped (no second copy). Rows past `n`
 //! in the last group are zero. `dequantize_row` reads a row back (embedding lookups, dense path).
+//!
+//! The layout is generic over `S`, the scales per row and block: Q8_0 has one (`Repacked`); Q6_K
+//! (`Q6kRepacked`) has one per 16 values, so two, and its 6-bit values are stored as i8 `q - 32`
+//! (10 bits a value against Q6_K's 6.6, as in candle's repacked Q6_K tiles; exact). The kernel
+//! sums each 16-value half on its own and scales it with its own vector of 8 scales.
 
 use half::f16;
 use rayon::prelude::*;
@@ -19,8 +24,17 @@ use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK};
 
 /// Weight rows per group (one AVX2 register of 32-bit lanes).
 pub const GROUP: usize = 8;
-/// Bytes per (group, block): 8 f32 scales + 8 x 32 quants.
-pub const GROUP_BLOCK_BYTES: usize = GROUP * 4 + GROUP * QK;
+/// Bytes per (group, block) with `s` scales per row and block: `s x 8` f32 scales + 8 x 32 quants.
+pub const fn group_block_bytes(s: usize) -> usize {
+    GROUP * 4 * s + GROUP * QK
+}
+/// Bytes per (group, block) of Q8_0: 8 f32 scales + 8 x 32 quants.
+pub const GROUP_BLOCK_BYTES: usize = group_block_bytes(1);
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+/// Bytes per GGUF Q6_K super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 i8
+/// scales, f16 `d`.
+pub const Q6_K_BLOCK_BYTES: usize = 210;
 /// Activation rows per micro-kernel call: 4 integer and 4 float accumulators, the weight vector,
 /// its absolute value and a constant fit AVX2's 16 registers.
 pub(crate) const TILE_ROWS: usize = 4;
@@ -28,44 +42,70 @@ pub(crate) const TILE_ROWS: usize = 4;
 /// tile of the step passes over them while they are there.
 const GROUPS_PER_TASK: usize = 4;
 
-/// A `[n, k]` Q8_0 matrix in the 8-row layout.
+/// A `[n, k]` matrix of 8-bit weights in the 8-row layout, `S` scales per row and 32-value block.
 #[derive(Debug, Clone)]
-pub struct Repacked {
+pub struct Rows8<const S: usize> {
     pub n: usize,
     pub k: usize,
     data: Vec<u8>,
 }
 
-impl Repacked {
-    /// Repacks GGUF Q8_0 bytes (`n` rows of `k / 32` blocks of f16 scale + 32 i8).
-    pub fn from_q8_0(bytes: &[u8], n: usize, k: usize) -> Self {
+/// Q8_0 in the 8-row layout.
+pub type Repacked = Rows8<1>;
+/// Q6_K in the 8-row layout: a scale per 16 values.
+pub type Q6kRepacked = Rows8<2>;
+
+impl<const S: usize> Rows8<S> {
+    /// Values per scale.
+    const SUB: usize = QK / S;
+    /// Bytes per (group, block).
+    const GBB: usize = group_block_bytes(S);
+
+    /// Repacks `n` rows of `k / 32` blocks given block by block: `block(row, b)` is block `b` of
+    /// `row` as (its `S` scales, its 32 quants in order).
+    fn from_blocks(
+        n: usize,
+        k: usize,
+        block: impl Fn(usize, usize) -> ([f32; S], [i8; QK]) + Sync,
+    ) -> Self {
         assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
         let blocks = k / QK;
-        let row_bytes = blocks * BLOCK_BYTES;
-        assert_eq!(bytes.len(), n * row_bytes, "Q8_0 bytes for [{n}, {k}]");
         let groups = n.div_ceil(GROUP);
-        let mut data = vec![0u8; groups * blocks * GROUP_BLOCK_BYTES];
-        data.par_chunks_mut(blocks * GROUP_BLOCK_BYTES)
+        let mut data = vec![0u8; groups * blocks * Self::GBB];
+        data.par_chunks_mut(blocks * Self::GBB)
             .enumerate()
             .for_each(|(g, dst)| {
                 for b in 0..blocks {
-                    let gb = &mut dst[b * GROUP_BLOCK_BYTES..(b + 1) * GROUP_BLOCK_BYTES];
+                    let gb = &mut dst[b * Self::GBB..(b + 1) * Self::GBB];
                     for r in 0..GROUP {
                         let row = g * GROUP + r;
                         if row >= n {
                             continue;
                         }
-                        let src = &bytes[row * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
-                        let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
-                        gb[r * 4..r * 4 + 4].copy_from_slice(&d.to_le_bytes());
-                        for c in 0..QK / 4 {
-                            let at = GROUP * 4 + c * GROUP * 4 + r * 4;
-                            gb[at..at + 4].copy_from_slice(&src[2 + c * 4..2 + c * 4 + 4]);
+                        let (d, qs) = block(row, b);
+                        for (h, d) in d.iter().enumerate() {
+                            let at = h * GROUP * 4 + r * 4;
+                            gb[at..at + 4].copy_from_slice(&d.to_le_bytes());
+                        }
+                        for (i, &q) in qs.iter().enumerate() {
+                            gb[Self::quant_at(r, i)] = q as u8;
                         }
                     }
                 }
             });
-        Repacked { n, k, data }
+        Rows8 { n, k, data }
+    }
+
+    /// Byte offset of row `r`'s value `i` (0..32) in a group block.
+    #[inline]
+    fn quant_at(r: usize, i: usize) -> usize {
+        GROUP * 4 * S + (i / 4) * GROUP * 4 + r * 4 + i % 4
+    }
+
+    #[inline]
+    fn scale(gb: &[u8], r: usize, h: usize) -> f32 {
+        let at = h * GROUP * 4 + r * 4;
+        f32::from_le_bytes(gb[at..at + 4].try_into().unwrap())
     }
 
     fn blocks(&self) -> usize {
@@ -73,13 +113,57 @@ impl Repacked {
     }
 }
 
-impl RowGroups for Repacked {
+impl Repacked {
+    /// Repacks GGUF Q8_0 bytes (`n` rows of `k / 32` blocks of f16 scale + 32 i8).
+    pub fn from_q8_0(bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        let row_bytes = k / QK * BLOCK_BYTES;
+        assert_eq!(bytes.len(), n * row_bytes, "Q8_0 bytes for [{n}, {k}]");
+        Self::from_blocks(n, k, |row, b| {
+            let src = &bytes[row * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
+            let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
+            ([d], std::array::from_fn(|i| src[2 + i] as i8))
+        })
+    }
+}
+
+impl Q6kRepacked {
+    /// Repacks GGUF Q6_K bytes (`n` rows of `k / 256` super-blocks; value
+    /// `d * sc[v / 16] * (q - 32)` with `q` 6 bits: low nibble from `ql`, two high bits from
+    /// `qh`). Each 32-value block keeps its two 16-value scales `d * sc`, exact in f32.
+    pub fn from_q6_k(bytes: &[u8], n: usize, k: usize) -> Self {
+        assert!(
+            k.is_multiple_of(QK_K),
+            "k = {k} is not a multiple of {QK_K}"
+        );
+        let row_bytes = k / QK_K * Q6_K_BLOCK_BYTES;
+        assert_eq!(bytes.len(), n * row_bytes, "Q6_K bytes for [{n}, {k}]");
+        Self::from_blocks(n, k, |row, b| {
+            let src = &bytes[row * row_bytes + (b / 8) * Q6_K_BLOCK_BYTES..][..Q6_K_BLOCK_BYTES];
+            let (ql, qh, sc) = (&src[..128], &src[128..192], &src[192..208]);
+            let d = f16::from_le_bytes([src[208], src[209]]).to_f32();
+            // Values 32j..32j + 32 of the super-block: half `hf` (128 values), quarter `qq`.
+            let j = b % 8;
+            let (hf, qq) = (j / 4, j % 4);
+            let qs = std::array::from_fn(|l| {
+                let lo = ql[64 * hf + l + 32 * (qq % 2)];
+                let lo = if qq < 2 { lo & 0x0F } else { lo >> 4 };
+                let hi = (qh[32 * hf + l] >> (2 * qq)) & 3;
+                (lo | (hi << 4)) as i8 - 32
+            });
+            let scale = |h: usize| d * sc[8 * hf + 2 * qq + h] as i8 as f32;
+            ([scale(0), scale(1)], qs)
+        })
+    }
+}
+
+impl<const S: usize> RowGroups for Rows8<S> {
     fn dims(&self) -> (usize, usize) {
         (self.n, self.k)
     }
 
     fn group(&self, g: usize) -> &[u8] {
-        let len = self.blocks() * GROUP_BLOCK_BYTES;
+        let len = self.blocks() * Self::GBB;
         &self.data[g * len..(g + 1) * len]
     }
 
@@ -89,16 +173,15 @@ impl RowGroups for Repacked {
         let (g, r) = (row / GROUP, row % GROUP);
         let data = self.group(g);
         for (b, ob) in out.chunks_exact_mut(QK).enumerate() {
-            let gb = &data[b * GROUP_BLOCK_BYTES..];
-            let d = f32::from_le_bytes(gb[r * 4..r * 4 + 4].try_into().unwrap());
+            let gb = &data[b * Self::GBB..];
             for (i, o) in ob.iter_mut().enumerate() {
-                *o = d * (gb[GROUP * 4 + (i / 4) * GROUP * 4 + r * 4 + i % 4] as i8) as f32;
+                *o = Self::scale(gb, r, i / Self::SUB) * (gb[Self::quant_at(r, i)] as i8) as f32;
             }
         }
     }
 
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
-        tile(w, a, r0, nr, out, simd)
+        tile::<S>(w, a, r0, nr, out, simd)
     }
 }
 
@@ -189,22 +272,29 @@ pub trait RowGroups: Sync {
     }
 }
 
-/// Scalar reference: one group against rows `r0..r0+nr`; `out` is `nr x 8`.
-pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32]) {
+/// Scalar reference: one group of `Rows8<S>` against rows `r0..r0+nr`; `out` is `nr x 8`.
+pub fn tile_scalar<const S: usize>(
+    w: &[u8],
+    a: &QuantizedRows,
+    r0: usize,
+    nr: usize,
+    out: &mut [f32],
+) {
     for r in 0..nr {
         let row = r0 + r;
         for c in 0..GROUP {
             let mut sum = 0f32;
             for b in 0..a.blocks {
-                let gb = &w[b * GROUP_BLOCK_BYTES..];
-                let d = f32::from_le_bytes(gb[c * 4..c * 4 + 4].try_into().unwrap());
+                let gb = &w[b * Rows8::<S>::GBB..];
                 let aq = &a.qs[(row * a.blocks + b) * QK..][..QK];
-                let mut isum = 0i32;
-                for (i, &av) in aq.iter().enumerate() {
-                    let wq = gb[GROUP * 4 + (i / 4) * GROUP * 4 + c * 4 + i % 4] as i8;
-                    isum += wq as i32 * av as i32;
+                for h in 0..S {
+                    let mut isum = 0i32;
+                    for i in h * Rows8::<S>::SUB..(h + 1) * Rows8::<S>::SUB {
+                        let wq = gb[Rows8::<S>::quant_at(c, i)] as i8;
+                        isum += wq as i32 * aq[i] as i32;
+                    }
+                    sum += isum as f32 * Rows8::<S>::scale(gb, c, h) * a.scales[row * a.blocks + b];
                 }
-                sum += isum as f32 * d * a.scales[row * a.blocks + b];
             }
             out[r * GROUP + c] = sum;
         }
@@ -217,35 +307,45 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` group blocks; rows
-    /// `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
+    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` group blocks of `Rows8<S>`;
+    /// rows `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn tile<const NR: usize>(w: &[u8], a: &QuantizedRows, r0: usize, out: &mut [f32]) {
-        debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
+    pub unsafe fn tile<const S: usize, const NR: usize>(
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let gbb = group_block_bytes(S);
+        debug_assert!(w.len() >= a.blocks * gbb && r0 + NR <= a.rows);
         debug_assert!(out.len() >= NR * GROUP);
         let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); NR];
         let wp = w.as_ptr();
         let ap = a.qs.as_ptr();
         let sp = a.scales.as_ptr();
+        let steps = QK / 4 / S;
         for b in 0..a.blocks {
-            let gb = wp.add(b * GROUP_BLOCK_BYTES);
-            let mut isum = [_mm256_setzero_si256(); NR];
-            for c in 0..QK / 4 {
-                let wv = _mm256_loadu_si256(gb.add(GROUP * 4 + c * 32) as *const __m256i);
-                let aw = _mm256_sign_epi8(wv, wv);
-                for (r, s) in isum.iter_mut().enumerate() {
-                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + c * 4);
-                    let av = _mm256_set1_epi32((at as *const i32).read_unaligned());
-                    let sa = _mm256_sign_epi8(av, wv);
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
-                    *s = _mm256_add_epi32(*s, p);
+            let gb = wp.add(b * gbb);
+            let qs = gb.add(GROUP * 4 * S);
+            for h in 0..S {
+                let mut isum = [_mm256_setzero_si256(); NR];
+                for c in h * steps..(h + 1) * steps {
+                    let wv = _mm256_loadu_si256(qs.add(c * 32) as *const __m256i);
+                    let aw = _mm256_sign_epi8(wv, wv);
+                    for (r, s) in isum.iter_mut().enumerate() {
+                        let at = ap.add((r0 + r) * a.blocks * QK + b * QK + c * 4);
+                        let av = _mm256_set1_epi32((at as *const i32).read_unaligned());
+                        let sa = _mm256_sign_epi8(av, wv);
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sa), ones);
+                        *s = _mm256_add_epi32(*s, p);
+                    }
                 }
-            }
-            let dw = _mm256_loadu_ps(gb as *const f32);
-            for r in 0..NR {
-                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sp.add((r0 + r) * a.blocks + b)));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), d, acc[r]);
+                let dw = _mm256_loadu_ps(gb.add(h * GROUP * 4) as *const f32);
+                for r in 0..NR {
+                    let d = _mm256_mul_ps(dw, _mm256_set1_ps(*sp.add((r0 + r) * a.blocks + b)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), d, acc[r]);
+                }
             }
         }
         for (r, v) in acc.iter().enumerate() {
@@ -255,17 +355,31 @@ mod avx2 {
 }
 
 /// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
-fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
-    assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * GROUP_BLOCK_BYTES);
+fn tile<const S: usize>(
+    w: &[u8],
+    a: &QuantizedRows,
+    r0: usize,
+    nr: usize,
+    out: &mut [f32],
+    simd: bool,
+) {
+    assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * group_block_bytes(S));
     assert!(out.len() >= nr * GROUP);
     #[cfg(target_arch = "x86_64")]
     if simd {
         // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
-        unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
+        unsafe {
+            match nr {
+                4 => avx2::tile::<S, 4>(w, a, r0, out),
+                3 => avx2::tile::<S, 3>(w, a, r0, out),
+                2 => avx2::tile::<S, 2>(w, a, r0, out),
+                _ => avx2::tile::<S, 1>(w, a, r0, out),
+            }
+        }
         return;
     }
     let _ = simd;
-    tile_scalar(w, a, r0, nr, out);
+    tile_scalar::<S>(w, a, r0, nr, out);
 }
 
 #[cfg(test)]
@@ -300,6 +414,62 @@ mod tests {
         let got = rp.matmul(&x, m);
         for (a, b) in want.iter().zip(&got) {
             assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+        }
+    }
+
+    /// GGUF Q6_K bytes of `[n, k]` random weights, quantized by candle (ggml's quantizer), and
+    /// candle's dequantization of them.
+    fn q6_k(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        use candle_core::{Device, Tensor};
+        let w = Tensor::from_vec(lcg(seed, n * k), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
+        let deq = q.dequantize(&Device::Cpu).unwrap();
+        (
+            q.data().unwrap().to_vec(),
+            deq.flatten_all().unwrap().to_vec1().unwrap(),
+        )
+    }
+
+    #[test]
+    fn q6_k_rows_read_back_exactly_as_candle_dequantizes_them() {
+        let (k, n) = (512, 13);
+        let (bytes, deq) = q6_k(8, n, k);
+        assert_eq!(bytes.len(), n * k / QK_K * Q6_K_BLOCK_BYTES);
+        let rp = Q6kRepacked::from_q6_k(&bytes, n, k);
+        let mut got = vec![0f32; k];
+        for j in 0..n {
+            rp.dequantize_row(j, &mut got);
+            assert_eq!(got, deq[j * k..(j + 1) * k], "row {j}");
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 16, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// On Q6_K weights the SIMD and scalar kernels agree, and both match an f64 reference on
+        /// candle's dequantized weights and the quantized activations.
+        #[test]
+        fn q6_k_products_match_a_reference(m in 1usize..7, kb in 1usize..4, n in 1usize..30, seed in any::<u64>()) {
+            let k = kb * QK_K;
+            let (bytes, deq) = q6_k(seed, n, k);
+            let rp = Q6kRepacked::from_q6_k(&bytes, n, k);
+            let x = lcg(seed ^ 0x99, m * k);
+            let a = quantize_rows(&x, m, k);
+            let s = rp.matmul_with(&x, m, false);
+            let v = rp.matmul_with(&x, m, true);
+            for r in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|i| {
+                            let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
+                            deq[j * k + i] as f64 * av
+                        })
+                        .sum();
+                    for got in [s[r * n + j], v[r * n + j]] {
+                        prop_assert!((got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "({r},{j}): {got} vs {want}");
+                    }
+                }
+            }
         }
     }
 
