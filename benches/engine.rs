@@ -3,7 +3,7 @@
 //! latency), with peak RSS. Medians over repeated runs.
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
-//!                                   [--weights auto|keep|f32] [--kv-f16] [--no-cpu-layers]
+//!                                   [--weights auto|keep|f32] [--kv f16|f32] [--no-cpu-layers]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
@@ -50,7 +50,8 @@ fn parse() -> Args {
         decode_only: None,
         context: 128,
         chunk: None,
-        kv_f16: false,
+        // The server's default (`engine.kv_dtype` in config/default.toml).
+        kv_f16: true,
         no_cpu_layers: false,
         weights: llama_relay::model::loader::WeightMode::Auto,
     };
@@ -72,7 +73,13 @@ fn parse() -> Args {
                         .expect("--attention SEQS"),
                 )
             }
-            "--kv-f16" => a.kv_f16 = true,
+            "--kv" => {
+                a.kv_f16 = match it.next().as_deref() {
+                    Some("f16") => true,
+                    Some("f32") => false,
+                    _ => panic!("--kv f16|f32"),
+                }
+            }
             "--no-cpu-layers" => a.no_cpu_layers = true,
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),

@@ -195,11 +195,28 @@ impl Tiny {
         read_json(&self.fixture_dir().join("expected.json"))
     }
 
+    /// The model with the library's options (F32 KV cache: the fixture comparisons).
     pub fn load(self, block_size: usize) -> Engine {
+        self.load_with(block_size, |_| {})
+    }
+
+    /// The model with the KV cache type the server's default configuration uses, for references
+    /// that a served reply must equal token for token.
+    pub fn load_as_served(self, block_size: usize) -> Engine {
+        let served = llama_relay::settings::Settings::load(None)
+            .unwrap()
+            .engine_options()
+            .unwrap()
+            .kv_dtype;
+        self.load_with(block_size, |o| o.kv_dtype = served)
+    }
+
+    fn load_with(self, block_size: usize, tweak: impl FnOnce(&mut EngineOptions)) -> Engine {
         let mut o = EngineOptions::for_model(self.dir());
         o.block_size = block_size;
         o.cache = llama_relay::engine::loaded::CacheSize::Tokens(4096);
         o.max_context = Some(2048);
+        tweak(&mut o);
         Engine::load(&o).unwrap()
     }
 }

@@ -216,7 +216,7 @@ fn greedy_deltas_equal_generate_and_turn_two_sees_turn_one() {
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |_| {});
     // The reference: the same prompt through `generate`.
-    let mut e = Tiny::Tied.load(16);
+    let mut e = Tiny::Tied.load_as_served(16);
     let (_, ids) = e
         .tokenizer
         .encode_chat(&[Message::new("user", "Tell me about llamas.")], true)

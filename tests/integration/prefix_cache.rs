@@ -111,7 +111,7 @@ fn a_shared_system_prompt_is_computed_once() {
 fn turn_two_reuses_turn_one_prompt_and_reply() {
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |_| {});
-    let mut e = Tiny::Tied.load(16);
+    let mut e = Tiny::Tied.load_as_served(16);
     let turn1 = vec![Message::new(
         "user",
         "Tell me a story about a lighthouse keeper.",
