@@ -24,6 +24,7 @@ use super::attention::{
 };
 use super::config::{inv_freqs, ModelConfig};
 use super::kernels::rope::{rope_half, rope_half_in_place};
+use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
 use super::linear::{Linear, Packed, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
@@ -149,21 +150,23 @@ impl RmsNorm {
 fn silu_mul(gu: &[f32], inter: usize) -> Vec<f32> {
     let rows = gu.len() / (2 * inter);
     let mut out = vec![0f32; rows * inter];
-    let f = |(o, r): (&mut [f32], &[f32])| {
-        let (g, u) = r.split_at(inter);
-        for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-            // candle's silu: v / (exp(-v) + 1).
-            *o = g / ((-g).exp() + 1.0) * u;
-        }
-    };
-    if rows >= PAR_ROWS {
-        out.par_chunks_mut(inter)
-            .zip(gu.par_chunks(2 * inter))
-            .for_each(f);
-    } else {
-        out.chunks_mut(inter).zip(gu.chunks(2 * inter)).for_each(f);
-    }
+    silu_mul_rows(gu, 2 * inter, &gu[inter..], 2 * inter, inter, &mut out);
     out
+}
+
+/// `silu(gate) * up` on tensors: on CPU in F32 the same kernel as the plain-row path (so both
+/// paths stay equal to the bit), elsewhere candle's ops.
+fn silu_mul_tensors(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    let on_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous();
+    if !(on_cpu(gate) && on_cpu(up)) || gate.dims() != up.dims() {
+        return Ok((gate.silu()? * up)?);
+    }
+    let width = *gate.dims().last().expect("a matrix");
+    let mut out = vec![0f32; gate.elem_count()];
+    with_cpu_slice(gate, |g| {
+        with_cpu_slice(up, |u| silu_mul_rows(g, width, u, width, width, &mut out))
+    })??;
+    Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
@@ -192,7 +195,7 @@ impl Mlp {
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let gu = self.gate_up.forward(x)?;
-        self.down_proj.forward(&(gu[0].silu()? * &gu[1])?)
+        self.down_proj.forward(&silu_mul_tensors(&gu[0], &gu[1])?)
     }
 }
 

@@ -284,7 +284,7 @@ unsafe fn softmax_avx2(s: &mut [f32]) -> (f32, f32) {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::arch::x86_64::__m256 {
+pub(crate) unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
     let v = _mm256_sub_ps(x, _mm256_set1_ps(m));
     let tiny = _mm256_cmp_ps(v, _mm256_set1_ps(-87.0), _CMP_LT_OQ);

@@ -28,6 +28,7 @@ pub mod q4_1x8;
 pub mod q8_0;
 pub mod q8_0x8;
 pub mod rope;
+pub mod silu;
 
 use candle_core::{Storage, Tensor};
 
