@@ -52,7 +52,7 @@ pub enum WeightMode {
 #[derive(Debug, Clone)]
 pub enum Embedding {
     Quantized(Arc<QTensor>),
-    /// Q8_0 or Q4_1 on CPU in an 8-row layout, shared with a tied output projection.
+    /// A CPU table in an 8-row layout (`Packed`), shared with a tied output projection.
     Packed(Arc<Packed>),
     Dense(Tensor),
 }
@@ -79,8 +79,8 @@ impl Embedding {
         })
     }
 
-    /// A CPU Q8_0 or Q4_1 table moves to an 8-row layout (the table and a tied output
-    /// projection then share it); anything else stays as it is.
+    /// A CPU table of a type with an 8-row layout (Q8_0, Q4_1, Q4_0, Q4_K, Q6_K) moves to it
+    /// (the table and a tied output projection then share it); anything else stays as it is.
     pub fn repack(self) -> Result<Self> {
         if let Embedding::Quantized(q) = &self {
             if let Some(p) = Packed::from_qtensor(q)? {
