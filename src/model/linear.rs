@@ -17,6 +17,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
 use super::kernels::{q4_1x8, q8_0x8};
@@ -98,6 +99,19 @@ impl Packed {
 
     pub fn dequantize(&self) -> Vec<f32> {
         each_layout!(self, r => r.dequantize())
+    }
+
+    /// `out[m, n]` for activations already quantized.
+    pub fn matmul_quantized(&self, a: &QuantizedRows) -> Vec<f32> {
+        each_layout!(self, r => r.matmul_quantized(a))
+    }
+
+    /// Rows from which `forward_rows` takes the dense path.
+    fn dense_from(&self) -> usize {
+        match self {
+            Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
+            Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
+        }
     }
 
     /// `out[m, n] = x[m, k] . w[n, k]`. Each method matches on the layout rather than going
@@ -222,11 +236,7 @@ impl Packed {
     /// dense path (dequantize, then candle's F32 gemm).
     pub fn forward_rows(&self, xs: &[f32], rows: usize) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
-        let dense_from = match self {
-            Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
-            Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
-        };
-        if rows < dense_from {
+        if rows < self.dense_from() {
             return Ok(self.matmul(xs, rows));
         }
         let w = Tensor::from_vec(self.dequantize(), (n, k), &Device::Cpu)?;
@@ -254,15 +264,22 @@ impl ProjectionGroup {
         })
     }
 
-    /// One `[tokens, out_i]` tensor per projection.
-    /// The stacked repacked weight and each part's width, when the group has one.
-    pub fn as_packed(&self) -> Option<(&Packed, &[usize])> {
+    /// The group's repacked weights and each part's width, when every part is repacked.
+    pub fn as_packed(&self) -> Option<(PackedGroup<'_>, Vec<usize>)> {
         match self {
-            ProjectionGroup::Stacked { linear, outs } => Some((linear.as_packed()?, outs)),
-            ProjectionGroup::Separate(_) => None,
+            ProjectionGroup::Stacked { linear, outs } => {
+                Some((PackedGroup::Stacked(linear.as_packed()?), outs.clone()))
+            }
+            ProjectionGroup::Separate(ls) => {
+                let parts: Vec<&Packed> =
+                    ls.iter().map(Linear::as_packed).collect::<Option<_>>()?;
+                let outs = parts.iter().map(|p| p.dims().0).collect();
+                Some((PackedGroup::Parts(parts), outs))
+            }
         }
     }
 
+    /// One `[tokens, out_i]` tensor per projection.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         match self {
             ProjectionGroup::Separate(ls) => ls.iter().map(|l| l.forward(x)).collect(),
@@ -277,6 +294,43 @@ impl ProjectionGroup {
                 Ok(res)
             }
         }
+    }
+}
+
+/// Repacked projections that share their input, for the CPU layer path: one stacked matrix, or
+/// separate ones where the types differ (Q4_K_M files store some layers' v_proj or down_proj in
+/// Q6_K beside Q4_K), which then share one activation quantization. Either way the result is
+/// the parts' outputs side by side, `[rows, sum of outs]`, as the stacked matrix gives them.
+pub enum PackedGroup<'a> {
+    Stacked(&'a Packed),
+    Parts(Vec<&'a Packed>),
+}
+
+impl PackedGroup<'_> {
+    pub fn forward_rows(&self, xs: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let parts = match self {
+            PackedGroup::Stacked(p) => return p.forward_rows(xs, rows),
+            PackedGroup::Parts(parts) => parts,
+        };
+        let total: usize = parts.iter().map(|p| p.dims().0).sum();
+        let k = parts.first().map_or(0, |p| p.dims().1);
+        let outs: Vec<Vec<f32>> = if parts.iter().all(|p| rows < p.dense_from()) {
+            let a = quantize_rows(xs, rows, k);
+            parts.iter().map(|p| p.matmul_quantized(&a)).collect()
+        } else {
+            parts
+                .iter()
+                .map(|p| p.forward_rows(xs, rows))
+                .collect::<Result<_>>()?
+        };
+        let mut out = Vec::with_capacity(rows * total);
+        for r in 0..rows {
+            for (p, o) in parts.iter().zip(&outs) {
+                let n = p.dims().0;
+                out.extend_from_slice(&o[r * n..(r + 1) * n]);
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -26,7 +26,7 @@ use super::config::{inv_freqs, ModelConfig};
 use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
-use super::linear::{Linear, Packed, ProjectionGroup};
+use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use crate::engine::step::{StepBatch, StepPlan};
 use crate::error::{EngineError, Result};
@@ -363,13 +363,13 @@ impl DecoderLayer {
 
 /// A layer's repacked weights, for the CPU layer path.
 struct CpuParts<'a> {
-    /// q_proj, k_proj and v_proj stacked: rows `[q | k | v]`, `q_width` + 2 `kv_width` wide.
-    qkv: &'a Packed,
+    /// q_proj, k_proj and v_proj: rows `[q | k | v]`, `q_width` + 2 `kv_width` wide.
+    qkv: PackedGroup<'a>,
     q_width: usize,
     kv_width: usize,
     o_proj: &'a Packed,
-    /// gate_proj and up_proj stacked: rows `[gate | up]`, each `inter` wide.
-    gate_up: &'a Packed,
+    /// gate_proj and up_proj: rows `[gate | up]`, each `inter` wide.
+    gate_up: PackedGroup<'a>,
     inter: usize,
     down: &'a Packed,
 }

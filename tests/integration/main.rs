@@ -5,6 +5,7 @@ mod browser;
 mod common;
 mod detokenizer;
 mod gateway;
+mod kquants;
 mod loading;
 mod prefix_cache;
 mod smollm2;

@@ -271,12 +271,29 @@ pub trait RowGroups: Sync {
 
     /// As `matmul`, choosing the kernel (tests run both).
     fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
-        let (n, k) = self.dims();
+        let (_, k) = self.dims();
         assert_eq!(x.len(), m * k);
-        let a = quantize_rows(x, m, k);
+        self.matmul_quantized_with(&quantize_rows(x, m, k), simd)
+    }
+
+    /// `out[m, n]` for activations already quantized (projections that share an input share
+    /// one quantization).
+    fn matmul_quantized(&self, a: &QuantizedRows) -> Vec<f32> {
+        self.matmul_quantized_with(a, super::q8_0::has_avx2())
+    }
+
+    /// As `matmul_quantized`, choosing the kernel.
+    fn matmul_quantized_with(&self, a: &QuantizedRows, simd: bool) -> Vec<f32> {
+        let (n, k) = self.dims();
+        assert_eq!(
+            a.blocks * QK,
+            k,
+            "activations {} wide for a matrix {k} wide",
+            a.blocks * QK
+        );
         grouped_matmul(
             n,
-            &a,
+            a,
             |g| self.group(g),
             |w, a, r0, nr, out| self.tile(w, a, r0, nr, out, simd),
         )
