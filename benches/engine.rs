@@ -290,9 +290,13 @@ fn kernels_k(reps: usize) {
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{Device, Module, Tensor};
     use llama_relay::model::linear::Packed;
-    println!("type  shape         m   ours GFLOP/s   candle GFLOP/s   ours GB/s (weights)");
+    println!("type  shape         m   ours GFLOP/s   candle GFLOP/s   ours GB/s (weights)   Q4_1 form GFLOP/s");
     for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
-        for (name, n, k) in [("o", 2048, 2048), ("down", 2048, 8192)] {
+        for (name, n, k) in [
+            ("o", 2048, 2048),
+            ("down", 2048, 8192),
+            ("gate_up", 16384, 2048),
+        ] {
             let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
                 .iter()
                 .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
@@ -303,9 +307,13 @@ fn kernels_k(reps: usize) {
                 .unwrap()
                 .expect("a repacked K-quant");
             let bytes_per_value = match dtype {
-                GgmlDType::Q4K => 0.75, // nibble + f32 scale and minimum per 32
-                _ => 1.25,              // i8 + two f32 scales per 32
+                GgmlDType::Q4K => 0.59375, // nibble, a byte of scale and of minimum per 32, f32 d and dmin per 256
+                _ => 1.25,                 // i8 + two f32 scales per 32
             };
+            // Q4_K as Q4_1 blocks (f32 scale and minimum per 32 values), for comparison.
+            let q41 = (dtype == GgmlDType::Q4K).then(|| {
+                llama_relay::model::kernels::q4_1x8::Repacked::from_q4_k(&q.data().unwrap(), n, k)
+            });
             let theirs = QMatMul::from_arc(q).unwrap();
             for m in [1usize, 4, 16, 32, 64] {
                 let x: Vec<f32> = wf[..m * k].to_vec();
@@ -329,16 +337,23 @@ fn kernels_k(reps: usize) {
                 let b = time(&|| {
                     std::hint::black_box(theirs.forward(&xt).unwrap());
                 });
+                let c = q41.as_ref().map(|r| {
+                    use llama_relay::model::kernels::q8_0x8::RowGroups;
+                    time(&|| {
+                        std::hint::black_box(r.matmul(&x, m));
+                    })
+                });
                 let gbs = if m == 1 {
                     format!("{:>10.1}", (n * k) as f64 * bytes_per_value / a / 1e9)
                 } else {
                     String::new()
                 };
                 println!(
-                    "{:<5} {name:<10} {m:>4}   {:>12.1}   {:>14.1}   {gbs}",
+                    "{:<5} {name:<10} {m:>4}   {:>12.1}   {:>14.1}   {gbs:>19}   {}",
                     format!("{dtype:?}"),
                     flop / a,
-                    flop / b
+                    flop / b,
+                    c.map_or(String::new(), |c| format!("{:>17.1}", flop / c))
                 );
             }
         }

@@ -20,7 +20,7 @@ use candle_core::{Device, Module, Tensor};
 use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
-use super::kernels::{q4_1x8, q8_0x8};
+use super::kernels::{q4_1x8, q4_kx8, q8_0x8};
 use crate::error::Result;
 
 /// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU. Measured
@@ -42,12 +42,15 @@ enum Weight {
     Packed(Arc<Packed>),
 }
 
-/// A CPU weight matrix `[n, k]` in one of the 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`).
+/// A CPU weight matrix `[n, k]` in one of the 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`,
+/// `kernels::q4_kx8`).
 #[derive(Debug)]
 pub enum Packed {
     Q8_0(q8_0x8::Repacked),
-    /// Q4_1, and Q4_0 and Q4_K repacked losslessly as Q4_1 blocks.
+    /// Q4_1, and Q4_0 repacked losslessly as Q4_1 blocks.
     Q4_1(q4_1x8::Repacked),
+    /// Q4_K with its compact sub-block scales.
+    Q4K(q4_kx8::Repacked),
     /// Q6_K: 8-bit quants with a scale per 16 values.
     Q6K(q8_0x8::Q6kRepacked),
 }
@@ -58,14 +61,15 @@ macro_rules! each_layout {
         match $p {
             Packed::Q8_0($r) => $e,
             Packed::Q4_1($r) => $e,
+            Packed::Q4K($r) => $e,
             Packed::Q6K($r) => $e,
         }
     };
 }
 
 impl Packed {
-    /// Repacks a CPU Q8_0, Q4_1, Q4_0, Q4_K or Q6_K matrix (Q4_0 as Q4_1 with minimum `-8 d`,
-    /// Q4_K as Q4_1 blocks of its 32-value sub-blocks); `None` for anything else.
+    /// Repacks a CPU Q8_0, Q4_1, Q4_0, Q4_K or Q6_K matrix (Q4_0 as Q4_1 with minimum `-8 d`);
+    /// `None` for anything else.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<Self>> {
         if !q.device().is_cpu() || q.rank() != 2 {
             return Ok(None);
@@ -78,7 +82,7 @@ impl Packed {
             GgmlDType::Q8_0 => Some(Packed::Q8_0(q8_0x8::Repacked::from_q8_0(&q.data()?, n, k))),
             GgmlDType::Q4_1 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_1(&q.data()?, n, k))),
             GgmlDType::Q4_0 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_0(&q.data()?, n, k))),
-            GgmlDType::Q4K => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_k(&q.data()?, n, k))),
+            GgmlDType::Q4K => Some(Packed::Q4K(q4_kx8::Repacked::from_q4_k(&q.data()?, n, k))),
             GgmlDType::Q6K => Some(Packed::Q6K(q8_0x8::Q6kRepacked::from_q6_k(
                 &q.data()?,
                 n,
@@ -110,7 +114,7 @@ impl Packed {
     fn dense_from(&self) -> usize {
         match self {
             Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
-            Packed::Q4_1(_) => Q4_1_DENSE_MIN_ROWS,
+            Packed::Q4_1(_) | Packed::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
         }
     }
 
@@ -383,11 +387,11 @@ mod tests {
             let deq = q.dequantize(&dev).unwrap();
             let lin = Linear::new(QMatMul::from_arc(q.clone()).unwrap()).unwrap();
             let want = match dtype {
-                GgmlDType::Q4K => "Q4_1",
+                GgmlDType::Q4K => "Q4K",
                 _ => "Q6K",
             };
             match lin.as_packed() {
-                Some(Packed::Q4_1(_)) => assert_eq!(want, "Q4_1"),
+                Some(Packed::Q4K(_)) => assert_eq!(want, "Q4K"),
                 Some(Packed::Q6K(_)) => assert_eq!(want, "Q6K"),
                 other => panic!("{dtype:?} became {other:?}"),
             }

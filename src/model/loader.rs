@@ -7,7 +7,8 @@
 //!   back to the Hugging Face order (the rows of a quantized tensor are whole blocks, so this is a
 //!   byte copy) and use one RoPE for every model, as transformers does.
 //! - On CPU, Q8_0, Q4_1, Q4_0, Q4_K and Q6_K run on our 8-row kernels (`kernels::q8_0x8`,
-//!   `kernels::q4_1x8`; the matrices are repacked by `linear.rs`, Q4_0 and Q4_K as Q4_1 blocks).
+//!   `kernels::q4_1x8`, `kernels::q4_kx8`; the matrices are repacked by `linear.rs`, Q4_0 as Q4_1
+//!   blocks).
 //!   candle has only scalar loops for Q5_0 and Q5_1: those are requantized to Q8_0 at load (not to
 //!   a K-quant, whose rows must be multiples of 256, which SmolLM2's 576 is not). F16/BF16 become
 //!   F32. `weights = "keep"` keeps every type as stored.

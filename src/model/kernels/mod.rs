@@ -3,9 +3,10 @@
 //! candle's quantized matmul runs one dot product per (activation row, weight row) pair and stays
 //! at ~39 GFLOP/s on this machine whatever the batch, so a step over 16 sequences costs 16 steps
 //! over one. Activations are quantized once per call (`q8_0::quantize_rows`, ggml's Q8_0 with
-//! Q8_1's block sums). `q8_0x8` and `q4_1x8` hold Q8_0 and Q4_1 weights repacked eight rows at a
-//! time, so one weight load serves 8 output columns and up to 4 activation rows with no horizontal
-//! sums (the engine's projections and the tied embedding use them); `q8_0` is the earlier
+//! Q8_1's block sums). `q8_0x8` (Q8_0, Q6_K), `q4_1x8` (Q4_1, Q4_0) and `q4_kx8` (Q4_K) hold
+//! weights repacked eight rows at a time, so one weight load serves 8 output columns and up to 4
+//! activation rows with no horizontal sums (the engine's projections and the tied embedding use
+//! them); `attn` is the attention tile, `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
 //! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
 //! in tests. Each kernel has a scalar reference that proptests compare it with on odd shapes; the
 //! AVX2 path is chosen at run time by CPU feature detection, the scalar one elsewhere.
@@ -25,6 +26,7 @@ macro_rules! dispatch_rows {
 
 pub mod attn;
 pub mod q4_1x8;
+pub mod q4_kx8;
 pub mod q8_0;
 pub mod q8_0x8;
 pub mod rope;

@@ -10,10 +10,10 @@
 //! its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole block's 8
 //! steps: one `madd` per block instead of one per step. Half the weight bytes of Q8_0 (24 bytes
 //! per 32 values against 36), which is what single-stream decode is bound by. Q4_0 (`d * (q - 8)`)
-//! is repacked into the same layout with minimum `-8 d` and runs on the same kernel, and so is Q4_K
-//! (Llama 3 GGUFs' main type): each 32-value sub-block of its 256-value super-block is a Q4_1
-//! block with scale `d * sc` and minimum `-dmin * m`, exact in f32. The price is size: 6 bits a
-//! value here against Q4_K's 4.5 (candle's own repacked Q4_K tiles pay the same for f32 scales).
+//! is repacked into the same layout with minimum `-8 d` and runs on the same kernel. Q4_K can be
+//! too (`from_q4_k`: each 32-value sub-block is a Q4_1 block with scale `d * sc` and minimum
+//! `-dmin * m`, exact in f32), at 6 bits a value; the engine uses `q4_kx8` instead, 4.75 bits,
+//! and the benchmark (`--kernels-k`) compares the two.
 
 use half::f16;
 use rayon::prelude::*;
@@ -44,7 +44,7 @@ pub struct Repacked {
 
 /// Where row `r`'s value `i` (0..32) of a block sits: (byte offset from `QS`, high nibble?).
 #[inline]
-fn nibble_at(r: usize, i: usize) -> (usize, bool) {
+pub(crate) fn nibble_at(r: usize, i: usize) -> (usize, bool) {
     let (s, j) = (i / 8, i % 8);
     (s * 32 + r * 4 + j % 4, j >= 4)
 }
@@ -110,7 +110,7 @@ impl Repacked {
     /// `dmin`, 12 bytes of 6-bit scales and minimums for the eight 32-value sub-blocks, 128 bytes
     /// of nibbles; value `d * sc * q - dmin * m`). Each sub-block is a Q4_1 block with scale
     /// `d * sc` and minimum `-dmin * m`, both exact in f32 (11-bit by 6-bit products), so the
-    /// repack loses nothing and Q4_K runs on this kernel.
+    /// repack loses nothing. The engine uses `q4_kx8` (fewer bytes); this is its comparison.
     pub fn from_q4_k(bytes: &[u8], n: usize, k: usize) -> Self {
         assert!(
             k.is_multiple_of(QK_K),
@@ -157,7 +157,7 @@ impl Repacked {
 }
 
 /// ggml's unpacking of Q4_K's 6-bit (scale, minimum) pair `j` (0..8) from its 12 bytes.
-fn q4_k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn q4_k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
