@@ -290,7 +290,7 @@ fn kernels_k(reps: usize) {
     use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
     use candle_core::{Device, Module, Tensor};
     use llama_relay::model::linear::Packed;
-    println!("type  shape         m   ours GFLOP/s   candle GFLOP/s   ours GB/s (weights)   Q4_1 form GFLOP/s");
+    println!("type  shape         m   ours GFLOP/s   candle GFLOP/s   ours GB/s (weights)");
     for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
         for (name, n, k) in [
             ("o", 2048, 2048),
@@ -310,10 +310,6 @@ fn kernels_k(reps: usize) {
                 GgmlDType::Q4K => 0.59375, // nibble, a byte of scale and of minimum per 32, f32 d and dmin per 256
                 _ => 1.25,                 // i8 + two f32 scales per 32
             };
-            // Q4_K as Q4_1 blocks (f32 scale and minimum per 32 values), for comparison.
-            let q41 = (dtype == GgmlDType::Q4K).then(|| {
-                llama_relay::model::kernels::q4_1x8::Repacked::from_q4_k(&q.data().unwrap(), n, k)
-            });
             let theirs = QMatMul::from_arc(q).unwrap();
             for m in [1usize, 4, 16, 32, 64] {
                 let x: Vec<f32> = wf[..m * k].to_vec();
@@ -337,23 +333,16 @@ fn kernels_k(reps: usize) {
                 let b = time(&|| {
                     std::hint::black_box(theirs.forward(&xt).unwrap());
                 });
-                let c = q41.as_ref().map(|r| {
-                    use llama_relay::model::kernels::q8_0x8::RowGroups;
-                    time(&|| {
-                        std::hint::black_box(r.matmul(&x, m));
-                    })
-                });
                 let gbs = if m == 1 {
                     format!("{:>10.1}", (n * k) as f64 * bytes_per_value / a / 1e9)
                 } else {
                     String::new()
                 };
                 println!(
-                    "{:<5} {name:<10} {m:>4}   {:>12.1}   {:>14.1}   {gbs:>19}   {}",
+                    "{:<5} {name:<10} {m:>4}   {:>12.1}   {:>14.1}   {gbs:>19}",
                     format!("{dtype:?}"),
                     flop / a,
-                    flop / b,
-                    c.map_or(String::new(), |c| format!("{:>17.1}", flop / c))
+                    flop / b
                 );
             }
         }

@@ -3,17 +3,16 @@
 //!
 //! A Q4_1 value is `d * q + m` with `q` in 0..16, so a block's dot product with an activation block
 //! (scale `da`, quants `qa`, `sa = da * sum(qa)`) is `d * da * sum(q * qa) + m * sa`. Per group of
-//! 8 rows and 32-value block: 8 f32 scales `d`, 8 f32 minimums `m`, then 4 x 32 bytes of nibbles.
-//! Byte `r * 4 + i` of the `s`-th 32 bytes holds row `r`'s value `8s + i` in its low nibble and
-//! value `8s + 4 + i` in its high nibble, so one load and two masks give two 4-value steps of
-//! `q8_0x8`'s kernel for 8 rows. The nibbles are unsigned, so `maddubs` takes them as they are, and
-//! its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole block's 8
-//! steps: one `madd` per block instead of one per step. Half the weight bytes of Q8_0 (24 bytes
-//! per 32 values against 36), which is what single-stream decode is bound by. Q4_0 (`d * (q - 8)`)
-//! is repacked into the same layout with minimum `-8 d` and runs on the same kernel. Q4_K can be
-//! too (`from_q4_k`: each 32-value sub-block is a Q4_1 block with scale `d * sc` and minimum
-//! `-dmin * m`, exact in f32), at 6 bits a value; the engine uses `q4_kx8` instead, 4.75 bits,
-//! and the benchmark (`--kernels-k`) compares the two.
+//! 8 rows and 32-value block: 8 f16 scales `d`, 8 f16 minimums `m` (as the file stores them; the
+//! kernel widens them with F16C), then 4 x 32 bytes of nibbles: 20 bytes a row and block, as in
+//! the file (with f32 scales it was 24, and single-stream decode reads every weight byte once a
+//! token). Byte `r * 4 + i` of the `s`-th 32 bytes holds row `r`'s value `8s + i` in its low
+//! nibble and value `8s + 4 + i` in its high nibble, so one load and two masks give two 4-value
+//! steps of `q8_0x8`'s kernel for 8 rows. The nibbles are unsigned, so `maddubs` takes them as
+//! they are, and its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole
+//! block's 8 steps: one `madd` per block instead of one per step. Q4_0 (`d * (q - 8)`) is repacked
+//! into the same layout with minimum `-8 d` (exact in f16) and runs on the same kernel. Q4_K has
+//! its own layout (`q4_kx8`).
 
 use half::f16;
 use rayon::prelude::*;
@@ -25,14 +24,12 @@ use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
 pub const BLOCK_BYTES: usize = 20;
 /// Bytes per GGUF Q4_0 block: f16 scale, 16 bytes of nibbles.
 pub const Q4_0_BLOCK_BYTES: usize = 18;
-/// Values per K-quant super-block (Q4_K, Q6_K).
-pub const QK_K: usize = 256;
-/// Bytes per GGUF Q4_K super-block: f16 `d`, f16 `dmin`, 12 bytes of scales, 128 of nibbles.
-pub const Q4_K_BLOCK_BYTES: usize = 144;
-/// Bytes per (group, block): 8 f32 scales, 8 f32 minimums, 8 x 16 bytes of nibbles.
-pub const GROUP_BLOCK_BYTES: usize = GROUP * 8 + GROUP * QK / 2;
+/// Bytes per (group, block): 8 f16 scales, 8 f16 minimums, 8 x 16 bytes of nibbles.
+pub const GROUP_BLOCK_BYTES: usize = GROUP * 4 + GROUP * QK / 2;
+/// Offset of the minimums in a group block.
+const MINS: usize = GROUP * 2;
 /// Offset of the nibbles in a group block.
-const QS: usize = GROUP * 8;
+const QS: usize = GROUP * 4;
 
 /// A `[n, k]` Q4_1 matrix in the 8-row layout.
 #[derive(Debug, Clone)]
@@ -55,7 +52,7 @@ impl Repacked {
     fn from_blocks(
         n: usize,
         k: usize,
-        block: impl Fn(usize, usize) -> (f32, f32, [u8; QK]) + Sync,
+        block: impl Fn(usize, usize) -> (f16, f16, [u8; QK]) + Sync,
     ) -> Self {
         assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
         let blocks = k / QK;
@@ -71,9 +68,8 @@ impl Repacked {
                             continue;
                         }
                         let (d, m, qs) = block(row, b);
-                        gb[r * 4..r * 4 + 4].copy_from_slice(&d.to_le_bytes());
-                        gb[GROUP * 4 + r * 4..GROUP * 4 + r * 4 + 4]
-                            .copy_from_slice(&m.to_le_bytes());
+                        gb[r * 2..r * 2 + 2].copy_from_slice(&d.to_le_bytes());
+                        gb[MINS + r * 2..MINS + r * 2 + 2].copy_from_slice(&m.to_le_bytes());
                         for (i, &q) in qs.iter().enumerate() {
                             debug_assert!(q < 16);
                             let (at, high) = nibble_at(r, i);
@@ -92,8 +88,8 @@ impl Repacked {
         assert_eq!(bytes.len(), n * row_bytes, "Q4_1 bytes for [{n}, {k}]");
         Self::from_blocks(n, k, |row, b| {
             let src = &bytes[row * row_bytes + b * BLOCK_BYTES..][..BLOCK_BYTES];
-            let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
-            let m = f16::from_le_bytes([src[2], src[3]]).to_f32();
+            let d = f16::from_le_bytes([src[0], src[1]]);
+            let m = f16::from_le_bytes([src[2], src[3]]);
             // GGUF: value j is the low nibble of byte j, value j + 16 its high one.
             let qs = std::array::from_fn(|i| {
                 if i < 16 {
@@ -103,31 +99,6 @@ impl Repacked {
                 }
             });
             (d, m, qs)
-        })
-    }
-
-    /// Repacks GGUF Q4_K bytes (`n` rows of `k / 256` super-blocks of 144 bytes: f16 `d`, f16
-    /// `dmin`, 12 bytes of 6-bit scales and minimums for the eight 32-value sub-blocks, 128 bytes
-    /// of nibbles; value `d * sc * q - dmin * m`). Each sub-block is a Q4_1 block with scale
-    /// `d * sc` and minimum `-dmin * m`, both exact in f32 (11-bit by 6-bit products), so the
-    /// repack loses nothing. The engine uses `q4_kx8` (fewer bytes); this is its comparison.
-    pub fn from_q4_k(bytes: &[u8], n: usize, k: usize) -> Self {
-        assert!(
-            k.is_multiple_of(QK_K),
-            "k = {k} is not a multiple of {QK_K}"
-        );
-        let row_bytes = k / QK_K * Q4_K_BLOCK_BYTES;
-        assert_eq!(bytes.len(), n * row_bytes, "Q4_K bytes for [{n}, {k}]");
-        Self::from_blocks(n, k, |row, b| {
-            let (sb, j) = (b / 8, b % 8);
-            let src = &bytes[row * row_bytes + sb * Q4_K_BLOCK_BYTES..][..Q4_K_BLOCK_BYTES];
-            let d = f16::from_le_bytes([src[0], src[1]]).to_f32();
-            let dmin = f16::from_le_bytes([src[2], src[3]]).to_f32();
-            let (sc, m) = q4_k_scale_min(j, src[4..16].try_into().unwrap());
-            // Sub-blocks 2c and 2c + 1 are the low and high nibbles of bytes 32c..32c + 32.
-            let q = &src[16 + 32 * (j / 2)..][..32];
-            let qs = std::array::from_fn(|i| if j % 2 == 0 { q[i] & 0x0F } else { q[i] >> 4 });
-            (d * sc as f32, -(dmin * m as f32), qs)
         })
     }
 
@@ -153,18 +124,6 @@ impl Repacked {
 
     fn blocks(&self) -> usize {
         self.k / QK
-    }
-}
-
-/// ggml's unpacking of Q4_K's 6-bit (scale, minimum) pair `j` (0..8) from its 12 bytes.
-pub(crate) fn q4_k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
-    if j < 4 {
-        (s[j] & 63, s[j + 4] & 63)
-    } else {
-        (
-            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
-            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-        )
     }
 }
 
@@ -199,8 +158,8 @@ impl RowGroups for Repacked {
 
 #[inline]
 fn scale_min(gb: &[u8], r: usize) -> (f32, f32) {
-    let f = |at: usize| f32::from_le_bytes(gb[at..at + 4].try_into().unwrap());
-    (f(r * 4), f(GROUP * 4 + r * 4))
+    let f = |at: usize| f16::from_le_bytes([gb[at], gb[at + 1]]).to_f32();
+    (f(r * 2), f(MINS + r * 2))
 }
 
 #[inline]
@@ -242,9 +201,9 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `w` must hold `a.blocks` group blocks; rows
+    /// The CPU must support AVX2, FMA and F16C; `w` must hold `a.blocks` group blocks; rows
     /// `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn tile<const NR: usize>(w: &[u8], a: &QuantizedRows, r0: usize, out: &mut [f32]) {
         debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
         debug_assert!(out.len() >= NR * GROUP);
@@ -268,8 +227,8 @@ mod avx2 {
                     *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(hi, a_hi));
                 }
             }
-            let dw = _mm256_loadu_ps(gb as *const f32);
-            let mw = _mm256_loadu_ps(gb.add(GROUP * 4) as *const f32);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(MINS) as *const __m128i));
             for r in 0..NR {
                 let ai = (r0 + r) * a.blocks + b;
                 let isum = _mm256_madd_epi16(s16[r], ones);
@@ -290,7 +249,7 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
     assert!(out.len() >= nr * GROUP);
     #[cfg(target_arch = "x86_64")]
     if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected; bounds asserted above.
         unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
@@ -398,61 +357,6 @@ mod tests {
                     // -8 d is exact in f16, and d * q - 8 d = d * (q - 8) exactly in f32.
                     assert_eq!(got[b * QK + i], lo);
                     assert_eq!(got[b * QK + i + 16], hi);
-                }
-            }
-        }
-    }
-
-    /// GGUF Q4_K bytes of `[n, k]` random weights, quantized by candle (ggml's quantizer), and
-    /// candle's dequantization of them.
-    fn q4_k(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
-        use candle_core::quantized::{GgmlDType, QTensor};
-        use candle_core::{Device, Tensor};
-        let w = Tensor::from_vec(xs(seed, n * k), (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
-        let deq = q.dequantize(&Device::Cpu).unwrap();
-        (
-            q.data().unwrap().to_vec(),
-            deq.flatten_all().unwrap().to_vec1().unwrap(),
-        )
-    }
-
-    #[test]
-    fn q4_k_rows_read_back_exactly_as_candle_dequantizes_them() {
-        let (k, n) = (512, 11);
-        let (bytes, deq) = q4_k(21, n, k);
-        let rp = Repacked::from_q4_k(&bytes, n, k);
-        let mut got = vec![0f32; k];
-        for j in 0..n {
-            rp.dequantize_row(j, &mut got);
-            assert_eq!(got, deq[j * k..(j + 1) * k], "row {j}");
-        }
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 16, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
-        /// On Q4_K weights the SIMD and scalar kernels agree, and both match an f64 reference
-        /// on candle's dequantized weights and the quantized activations.
-        #[test]
-        fn q4_k_products_match_a_reference(m in 1usize..7, kb in 1usize..4, n in 1usize..30, seed in any::<u64>()) {
-            let k = kb * QK_K;
-            let (bytes, deq) = q4_k(seed, n, k);
-            let rp = Repacked::from_q4_k(&bytes, n, k);
-            let x = xs(seed ^ 0x77, m * k);
-            let a = quantize_rows(&x, m, k);
-            let s = rp.matmul_with(&x, m, false);
-            let v = rp.matmul_with(&x, m, true);
-            for r in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|i| {
-                            let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
-                            deq[j * k + i] as f64 * av
-                        })
-                        .sum();
-                    for got in [s[r * n + j], v[r * n + j]] {
-                        prop_assert!((got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "({r},{j}): {got} vs {want}");
-                    }
                 }
             }
         }

@@ -13,10 +13,14 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::q4_1x8::{nibble_at, q4_k_scale_min, Q4_K_BLOCK_BYTES, QK_K};
+use super::q4_1x8::nibble_at;
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
 
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+/// Bytes per GGUF Q4_K super-block: f16 `d`, f16 `dmin`, 12 bytes of scales, 128 of nibbles.
+pub const Q4_K_BLOCK_BYTES: usize = 144;
 /// 32-value sub-blocks per super-block.
 const SUBS: usize = QK_K / QK;
 /// Offsets in a (group, super-block): `d`, `dmin`, scales, minimums, nibbles.
@@ -85,6 +89,18 @@ impl Repacked {
 
     fn supers(&self) -> usize {
         self.k / QK_K
+    }
+}
+
+/// ggml's unpacking of Q4_K's 6-bit (scale, minimum) pair `j` (0..8) from its 12 bytes.
+fn q4_k_scale_min(j: usize, s: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
     }
 }
 

@@ -221,11 +221,17 @@ pub(crate) mod avx2 {
     }
 }
 
+/// Whether the AVX2 kernels can run: AVX2, FMA and F16C (every AVX2 CPU has the other two, but
+/// the kernels say so and this checks it).
 pub(crate) fn has_avx2() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
