@@ -225,3 +225,40 @@ impl Tiny {
 pub fn rows(t: &Tensor) -> Vec<Vec<f32>> {
     t.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap()
 }
+
+/// Logits of a prefill step over two sequences (37 and 5 tokens) and three decode steps whose
+/// tokens `next(step, logits of the step before)` picks; the sequences' blocks are released after.
+pub fn two_sequence_run(
+    e: &mut Engine,
+    next: impl Fn(usize, &[Vec<f32>]) -> [u32; 2],
+) -> Vec<Vec<f32>> {
+    use llama_relay::engine::{SeqChunk, StepBatch};
+    let bs = e.cache.block_size();
+    let (mut t1, mut t2) = (Vec::new(), Vec::new());
+    assert!(e.pool.ensure_capacity(&mut t1, 48, bs));
+    assert!(e.pool.ensure_capacity(&mut t2, 48, bs));
+    let seq = |tokens: Vec<u32>, start_pos: usize, table: &Vec<u32>| SeqChunk {
+        tokens,
+        start_pos,
+        block_table: table.clone(),
+        want_logits: true,
+    };
+    let mut out = Vec::new();
+    let mut step = StepBatch {
+        seqs: vec![
+            seq((0..37).map(|i| 100 + i * 7).collect(), 0, &t1),
+            seq((0..5).map(|i| 900 + i).collect(), 0, &t2),
+        ],
+    };
+    for s in 0..4 {
+        let logits = rows(&e.model.forward(&step, &e.cache).unwrap().unwrap());
+        let [a, b] = next(s, &logits);
+        step = StepBatch {
+            seqs: vec![seq(vec![a], 37 + s, &t1), seq(vec![b], 5 + s, &t2)],
+        };
+        out.extend(logits);
+    }
+    e.pool.release(&t1);
+    e.pool.release(&t2);
+    out
+}

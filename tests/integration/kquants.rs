@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use llama_relay::default_model::ensure_default_model;
-use llama_relay::engine::{Engine, EngineOptions, SeqChunk, StepBatch};
+use llama_relay::engine::{Engine, EngineOptions};
 use llama_relay::model::loader::{read_gguf, WeightMode};
 
 use crate::common::*;
@@ -116,37 +116,9 @@ fn load(path: &Path, weights: WeightMode) -> Engine {
     Engine::load(&o).unwrap()
 }
 
-/// Logits of a prefill step (two sequences, 37 and 5 tokens) and three decode steps on fixed ids.
+/// The shared two-sequence run, decoding fixed ids (random weights: no argmax to follow).
 fn run(e: &mut Engine) -> Vec<Vec<f32>> {
-    let bs = e.cache.block_size();
-    let (mut t1, mut t2) = (Vec::new(), Vec::new());
-    assert!(e.pool.ensure_capacity(&mut t1, 48, bs));
-    assert!(e.pool.ensure_capacity(&mut t2, 48, bs));
-    let seq = |tokens: Vec<u32>, start_pos: usize, table: &Vec<u32>| SeqChunk {
-        tokens,
-        start_pos,
-        block_table: table.clone(),
-        want_logits: true,
-    };
-    let mut out = Vec::new();
-    let mut step = StepBatch {
-        seqs: vec![
-            seq((0..37).map(|i| 100 + i * 7).collect(), 0, &t1),
-            seq((0..5).map(|i| 900 + i).collect(), 0, &t2),
-        ],
-    };
-    for s in 0..4 {
-        out.extend(rows(&e.model.forward(&step, &e.cache).unwrap().unwrap()));
-        step = StepBatch {
-            seqs: vec![
-                seq(vec![3000 + s as u32], 37 + s, &t1),
-                seq(vec![4000 + s as u32], 5 + s, &t2),
-            ],
-        };
-    }
-    e.pool.release(&t1);
-    e.pool.release(&t2);
-    out
+    two_sequence_run(e, |s, _| [3000 + s as u32, 4000 + s as u32])
 }
 
 #[test]

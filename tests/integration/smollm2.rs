@@ -171,38 +171,7 @@ fn cpu_layer_path_equals_candle_ops() {
         e.model.cpu_layers(),
         "the default model's projections are all repacked"
     );
-    let run = |e: &mut Engine| -> Vec<Vec<f32>> {
-        let bs = e.cache.block_size();
-        let (mut t1, mut t2) = (Vec::new(), Vec::new());
-        assert!(e.pool.ensure_capacity(&mut t1, 48, bs));
-        assert!(e.pool.ensure_capacity(&mut t2, 48, bs));
-        let seq = |tokens: Vec<u32>, start_pos: usize, table: &Vec<u32>| SeqChunk {
-            tokens,
-            start_pos,
-            block_table: table.clone(),
-            want_logits: true,
-        };
-        let mut out = Vec::new();
-        let mut step = StepBatch {
-            seqs: vec![
-                seq((0..37).map(|i| 100 + i * 7).collect(), 0, &t1),
-                seq((0..5).map(|i| 900 + i).collect(), 0, &t2),
-            ],
-        };
-        for s in 0..4 {
-            let logits = rows(&e.model.forward(&step, &e.cache).unwrap().unwrap());
-            step = StepBatch {
-                seqs: vec![
-                    seq(vec![argmax(&logits[0])], 37 + s, &t1),
-                    seq(vec![argmax(&logits[1])], 5 + s, &t2),
-                ],
-            };
-            out.extend(logits);
-        }
-        e.pool.release(&t1);
-        e.pool.release(&t2);
-        out
-    };
+    let run = |e: &mut Engine| two_sequence_run(e, |_, l| [argmax(&l[0]), argmax(&l[1])]);
     let rows_path = run(&mut e);
     assert!(!e.model.set_cpu_layers(false));
     let ops_path = run(&mut e);

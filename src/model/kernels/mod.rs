@@ -96,6 +96,50 @@ pub(crate) mod test_data {
             .collect()
     }
 
+    /// GGUF bytes of `[n, k]` random values in [-1, 1) quantized by candle to `dtype` (ggml's
+    /// quantizer), and candle's dequantization of them.
+    pub fn candle_quantized(
+        seed: u64,
+        n: usize,
+        k: usize,
+        dtype: candle_core::quantized::GgmlDType,
+    ) -> (Vec<u8>, Vec<f32>) {
+        use candle_core::{quantized::QTensor, Device, Tensor};
+        let w = Tensor::from_vec(lcg(seed, n * k), (n, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, dtype).unwrap();
+        let deq = q.dequantize(&Device::Cpu).unwrap();
+        (
+            q.data().unwrap().to_vec(),
+            deq.flatten_all().unwrap().to_vec1().unwrap(),
+        )
+    }
+
+    /// Asserts that `got` (`[m, n]`) is, within f32 rounding, the f64 product of the quantized
+    /// activations `a` with the dequantized weights `deq` (`[n, k]`).
+    pub fn assert_matches_reference(
+        got: &[f32],
+        a: &crate::model::kernels::q8_0::QuantizedRows,
+        deq: &[f32],
+        n: usize,
+    ) {
+        let k = a.blocks * crate::model::kernels::q8_0::QK;
+        for r in 0..a.rows {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|i| {
+                        let av = a.scales[r * a.blocks + i / 32] as f64 * a.qs[r * k + i] as f64;
+                        deq[j * k + i] as f64 * av
+                    })
+                    .sum();
+                let g = got[r * n + j] as f64;
+                assert!(
+                    (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                    "({r},{j}): {g} vs {want}"
+                );
+            }
+        }
+    }
+
     /// `n` values in [-1, 1).
     pub fn lcg(seed: u64, n: usize) -> Vec<f32> {
         lcg_states(seed, n)

@@ -196,9 +196,42 @@ pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut 
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
+
+    /// The 16-bit dot products of one group's block of interleaved nibbles (`nib`, 128 bytes in
+    /// this module's order) with block `b` of activation rows `r0..r0+NR`: per row, each column's
+    /// sum in a pair of lanes, exact (see the module doc). Shared with `q4_kx8`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `nib` must point at 128 readable bytes; rows `r0..r0+NR` and
+    /// block `b` must exist in `a`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn nibble_sums<const NR: usize>(
+        nib: *const u8,
+        a: &QuantizedRows,
+        r0: usize,
+        b: usize,
+    ) -> [__m256i; NR] {
+        let low = _mm256_set1_epi8(0x0F);
+        let ap = a.qs.as_ptr();
+        let mut s16 = [_mm256_setzero_si256(); NR];
+        for s in 0..4 {
+            let v = _mm256_loadu_si256(nib.add(s * 32) as *const __m256i);
+            let lo = _mm256_and_si256(v, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            for (r, acc16) in s16.iter_mut().enumerate() {
+                let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
+                let a_lo = _mm256_set1_epi32(at.read_unaligned());
+                let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
+                *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(lo, a_lo));
+                *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(hi, a_hi));
+            }
+        }
+        s16
+    }
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `w` must hold `a.blocks` group blocks; rows
@@ -208,25 +241,11 @@ mod avx2 {
         debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
         debug_assert!(out.len() >= NR * GROUP);
         let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); NR];
         let wp = w.as_ptr();
-        let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
-            let mut s16 = [_mm256_setzero_si256(); NR];
-            for s in 0..4 {
-                let v = _mm256_loadu_si256(gb.add(QS + s * 32) as *const __m256i);
-                let lo = _mm256_and_si256(v, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                for (r, acc16) in s16.iter_mut().enumerate() {
-                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
-                    let a_lo = _mm256_set1_epi32(at.read_unaligned());
-                    let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
-                    *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(lo, a_lo));
-                    *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(hi, a_hi));
-                }
-            }
+            let s16 = nibble_sums::<NR>(gb.add(QS), a, r0, b);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(MINS) as *const __m128i));
             for r in 0..NR {

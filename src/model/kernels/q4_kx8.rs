@@ -176,6 +176,7 @@ pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut 
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::super::q4_1x8::avx2::nibble_sums;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -187,30 +188,15 @@ mod avx2 {
         debug_assert!(w.len() >= a.blocks / SUBS * GROUP_SUPER_BYTES && r0 + NR <= a.rows);
         debug_assert!(out.len() >= NR * GROUP);
         let ones = _mm256_set1_epi16(1);
-        let low = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); NR];
         let wp = w.as_ptr();
-        let ap = a.qs.as_ptr();
         for sb in 0..a.blocks / SUBS {
             let gs = wp.add(sb * GROUP_SUPER_BYTES);
             let dv = _mm256_loadu_ps(gs.add(D) as *const f32);
             let mv = _mm256_loadu_ps(gs.add(DMIN) as *const f32);
             for j in 0..SUBS {
                 let b = sb * SUBS + j;
-                let nib = gs.add(QS + j * SUB_BYTES);
-                let mut s16 = [_mm256_setzero_si256(); NR];
-                for s in 0..4 {
-                    let v = _mm256_loadu_si256(nib.add(s * 32) as *const __m256i);
-                    let lo = _mm256_and_si256(v, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    for (r, acc16) in s16.iter_mut().enumerate() {
-                        let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
-                        let a_lo = _mm256_set1_epi32(at.read_unaligned());
-                        let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
-                        *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(lo, a_lo));
-                        *acc16 = _mm256_add_epi16(*acc16, _mm256_maddubs_epi16(hi, a_hi));
-                    }
-                }
+                let s16 = nibble_sums::<NR>(gs.add(QS + j * SUB_BYTES), a, r0, b);
                 let bytes8 = |at: usize| {
                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                         gs.add(at + j * GROUP) as *const __m128i,
@@ -257,27 +243,14 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
 mod tests {
     use super::*;
     use crate::model::kernels::q8_0::quantize_rows;
-    use crate::model::kernels::test_data::lcg;
+    use crate::model::kernels::test_data::{assert_matches_reference, candle_quantized, lcg};
+    use candle_core::quantized::GgmlDType;
     use proptest::prelude::*;
-
-    /// GGUF Q4_K bytes of `[n, k]` random weights, quantized by candle (ggml's quantizer), and
-    /// candle's dequantization of them.
-    fn q4_k(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
-        use candle_core::quantized::{GgmlDType, QTensor};
-        use candle_core::{Device, Tensor};
-        let w = Tensor::from_vec(lcg(seed, n * k), (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
-        let deq = q.dequantize(&Device::Cpu).unwrap();
-        (
-            q.data().unwrap().to_vec(),
-            deq.flatten_all().unwrap().to_vec1().unwrap(),
-        )
-    }
 
     #[test]
     fn rows_read_back_exactly_as_candle_dequantizes_them() {
         let (k, n) = (768, 11);
-        let (bytes, deq) = q4_k(31, n, k);
+        let (bytes, deq) = candle_quantized(31, n, k, GgmlDType::Q4K);
         let rp = Repacked::from_q4_k(&bytes, n, k);
         let mut got = vec![0f32; k];
         for j in 0..n {
@@ -293,25 +266,12 @@ mod tests {
         #[test]
         fn products_match_a_reference(m in 1usize..11, kb in 1usize..4, n in 1usize..30, seed in any::<u64>()) {
             let k = kb * QK_K;
-            let (bytes, deq) = q4_k(seed, n, k);
+            let (bytes, deq) = candle_quantized(seed, n, k, GgmlDType::Q4K);
             let rp = Repacked::from_q4_k(&bytes, n, k);
             let x = lcg(seed ^ 0x55, m * k);
             let a = quantize_rows(&x, m, k);
-            let s = rp.matmul_with(&x, m, false);
-            let v = rp.matmul_with(&x, m, true);
-            for r in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|i| {
-                            let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
-                            deq[j * k + i] as f64 * av
-                        })
-                        .sum();
-                    for got in [s[r * n + j], v[r * n + j]] {
-                        prop_assert!((got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "({r},{j}): {got} vs {want}");
-                    }
-                }
-            }
+            assert_matches_reference(&rp.matmul_with(&x, m, false), &a, &deq, n);
+            assert_matches_reference(&rp.matmul_with(&x, m, true), &a, &deq, n);
         }
     }
 }

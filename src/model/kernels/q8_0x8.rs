@@ -416,7 +416,8 @@ mod tests {
     use proptest::prelude::*;
 
     use crate::model::kernels::q8_0::to_gguf_bytes as q8_0_bytes;
-    use crate::model::kernels::test_data::lcg;
+    use crate::model::kernels::test_data::{assert_matches_reference, candle_quantized, lcg};
+    use candle_core::quantized::GgmlDType;
 
     #[test]
     fn repacked_rows_read_back_and_match_the_q8_0_kernel() {
@@ -445,24 +446,10 @@ mod tests {
         }
     }
 
-    /// GGUF Q6_K bytes of `[n, k]` random weights, quantized by candle (ggml's quantizer), and
-    /// candle's dequantization of them.
-    fn q6_k(seed: u64, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
-        use candle_core::quantized::{GgmlDType, QTensor};
-        use candle_core::{Device, Tensor};
-        let w = Tensor::from_vec(lcg(seed, n * k), (n, k), &Device::Cpu).unwrap();
-        let q = QTensor::quantize(&w, GgmlDType::Q6K).unwrap();
-        let deq = q.dequantize(&Device::Cpu).unwrap();
-        (
-            q.data().unwrap().to_vec(),
-            deq.flatten_all().unwrap().to_vec1().unwrap(),
-        )
-    }
-
     #[test]
     fn q6_k_rows_read_back_exactly_as_candle_dequantizes_them() {
         let (k, n) = (512, 13);
-        let (bytes, deq) = q6_k(8, n, k);
+        let (bytes, deq) = candle_quantized(8, n, k, GgmlDType::Q6K);
         assert_eq!(bytes.len(), n * k / QK_K * Q6_K_BLOCK_BYTES);
         let rp = Q6kRepacked::from_q6_k(&bytes, n, k);
         let mut got = vec![0f32; k];
@@ -479,25 +466,12 @@ mod tests {
         #[test]
         fn q6_k_products_match_a_reference(m in 1usize..7, kb in 1usize..4, n in 1usize..30, seed in any::<u64>()) {
             let k = kb * QK_K;
-            let (bytes, deq) = q6_k(seed, n, k);
+            let (bytes, deq) = candle_quantized(seed, n, k, GgmlDType::Q6K);
             let rp = Q6kRepacked::from_q6_k(&bytes, n, k);
             let x = lcg(seed ^ 0x99, m * k);
             let a = quantize_rows(&x, m, k);
-            let s = rp.matmul_with(&x, m, false);
-            let v = rp.matmul_with(&x, m, true);
-            for r in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|i| {
-                            let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
-                            deq[j * k + i] as f64 * av
-                        })
-                        .sum();
-                    for got in [s[r * n + j], v[r * n + j]] {
-                        prop_assert!((got as f64 - want).abs() <= 1e-4 * (1.0 + want.abs()), "({r},{j}): {got} vs {want}");
-                    }
-                }
-            }
+            assert_matches_reference(&rp.matmul_with(&x, m, false), &a, &deq, n);
+            assert_matches_reference(&rp.matmul_with(&x, m, true), &a, &deq, n);
         }
     }
 
