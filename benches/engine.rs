@@ -111,6 +111,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median seconds of `f` over `reps` calls (at least 3) after one warm-up call.
+fn median_time(reps: usize, f: impl Fn()) -> f64 {
+    f();
+    median(
+        (0..reps.max(3))
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
 fn rss_mib(field: &str) -> f64 {
     let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     s.lines()
@@ -238,30 +252,18 @@ fn kernels(reps: usize) {
         for m in [1usize, 4, 16, 32, 64, 128, 256, 512] {
             let x: Vec<f32> = wf[..m * k].to_vec();
             let flop = 2.0 * (m * n * k) as f64 / 1e9;
-            let time = |f: &dyn Fn()| {
-                f();
-                median(
-                    (0..reps.max(3))
-                        .map(|_| {
-                            let t = Instant::now();
-                            f();
-                            t.elapsed().as_secs_f64()
-                        })
-                        .collect(),
-                )
-            };
-            let a = time(&|| {
+            let a = median_time(reps, || {
                 std::hint::black_box(q8_0::matmul(&x, m, k, &bytes, n));
             });
-            let b = time(&|| {
+            let b = median_time(reps, || {
                 std::hint::black_box(rp.matmul(&x, m));
             });
-            let b4 = time(&|| {
+            let b4 = median_time(reps, || {
                 std::hint::black_box(rp4.matmul(&x, m));
             });
             let xt = candle_core::Tensor::from_vec(x.clone(), (m, k), &candle_core::Device::Cpu)
                 .unwrap();
-            let c = time(&|| {
+            let c = median_time(reps, || {
                 let dense = candle_core::Tensor::from_vec(
                     rp.dequantize(),
                     (n, k),
@@ -315,22 +317,10 @@ fn kernels_k(reps: usize) {
                 let x: Vec<f32> = wf[..m * k].to_vec();
                 let xt = Tensor::from_vec(x.clone(), (m, k), &Device::Cpu).unwrap();
                 let flop = 2.0 * (m * n * k) as f64 / 1e9;
-                let time = |f: &dyn Fn()| {
-                    f();
-                    median(
-                        (0..reps.max(3))
-                            .map(|_| {
-                                let t = Instant::now();
-                                f();
-                                t.elapsed().as_secs_f64()
-                            })
-                            .collect(),
-                    )
-                };
-                let a = time(&|| {
+                let a = median_time(reps, || {
                     std::hint::black_box(ours.matmul(&x, m));
                 });
-                let b = time(&|| {
+                let b = median_time(reps, || {
                     std::hint::black_box(theirs.forward(&xt).unwrap());
                 });
                 let gbs = if m == 1 {

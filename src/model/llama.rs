@@ -6,7 +6,8 @@
 //! every token of the step; attention (see `attention.rs`) is the only per-sequence part; logits are
 //! computed only for the rows the caller will sample.
 //!
-//! On CPU, when every projection runs on a repacked kernel (GGUF Q4_0 / Q4_1 / Q8_0), the layers
+//! On CPU, when every projection runs on a repacked kernel (GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K),
+//! the layers
 //! run on plain row buffers instead (`forward_cpu`): the same arithmetic without a tensor, an
 //! allocation and a parallel region per small op (norms, residual adds, SiLU, the QKV split, the
 //! cache-write copies). Each candle op woke the thread pool; at one decoding sequence that

@@ -280,6 +280,7 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
 mod tests {
     use super::*;
     use crate::model::kernels::q8_0::quantize_rows;
+    use crate::model::kernels::test_data::assert_matches_reference;
     use proptest::prelude::*;
 
     fn lcg(seed: u64, n: usize) -> Vec<u64> {
@@ -336,22 +337,7 @@ mod tests {
         // Products against an f64 reference on those weights and the quantized activations.
         let x = xs(6, m * k);
         let a = quantize_rows(&x, m, k);
-        let got = rp.matmul(&x, m);
-        for r in 0..m {
-            for j in 0..n {
-                let want: f64 = (0..k)
-                    .map(|i| {
-                        let av = a.scales[r * k / QK + i / QK] as f64 * a.qs[r * k + i] as f64;
-                        deq[j * k + i] as f64 * av
-                    })
-                    .sum();
-                let g = got[r * n + j] as f64;
-                assert!(
-                    (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
-                    "({r},{j}): {g} vs {want}"
-                );
-            }
-        }
+        assert_matches_reference(&rp.matmul(&x, m), &a, &deq, n);
     }
 
     #[test]

@@ -14,11 +14,9 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::q4_1x8::nibble_at;
-use super::q8_0::{QuantizedRows, QK};
+use super::q8_0::{QuantizedRows, QK, QK_K};
 use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
 
-/// Values per K-quant super-block.
-pub const QK_K: usize = 256;
 /// Bytes per GGUF Q4_K super-block: f16 `d`, f16 `dmin`, 12 bytes of scales, 128 of nibbles.
 pub const Q4_K_BLOCK_BYTES: usize = 144;
 /// 32-value sub-blocks per super-block.

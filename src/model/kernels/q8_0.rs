@@ -12,6 +12,8 @@ use rayon::prelude::*;
 
 /// Values per block.
 pub const QK: usize = 32;
+/// Values per K-quant super-block (Q4_K, Q6_K).
+pub const QK_K: usize = 256;
 /// Bytes per weight block: f16 scale + 32 i8.
 pub const BLOCK_BYTES: usize = 34;
 /// Activation rows per micro-kernel call (4 f32 accumulators plus weights fit AVX2's 16 registers).

@@ -20,7 +20,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK};
+use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK, QK_K};
 
 /// Weight rows per group (one AVX2 register of 32-bit lanes).
 pub const GROUP: usize = 8;
@@ -30,8 +30,6 @@ pub const fn group_block_bytes(s: usize) -> usize {
 }
 /// Bytes per (group, block) of Q8_0: 8 f32 scales + 8 x 32 quants.
 pub const GROUP_BLOCK_BYTES: usize = group_block_bytes(1);
-/// Values per K-quant super-block.
-pub const QK_K: usize = 256;
 /// Bytes per GGUF Q6_K super-block: 128 bytes of low nibbles, 64 of high bit pairs, 16 i8
 /// scales, f16 `d`.
 pub const Q6_K_BLOCK_BYTES: usize = 210;
