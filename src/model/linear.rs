@@ -350,15 +350,17 @@ impl PackedGroup<'_> {
 mod tests {
     use super::*;
 
-    fn close(a: &Tensor, b: &Tensor, tol: f32) {
-        let d = (a - b)
-            .unwrap()
-            .abs()
+    fn max_abs(t: &Tensor) -> f32 {
+        t.abs()
             .unwrap()
             .max_all()
             .unwrap()
             .to_scalar::<f32>()
-            .unwrap();
+            .unwrap()
+    }
+
+    fn close(a: &Tensor, b: &Tensor, tol: f32) {
+        let d = max_abs(&(a - b).unwrap());
         assert!(d <= tol, "max diff {d}");
     }
 
@@ -408,13 +410,7 @@ mod tests {
             let ours = lin.forward(&x).unwrap();
             let theirs = QMatMul::from_arc(q).unwrap().forward(&x).unwrap();
             let exact = x.matmul(&deq.t().unwrap()).unwrap();
-            let scale = exact
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = max_abs(&exact);
             close(&ours, &exact, 0.02 * scale);
             close(&ours, &theirs, 0.02 * scale);
         }
