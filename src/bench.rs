@@ -114,9 +114,16 @@ async fn user(
 type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
 
 async fn connect(url: &str) -> Result<Socket, String> {
-    let (_, ws) = awc::Client::new()
-        .ws(url)
-        .max_frame_size(1 << 20)
+    connect_from(url, None).await
+}
+
+/// Connects as a browser page on `origin` would (widgets are accepted only from their origins).
+async fn connect_from(url: &str, origin: Option<&str>) -> Result<Socket, String> {
+    let mut req = awc::Client::new().ws(url).max_frame_size(1 << 20);
+    if let Some(o) = origin {
+        req = req.origin(o);
+    }
+    let (_, ws) = req
         .connect()
         .await
         .map_err(|e| format!("connect {url}: {e}"))?;
@@ -202,6 +209,9 @@ mod tests {
 #[derive(Debug, Clone)]
 pub struct ChatBenchConfig {
     pub url: String,
+    /// Connect as visitors of this widget (id, page origin): the system prompt is the widget's,
+    /// configured on the server; otherwise each user sends it as its first message.
+    pub widget: Option<(String, String)>,
     pub users: usize,
     pub turns: usize,
     pub system_words: usize,
@@ -251,14 +261,24 @@ async fn chat_user(
     user: usize,
     system: String,
 ) -> Result<Vec<(f64, usize, usize, usize)>, String> {
-    let mut ws = connect(&cfg.url).await?;
+    let (url, origin) = match &cfg.widget {
+        Some((id, origin)) => {
+            let sep = if cfg.url.contains('?') { '&' } else { '?' };
+            (
+                format!("{}{sep}widget={id}", cfg.url),
+                Some(origin.as_str()),
+            )
+        }
+        None => (cfg.url.clone(), None),
+    };
+    let mut ws = connect_from(&url, origin).await?;
     let mut out = Vec::new();
     for turn in 0..cfg.turns {
         let q = format!(
             "User {user}, question {turn}: when will order {} arrive?",
             1000 + user * 10 + turn
         );
-        let messages = if turn == 0 {
+        let messages = if turn == 0 && cfg.widget.is_none() {
             json!([{"role": "system", "content": system}, {"role": "user", "content": q}])
         } else {
             json!([{"role": "user", "content": q}])

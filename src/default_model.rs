@@ -54,6 +54,10 @@ fn how_to_point_elsewhere() -> &'static str {
 
 /// Returns the path of the verified default GGUF, downloading it on first use.
 pub fn ensure_default_model() -> Result<PathBuf> {
+    // One fetch at a time in this process (threads share the process's download folder); a
+    // second caller finds the file the first one wrote.
+    static FETCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = FETCH.lock().unwrap_or_else(|e| e.into_inner());
     let dir = cache_dir();
     let target = dir.join(FILE_NAME);
     if target.exists() {

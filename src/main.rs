@@ -82,7 +82,18 @@ struct BenchArgs {
     /// chat: think time between turns, in milliseconds.
     #[arg(long, default_value_t = 500)]
     think_ms: u64,
+    /// chat: where the system prompt comes from: `server` (a widget's configured prompt; users
+    /// connect as its visitors, each its own principal) or `client` (each user sends it).
+    #[arg(long, default_value = "server")]
+    system_prompt: String,
+    /// chat with --url and `--system-prompt server`: the widget id and the page origin to
+    /// connect as (the server's widget configuration must hold the system prompt).
+    #[arg(long, num_args = 2, value_names = ["ID", "ORIGIN"])]
+    widget: Option<Vec<String>>,
 }
+
+/// The widget the in-process chat benchmark configures.
+const BENCH_WIDGET: (&str, &str) = ("bench-chat", "http://bench.localhost");
 
 #[derive(Args)]
 struct GenerateArgs {
@@ -177,6 +188,34 @@ fn bench(
             a.workload
         );
     }
+    let server_prompt = match a.system_prompt.as_str() {
+        "server" => true,
+        "client" => false,
+        other => anyhow::bail!("--system-prompt must be `server` or `client`, not `{other}`"),
+    };
+    let widget = match (&a.url, &a.widget, server_prompt) {
+        (_, Some(w), _) => Some((w[0].clone(), w[1].clone())),
+        (None, None, true) => {
+            settings
+                .tenants
+                .push(llama_relay::server::tenants::TenantSettings {
+                    name: "bench".into(),
+                    widgets: vec![llama_relay::server::tenants::WidgetSettings {
+                        id: BENCH_WIDGET.0.into(),
+                        origins: vec![BENCH_WIDGET.1.into()],
+                        system_prompt: llama_relay::bench::system_prompt(a.system_words),
+                    }],
+                    ..Default::default()
+                });
+            // The throughput workload connects without a widget.
+            settings.server.allow_anonymous = Some(true);
+            Some((BENCH_WIDGET.0.into(), BENCH_WIDGET.1.into()))
+        }
+        (Some(_), None, true) if a.workload == "chat" => anyhow::bail!(
+            "--workload chat with --url needs --widget ID ORIGIN (or --system-prompt client)"
+        ),
+        _ => None,
+    };
     let max_users = a.users.iter().copied().max().unwrap_or(1);
     settings.server.port = 0;
     settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
@@ -200,6 +239,7 @@ fn bench(
                 if a.workload == "chat" {
                     let cfg = llama_relay::bench::ChatBenchConfig {
                         url: url.clone(),
+                        widget: widget.clone(),
                         users,
                         turns: a.turns,
                         system_words: a.system_words,
@@ -240,11 +280,26 @@ async fn start_in_process(
     let addr = running.addr;
     let state = running.state.clone();
     actix_web::rt::spawn(running.server);
-    while state.ready().is_none() {
+    let ready = loop {
+        if let Some(r) = state.ready() {
+            break r;
+        }
         if let llama_relay::server::Status::Failed(e) = &*state.status.read().unwrap() {
             anyhow::bail!("the model failed to load: {e}");
         }
         actix_web::rt::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    // Configured prompts are pinned before the first request (a deployment starts long before
+    // its users arrive): wait until that prefill is done.
+    loop {
+        let s = ready
+            .batcher
+            .send(llama_relay::engine::batcher::GetStatus)
+            .await?;
+        if s.running + s.waiting == 0 {
+            break;
+        }
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     Ok(format!("ws://{addr}/ws"))
 }

@@ -41,7 +41,13 @@ pub struct ChatParams {
     /// Keep generating past end-of-turn tokens (benchmarks).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// A prefix-cache partition inside the API key's principal (OpenAI's `prompt_cache_key`):
+    /// requests share cached blocks only with requests of the same key. API-key clients only.
+    pub cache_key: Option<String>,
 }
+
+/// Longest `params.cache_key`.
+pub const MAX_CACHE_KEY_CHARS: usize = 64;
 
 /// Limits a server enforces, sent in `ready` so clients can respect them.
 #[derive(Debug, Clone, Serialize)]
@@ -163,6 +169,7 @@ pub struct ValidChat {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    pub cache_key: Option<String>,
 }
 
 fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
@@ -326,6 +333,17 @@ impl Limits {
                 ));
             }
         }
+        if let Some(k) = &p.cache_key {
+            let n = k.chars().count();
+            if n == 0 || n > MAX_CACHE_KEY_CHARS || k.chars().any(char::is_control) {
+                return Err(bad(
+                    "params.cache_key",
+                    format!(
+                        "must be 1 to {MAX_CACHE_KEY_CHARS} characters, none of them control characters. Given: {n} characters"
+                    ),
+                ));
+            }
+        }
         Ok(ValidChat {
             id,
             messages,
@@ -333,6 +351,7 @@ impl Limits {
             max_tokens,
             stop: p.stop,
             ignore_eos: p.ignore_eos,
+            cache_key: p.cache_key,
         })
     }
 }

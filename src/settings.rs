@@ -56,6 +56,27 @@ pub struct ServerSettings {
     pub heartbeat_s: u64,
     pub client_timeout_s: u64,
     pub shutdown_grace_s: u64,
+    /// Keyless, widgetless clients; unset: only on loopback with no tenants configured.
+    #[serde(default)]
+    pub allow_anonymous: Option<bool>,
+    /// Origins the server's own page is served from (behind a proxy: "https://chat.example.com").
+    #[serde(default)]
+    pub public_origins: Vec<String>,
+    /// `Host` values served; empty: loopback names and the listen address; ["*"]: any.
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
+    /// A second listener for `/health` and `/metrics` alone (they leave the main port).
+    #[serde(default)]
+    pub admin_port: Option<u16>,
+    #[serde(default = "loopback")]
+    pub admin_host: String,
+    /// `/metrics` needs `Authorization: Bearer TOKEN` when set.
+    #[serde(default)]
+    pub metrics_token: String,
+}
+
+fn loopback() -> String {
+    "127.0.0.1".into()
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -159,10 +180,29 @@ impl Settings {
         }
     }
 
+    /// The `[server]` keys that decide who may connect.
+    pub fn access(&self) -> crate::server::access::AccessSettings {
+        let s = &self.server;
+        crate::server::access::AccessSettings {
+            allow_anonymous: s.allow_anonymous,
+            public_origins: s.public_origins.clone(),
+            allowed_hosts: s.allowed_hosts.clone(),
+            metrics_token: s.metrics_token.clone(),
+        }
+    }
+
     /// Checks the server-side values (the engine's are checked by `engine_options`).
     pub fn validate_server(&self) -> Result<()> {
         crate::server::tenants::Tenants::new(&self.tenants)?;
+        self.access().validate()?;
         let s = &self.server;
+        if s.admin_host.parse::<std::net::IpAddr>().is_err() {
+            return Err(invalid(
+                "server.admin_host",
+                format!("{:?}", s.admin_host),
+                "an IP address such as \"127.0.0.1\"",
+            ));
+        }
         if s.host.parse::<std::net::IpAddr>().is_err() && s.host != "localhost" {
             return Err(invalid(
                 "server.host",

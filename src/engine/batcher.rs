@@ -59,8 +59,8 @@ pub struct Submit {
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     pub ignore_eos: bool,
-    /// Prefix-cache salt of the client's tenant (from its server-side identity).
-    pub salt: u64,
+    /// Which cached blocks the request may share (from its server-side identity).
+    pub scope: crate::kv_cache::CacheScope,
     /// The session's lease key: its conversation's blocks stay cached for its next turn.
     pub lease: Option<u64>,
     pub reply_to: Recipient<GenerationEvent>,
@@ -95,7 +95,8 @@ pub struct EndLease {
 #[rtype(result = "()")]
 pub struct PinPrefix {
     pub tokens: Vec<u32>,
-    pub salt: u64,
+    /// The tenant whose principals share it.
+    pub tenant: crate::kv_cache::Salt,
 }
 
 /// Stop admitting; finish what runs within `deadline`, then end the rest with `shutdown`.
@@ -433,7 +434,7 @@ impl Handler<Submit> for Batcher {
         }
         let position = match self
             .sched
-            .add(m.request, m.prompt.clone(), max_total, m.salt)
+            .add(m.request, m.prompt.clone(), max_total, m.scope)
         {
             Ok(p) => p,
             Err(AddError::Overloaded { waiting }) => return Err(RequestError::Overloaded(waiting)),
@@ -538,7 +539,7 @@ impl Handler<PinPrefix> for Batcher {
     type Result = ();
 
     fn handle(&mut self, m: PinPrefix, ctx: &mut Context<Self>) {
-        self.sched.add_pinned(next_request_id(), m.tokens, m.salt);
+        self.sched.add_pinned(next_request_id(), m.tokens, m.tenant);
         self.wake(ctx);
     }
 }

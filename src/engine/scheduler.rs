@@ -24,7 +24,7 @@
 use std::collections::VecDeque;
 
 use super::step::{SeqChunk, StepBatch};
-use crate::kv_cache::{blocks_for, BlockPool};
+use crate::kv_cache::{blocks_for, BlockPool, CacheScope};
 
 pub type RequestId = u64;
 
@@ -58,8 +58,9 @@ pub struct Sequence {
     admitted: u64,
     /// `Started` was reported.
     pub started: bool,
-    /// Tenant salt of the block hashes: tenants never share blocks.
-    pub salt: u64,
+    /// Which partition each block is hashed in (operator prefix: the tenant; the rest: the
+    /// principal that sent it).
+    pub scope: CacheScope,
     /// Tokens taken from the prefix cache at first admission.
     pub cached_tokens: usize,
     /// Hashes of the blocks registered with the pool so far (block i of the table).
@@ -177,7 +178,7 @@ impl Scheduler {
         id: RequestId,
         prompt: Vec<u32>,
         max_total: usize,
-        salt: u64,
+        scope: CacheScope,
     ) -> Result<usize, AddError> {
         let cache_tokens = self.pool.total() * self.cfg.block_size;
         if blocks_for(max_total, self.cfg.block_size) > self.pool.total() {
@@ -198,7 +199,7 @@ impl Scheduler {
             block_table: Vec::new(),
             admitted: 0,
             started: false,
-            salt,
+            scope,
             cached_tokens: 0,
             hashes: Vec::new(),
             lease: None,
@@ -214,8 +215,9 @@ impl Scheduler {
         }
     }
 
-    /// Queues a prefix to prefill once and keep for good (a configured system prompt).
-    pub fn add_pinned(&mut self, id: RequestId, tokens: Vec<u32>, salt: u64) {
+    /// Queues a prefix to prefill once and keep for good (a configured system prompt, shared by
+    /// the tenant's principals).
+    pub fn add_pinned(&mut self, id: RequestId, tokens: Vec<u32>, tenant: crate::kv_cache::Salt) {
         if tokens.len() < self.cfg.block_size + 1 || !self.cfg.prefix_caching {
             return;
         }
@@ -226,7 +228,7 @@ impl Scheduler {
             block_table: Vec::new(),
             admitted: 0,
             started: true,
-            salt,
+            scope: CacheScope::operator(tenant),
             cached_tokens: 0,
             hashes: Vec::new(),
             lease: None,
@@ -286,13 +288,15 @@ impl Scheduler {
         if keep > 0 {
             // Make the kept blocks findable before holding them.
             let mut parent = None;
-            for (b, chunk) in s
+            for (i, (b, chunk)) in s
                 .block_table
                 .iter()
                 .zip(s.tokens.chunks_exact(bs))
                 .take(keep)
+                .enumerate()
             {
-                parent = Some(self.pool.register(*b, parent, s.salt, chunk));
+                let salt = s.scope.salt_of_block(i, bs);
+                parent = Some(self.pool.register(*b, parent, salt, chunk));
             }
         }
         self.pool.release_table(&s.block_table[held..]);
@@ -385,9 +389,14 @@ impl Scheduler {
     fn take_cached_prefix(&mut self, s: &mut Sequence) {
         let bs = self.cfg.block_size;
         let max_blocks = (s.tokens.len() - 1) / bs;
-        let shared = self.pool.acquire_prefix(&s.tokens, bs, s.salt, max_blocks);
-        let hashes =
-            crate::kv_cache::block_pool::prefix_hashes(&s.tokens[..shared.len() * bs], bs, s.salt);
+        let shared = self
+            .pool
+            .acquire_prefix(&s.tokens, bs, &s.scope, max_blocks);
+        let hashes = crate::kv_cache::block_pool::prefix_hashes(
+            &s.tokens[..shared.len() * bs],
+            bs,
+            &s.scope,
+        );
         s.hashes = hashes;
         s.computed = shared.len() * bs;
         s.block_table = shared;
@@ -434,7 +443,7 @@ impl Scheduler {
                     let h = self.pool.register(
                         s.block_table[i],
                         parent,
-                        s.salt,
+                        s.scope.salt_of_block(i, bs),
                         &s.tokens[i * bs..(i + 1) * bs],
                     );
                     s.hashes.push(h);
@@ -594,7 +603,13 @@ fn push_chunk(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_cache::Salt;
     use proptest::prelude::*;
+
+    /// One partition for every block (these tests are about scheduling, not principals).
+    fn scope(salt: u64) -> CacheScope {
+        CacheScope::private(Salt(salt))
+    }
 
     fn sched(blocks: usize, max_running: usize, step_tokens: usize) -> Scheduler {
         Scheduler::new(
@@ -625,11 +640,11 @@ mod tests {
     #[test]
     fn decodes_first_then_prefill_chunks_within_budget() {
         let mut s = sched(32, 4, 8);
-        s.add(1, vec![1; 5], 20, 0).unwrap();
+        s.add(1, vec![1; 5], 20, scope(0)).unwrap();
         let a = step(&mut s);
         assert_eq!(a.entries, vec![(1, true)]);
         assert_eq!(a.started, vec![(1, 0)]);
-        s.add(2, vec![2; 20], 30, 0).unwrap();
+        s.add(2, vec![2; 20], 30, scope(0)).unwrap();
         let b = step(&mut s);
         // Request 1 decodes (1 token), request 2 prefills 7 tokens (budget 8).
         assert_eq!(b.entries, vec![(1, true), (2, false)]);
@@ -643,17 +658,17 @@ mod tests {
     fn queue_bound_and_size_bound() {
         let mut s = sched(4, 1, 8);
         assert_eq!(
-            s.add(9, vec![1; 3], 17, 0),
+            s.add(9, vec![1; 3], 17, scope(0)),
             Err(AddError::TooLarge {
                 tokens: 17,
                 cache_tokens: 16
             })
         );
         for i in 0..4 {
-            assert_eq!(s.add(i, vec![1; 3], 4, 0), Ok(i as usize));
+            assert_eq!(s.add(i, vec![1; 3], 4, scope(0)), Ok(i as usize));
         }
         assert_eq!(
-            s.add(5, vec![1], 4, 0),
+            s.add(5, vec![1], 4, scope(0)),
             Err(AddError::Overloaded { waiting: 4 })
         );
     }
@@ -662,7 +677,7 @@ mod tests {
     fn max_running_holds_the_rest_in_the_queue() {
         let mut s = sched(32, 2, 64);
         for i in 0..3 {
-            s.add(i, vec![1; 4], 8, 0).unwrap();
+            s.add(i, vec![1; 4], 8, scope(0)).unwrap();
         }
         let a = step(&mut s);
         assert_eq!(a.entries.len(), 2);
@@ -676,8 +691,8 @@ mod tests {
     fn preempts_the_most_recently_admitted_and_recomputes_it() {
         // 4 blocks of 4 tokens. Two sequences of 8 tokens fill the cache.
         let mut s = sched(4, 4, 64);
-        s.add(1, vec![1; 7], 16, 0).unwrap();
-        s.add(2, vec![2; 7], 16, 0).unwrap();
+        s.add(1, vec![1; 7], 16, scope(0)).unwrap();
+        s.add(2, vec![2; 7], 16, scope(0)).unwrap();
         step(&mut s); // both prefill 7, sample 1 token each -> 8 tokens, 2 blocks each
         step(&mut s); // decode: 8 computed, 9th token pending; needs a 3rd block each: none free
         let c = s.schedule().unwrap();
@@ -697,7 +712,7 @@ mod tests {
     #[test]
     fn cancel_frees_blocks_in_any_phase() {
         let mut s = sched(16, 4, 4);
-        s.add(1, vec![1; 10], 12, 0).unwrap();
+        s.add(1, vec![1; 10], 12, scope(0)).unwrap();
         step(&mut s); // mid-prefill: 4 of 10
         assert!(s.pool().used_count() > 0);
         s.remove(1);
@@ -721,11 +736,11 @@ mod tests {
             BlockPool::new(16),
         );
         let prompt: Vec<u32> = (0..10).collect();
-        s.add(1, prompt.clone(), 12, 7).unwrap();
+        s.add(1, prompt.clone(), 12, scope(7)).unwrap();
         step(&mut s); // prefill 10 tokens: blocks 0-1 full
         step(&mut s); // decode; registers the full blocks
-        s.add(2, prompt.clone(), 12, 7).unwrap();
-        s.add(3, prompt.clone(), 12, 8).unwrap(); // another tenant
+        s.add(2, prompt.clone(), 12, scope(7)).unwrap();
+        s.add(3, prompt.clone(), 12, scope(8)).unwrap(); // another tenant
         let out = step(&mut s);
         assert_eq!(out.started, vec![(2, 8), (3, 0)]);
         let b2 = &out.batch.seqs[1];
@@ -751,7 +766,7 @@ mod tests {
         s.remove(3);
         assert_eq!(s.pool().used_count(), 0);
         // The prompt's blocks are still cached for the next request.
-        s.add(4, prompt, 12, 7).unwrap();
+        s.add(4, prompt, 12, scope(7)).unwrap();
         assert_eq!(step(&mut s).started, vec![(4, 8)]);
     }
 
@@ -774,7 +789,7 @@ mod tests {
     fn a_lease_keeps_a_conversation_for_the_next_turn_and_hands_it_over() {
         let mut s = caching(16, 64, 64);
         let turn1: Vec<u32> = (0..10).collect();
-        s.add(1, turn1.clone(), 13, 0).unwrap();
+        s.add(1, turn1.clone(), 13, scope(0)).unwrap();
         step(&mut s);
         step(&mut s);
         step(&mut s); // 10 prompt + 3 generated; 12 computed
@@ -788,7 +803,7 @@ mod tests {
         // Turn 2 extends turn 1: it starts from the leased blocks, and the lease is handed over.
         let mut turn2 = s_tokens(&turn1, 3);
         turn2.extend([50, 51, 52]);
-        s.add(2, turn2, 20, 0).unwrap();
+        s.add(2, turn2, 20, scope(0)).unwrap();
         s.set_lease(2, 42);
         assert_eq!(step(&mut s).started, vec![(2, 12)]);
         assert_eq!(s.held_blocks().0, 0);
@@ -801,7 +816,7 @@ mod tests {
     fn a_lease_keeps_its_partly_filled_block_and_the_next_turn_continues_it() {
         let mut s = caching(16, 64, 64);
         let turn1: Vec<u32> = (0..12).collect();
-        s.add(1, turn1.clone(), 15, 0).unwrap();
+        s.add(1, turn1.clone(), 15, scope(0)).unwrap();
         step(&mut s);
         step(&mut s);
         step(&mut s); // 12 prompt + 3 generated; 14 computed: 3 full blocks and 2 tokens
@@ -811,7 +826,7 @@ mod tests {
         // Turn 2 continues exactly: all 14 computed tokens are reused, the partial block included.
         let mut turn2 = s_tokens(&turn1, 3);
         turn2.extend([50, 51, 52]);
-        s.add(2, turn2.clone(), 20, 0).unwrap();
+        s.add(2, turn2.clone(), 20, scope(0)).unwrap();
         s.set_lease(2, 42);
         assert_eq!(step(&mut s).started, vec![(2, 14)]);
         assert_eq!(s.held_blocks().0, 0);
@@ -826,7 +841,7 @@ mod tests {
         // partial block the lease held is freed.
         let mut turn3 = turn2[..13].to_vec();
         turn3.extend([90, 91, 92, 93]);
-        s.add(3, turn3, 20, 0).unwrap();
+        s.add(3, turn3, 20, scope(0)).unwrap();
         s.set_lease(3, 42);
         assert_eq!(step(&mut s).started, vec![(3, 12)]);
         s.finish(3, None);
@@ -846,17 +861,17 @@ mod tests {
     fn leases_are_capped_and_dropped_before_anything_is_preempted() {
         // Per-session cap: 8 tokens = 2 blocks.
         let mut s = caching(8, 8, 8);
-        s.add(1, (0..12).collect(), 13, 0).unwrap();
+        s.add(1, (0..12).collect(), 13, scope(0)).unwrap();
         step(&mut s);
         s.finish(1, Some(1));
         assert_eq!(s.held_blocks().0, 2);
         // A second lease pushes the total over 8 tokens: the oldest goes.
-        s.add(2, (100..112).collect(), 13, 0).unwrap();
+        s.add(2, (100..112).collect(), 13, scope(0)).unwrap();
         step(&mut s);
         s.finish(2, Some(2));
         assert_eq!(s.held_blocks().0, 2);
         // A request needing the whole pool drops the lease instead of failing.
-        s.add(3, (200..231).collect(), 32, 0).unwrap();
+        s.add(3, (200..231).collect(), 32, scope(0)).unwrap();
         let out = step(&mut s);
         assert_eq!(out.entries, vec![(3, true)]);
         assert!(out.preempted.is_empty());
@@ -867,7 +882,7 @@ mod tests {
     fn pinned_prefixes_are_prefilled_once_and_kept() {
         let mut s = caching(16, 0, 0);
         let sys: Vec<u32> = (0..9).collect();
-        s.add_pinned(99, sys.clone(), 5);
+        s.add_pinned(99, sys.clone(), crate::kv_cache::Salt(5));
         let out = s.schedule().unwrap();
         assert_eq!(
             out.entries,
@@ -882,8 +897,37 @@ mod tests {
         );
         let mut prompt = sys.clone();
         prompt.extend([40, 41]);
-        s.add(1, prompt, 14, 5).unwrap();
+        s.add(1, prompt, 14, scope(5)).unwrap();
         assert_eq!(step(&mut s).started, vec![(1, 8)]);
+    }
+
+    #[test]
+    fn principals_share_the_pinned_prefix_and_nothing_they_sent() {
+        let mut s = caching(32, 0, 0);
+        let tenant = Salt(5);
+        let sys: Vec<u32> = (0..9).collect(); // two full blocks of operator text, then one token
+        s.add_pinned(99, sys.clone(), tenant);
+        s.schedule().unwrap();
+        let scope = |p| CacheScope {
+            tenant,
+            principal: Salt(p),
+            shared_tokens: sys.len(),
+        };
+        let mut prompt = sys.clone();
+        prompt.extend(40..60); // 29 tokens: 7 full blocks
+        s.add(1, prompt.clone(), 30, scope(1)).unwrap();
+        assert_eq!(step(&mut s).started, vec![(1, 8)], "the pin is shared");
+        step(&mut s); // registers request 1's full blocks
+        s.finish(1, None);
+        // Another principal, the same text: only the operator blocks.
+        s.add(2, prompt.clone(), 30, scope(2)).unwrap();
+        assert_eq!(step(&mut s).started, vec![(2, 8)]);
+        s.finish(2, None);
+        // The same principal again: its own blocks too (all but the last token's).
+        s.add(3, prompt.clone(), 30, scope(1)).unwrap();
+        assert_eq!(step(&mut s).started, vec![(3, 28)]);
+        s.finish(3, None);
+        assert_eq!(s.pool().used_count(), s.held_blocks().1);
     }
 
     proptest! {
@@ -901,7 +945,7 @@ mod tests {
             for (op, a, b) in ops {
                 match op {
                     0 => {
-                        if s.add(next, vec![3; a], a + b, next % 2).is_ok() {
+                        if s.add(next, vec![3; a], a + b, scope(next % 2)).is_ok() {
                             gen.insert(next, (0, b));
                         }
                         next += 1;

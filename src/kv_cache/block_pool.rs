@@ -11,14 +11,63 @@
 //! - a finished sequence releases its blocks tail first, so its tail is evicted before its head,
 //!   which other requests are likelier to share.
 //!
-//! A lookup compares the stored token ids and parent hash too, so a hash collision can never
+//! A lookup compares the stored token ids, parent hash and salt too, so a hash collision can never
 //! share a block whose prefix differs.
+//!
+//! Whose blocks may be shared is a `CacheScope` (vLLM's per-request `cache_salt`, made per block):
+//! the blocks that lie wholly inside the operator's text at the start of a prompt (a configured
+//! system prompt) are salted with the tenant, every later block with the principal that sent it,
+//! so one principal can never hit (or time) another's content.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
-/// The chained hash of a full block: parent block's hash, tenant salt, token ids.
-pub fn block_hash(parent: Option<u64>, salt: u64, tokens: &[u32]) -> u64 {
+/// A prefix-cache partition: blocks hashed with different salts are never shared. Salts are
+/// made on the server from server-side identities only (see `server::tenants`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Salt(pub u64);
+
+/// Which salt each block of a sequence is hashed with: the blocks wholly inside the first
+/// `shared_tokens` tokens (text the operator configured, identical for every principal of the
+/// tenant) take `tenant`, every later block `principal`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheScope {
+    pub tenant: Salt,
+    pub principal: Salt,
+    pub shared_tokens: usize,
+}
+
+impl CacheScope {
+    /// Every block in one partition.
+    pub fn private(salt: Salt) -> Self {
+        CacheScope {
+            tenant: salt,
+            principal: salt,
+            shared_tokens: 0,
+        }
+    }
+
+    /// Operator text only (a pinned prefix): every block in the tenant's partition.
+    pub fn operator(tenant: Salt) -> Self {
+        CacheScope {
+            tenant,
+            principal: tenant,
+            shared_tokens: usize::MAX,
+        }
+    }
+
+    /// The salt of full block `i`.
+    pub fn salt_of_block(&self, i: usize, block_size: usize) -> Salt {
+        if (i + 1).saturating_mul(block_size) <= self.shared_tokens {
+            self.tenant
+        } else {
+            self.principal
+        }
+    }
+}
+
+/// The chained hash of a full block: parent block's hash, salt, token ids.
+pub fn block_hash(parent: Option<u64>, salt: Salt, tokens: &[u32]) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     parent.hash(&mut h);
     salt.hash(&mut h);
@@ -27,11 +76,11 @@ pub fn block_hash(parent: Option<u64>, salt: u64, tokens: &[u32]) -> u64 {
 }
 
 /// Hashes of the full blocks of `tokens` (a partial last block has none).
-pub fn prefix_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, scope: &CacheScope) -> Vec<u64> {
     let mut out = Vec::with_capacity(tokens.len() / block_size);
     let mut parent = None;
-    for chunk in tokens.chunks_exact(block_size) {
-        let h = block_hash(parent, salt, chunk);
+    for (i, chunk) in tokens.chunks_exact(block_size).enumerate() {
+        let h = block_hash(parent, scope.salt_of_block(i, block_size), chunk);
         out.push(h);
         parent = Some(h);
     }
@@ -42,7 +91,7 @@ pub fn prefix_hashes(tokens: &[u32], block_size: usize, salt: u64) -> Vec<u64> {
 struct Meta {
     refs: u32,
     /// Content identity while cached: (hash, parent hash, salt, tokens).
-    content: Option<(u64, Option<u64>, u64, Vec<u32>)>,
+    content: Option<(u64, Option<u64>, Salt, Vec<u32>)>,
     /// Position in the free queue while free.
     free_key: Option<u64>,
 }
@@ -181,7 +230,7 @@ impl BlockPool {
     }
 
     /// Records that full block `b` holds `tokens` after the block hashed `parent`.
-    pub fn register(&mut self, b: u32, parent: Option<u64>, salt: u64, tokens: &[u32]) -> u64 {
+    pub fn register(&mut self, b: u32, parent: Option<u64>, salt: Salt, tokens: &[u32]) -> u64 {
         let h = block_hash(parent, salt, tokens);
         let m = &mut self.meta[b as usize];
         if m.content.as_ref().is_some_and(|c| c.0 == h) {
@@ -194,17 +243,18 @@ impl BlockPool {
     }
 
     /// The longest run of cached blocks matching the full blocks of `tokens` (at most
-    /// `max_blocks`), each with one new reference.
+    /// `max_blocks`) in `scope`, each with one new reference.
     pub fn acquire_prefix(
         &mut self,
         tokens: &[u32],
         block_size: usize,
-        salt: u64,
+        scope: &CacheScope,
         max_blocks: usize,
     ) -> Vec<u32> {
         let mut out = Vec::new();
         let mut parent = None;
-        for chunk in tokens.chunks_exact(block_size).take(max_blocks) {
+        for (i, chunk) in tokens.chunks_exact(block_size).take(max_blocks).enumerate() {
+            let salt = scope.salt_of_block(i, block_size);
             let h = block_hash(parent, salt, chunk);
             let Some(&b) = self.cached.get(&h) else { break };
             let m = &self.meta[b as usize];
@@ -322,6 +372,7 @@ mod tests {
     }
 
     fn fill(p: &mut BlockPool, table: &[u32], tokens: &[u32], bs: usize, salt: u64) {
+        let salt = Salt(salt);
         let mut parent = None;
         for (b, chunk) in table.iter().zip(tokens.chunks_exact(bs)) {
             parent = Some(p.register(*b, parent, salt, chunk));
@@ -335,7 +386,7 @@ mod tests {
         let t = p.allocate(3).unwrap(); // 10 tokens, block size 4: two full blocks
         fill(&mut p, &t, &toks, 4, 0);
         // While in use, a second sequence shares the two full blocks.
-        let shared = p.acquire_prefix(&toks, 4, 0, 8);
+        let shared = p.acquire_prefix(&toks, 4, &CacheScope::private(Salt(0)), 8);
         assert_eq!(shared, t[..2].to_vec());
         assert_eq!(p.refs(t[0]), 2);
         p.release_table(&t);
@@ -343,17 +394,24 @@ mod tests {
         assert_eq!(p.used_count(), 0);
         assert_eq!(p.stats().cached_free, 2);
         // Free but cached: found again.
-        let again = p.acquire_prefix(&toks, 4, 0, 8);
+        let again = p.acquire_prefix(&toks, 4, &CacheScope::private(Salt(0)), 8);
         assert_eq!(again, t[..2].to_vec());
         // Another salt (tenant) or another first token finds nothing.
-        assert!(p.acquire_prefix(&toks, 4, 1, 8).is_empty());
+        assert!(p
+            .acquire_prefix(&toks, 4, &CacheScope::private(Salt(1)), 8)
+            .is_empty());
         let mut other = toks.clone();
         other[0] = 99;
-        assert!(p.acquire_prefix(&other, 4, 0, 8).is_empty());
+        assert!(p
+            .acquire_prefix(&other, 4, &CacheScope::private(Salt(0)), 8)
+            .is_empty());
         // A prefix differing only in block 2 shares block 1 alone.
         let mut tail = toks.clone();
         tail[5] = 77;
-        assert_eq!(p.acquire_prefix(&tail, 4, 0, 8), vec![t[0]]);
+        assert_eq!(
+            p.acquire_prefix(&tail, 4, &CacheScope::private(Salt(0)), 8),
+            vec![t[0]]
+        );
         p.check().unwrap();
     }
 
@@ -374,7 +432,10 @@ mod tests {
         assert_eq!(p.allocate(1).unwrap(), vec![a[1]]);
         assert_eq!(p.stats().evictions, 2);
         // A's head is still cached; touching it moves it out of the queue.
-        assert_eq!(p.acquire_prefix(&ta, 4, 0, 1), vec![a[0]]);
+        assert_eq!(
+            p.acquire_prefix(&ta, 4, &CacheScope::private(Salt(0)), 1),
+            vec![a[0]]
+        );
         assert_eq!(p.allocate(3).unwrap(), vec![b[2], b[1], b[0]]);
         assert_eq!(p.allocate(1), None);
         p.check().unwrap();
@@ -388,7 +449,49 @@ mod tests {
         p.release(&a);
         assert_eq!(p.allocate(3).unwrap(), vec![1, 2, 3]);
         assert_eq!(p.stats().evictions, 0);
-        assert_eq!(p.acquire_prefix(&[1, 2, 3, 4], 4, 0, 1), a);
+        assert_eq!(
+            p.acquire_prefix(&[1, 2, 3, 4], 4, &CacheScope::private(Salt(0)), 1),
+            a
+        );
+    }
+
+    #[test]
+    fn operator_blocks_are_shared_and_client_blocks_stay_with_their_principal() {
+        // Block size 4: the first 8 tokens are operator text (two blocks), the rest the client's.
+        let mut p = BlockPool::new(16);
+        let tenant = Salt(7);
+        let (alice, bob) = (Salt(100), Salt(200));
+        let scope = |principal| CacheScope {
+            tenant,
+            principal,
+            shared_tokens: 10,
+        };
+        let toks: Vec<u32> = (0..16).collect();
+        let t = p.allocate(4).unwrap();
+        let hashes = prefix_hashes(&toks, 4, &scope(alice));
+        let mut parent = None;
+        for (i, (b, chunk)) in t.iter().zip(toks.chunks_exact(4)).enumerate() {
+            parent = Some(p.register(*b, parent, scope(alice).salt_of_block(i, 4), chunk));
+            assert_eq!(parent, Some(hashes[i]));
+        }
+        // Bob sends the same tokens: only the two operator blocks are his to hit.
+        let got = p.acquire_prefix(&toks, 4, &scope(bob), 4);
+        assert_eq!(got, t[..2].to_vec());
+        p.release_table(&got);
+        // Alice hits all four; a pinned prefix (operator text) is found by both.
+        let got = p.acquire_prefix(&toks, 4, &scope(alice), 4);
+        assert_eq!(got, t);
+        p.release_table(&got);
+        assert_eq!(
+            p.acquire_prefix(&toks, 4, &CacheScope::operator(tenant), 4)
+                .len(),
+            2
+        );
+        assert_eq!(
+            CacheScope::operator(tenant).salt_of_block(1_000_000, 16),
+            tenant
+        );
+        p.check().unwrap();
     }
 
     proptest! {
@@ -408,7 +511,7 @@ mod tests {
                         held.push(t);
                     },
                     1 => {
-                        let s = p.acquire_prefix(&toks, bs, 0, n);
+                        let s = p.acquire_prefix(&toks, bs, &CacheScope::private(Salt(0)), n);
                         if !s.is_empty() { held.push(s); }
                     }
                     _ => if !held.is_empty() {

@@ -8,7 +8,7 @@
 pub mod block_pool;
 pub mod storage;
 
-pub use block_pool::BlockPool;
+pub use block_pool::{BlockPool, CacheScope, Salt};
 pub use storage::{KvCache, KvCacheSpec};
 
 /// Number of blocks needed to hold `tokens` tokens.

@@ -2,6 +2,7 @@
 //! (`session`), stop-string scanning (`stop`). The WebSocket plumbing (actix-web-actors) lives in
 //! `session.rs` alone, so a move to actix-ws stays small.
 
+pub mod access;
 pub mod routes;
 pub mod session;
 pub mod stop;
@@ -50,6 +51,7 @@ pub struct SessionConfig {
 pub struct AppState {
     pub status: RwLock<Status>,
     pub tenants: tenants::Tenants,
+    pub access: access::Access,
     pub metrics: Arc<Metrics>,
     pub session: SessionConfig,
     pub static_dir: std::path::PathBuf,
@@ -72,25 +74,58 @@ impl AppState {
 pub struct Running {
     pub server: actix_web::dev::Server,
     pub addr: SocketAddr,
+    /// Where `/health` and `/metrics` are served when `server.admin_port` is set.
+    pub admin_addr: Option<SocketAddr>,
     pub state: web::Data<AppState>,
 }
 
 /// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
 /// answers /health with 503 meanwhile), and builds the HTTP server. Call inside an actix System.
 pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Running> {
+    let invalid = |e: crate::error::EngineError| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
+    };
     let metrics = Arc::new(Metrics::new());
-    let tenants = tenants::Tenants::new(&settings.tenants)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+    let tenants = tenants::Tenants::new(&settings.tenants).map_err(invalid)?;
+    let sv = &settings.server;
+    let listener = std::net::TcpListener::bind((sv.host.as_str(), sv.port))?;
+    let addr = listener.local_addr()?;
+    let admin = match sv.admin_port {
+        Some(port) => Some(std::net::TcpListener::bind((sv.admin_host.as_str(), port))?),
+        None => None,
+    };
+    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+    let access = access::Access::new(
+        &settings.access(),
+        &sv.host,
+        addr,
+        admin_addr,
+        !tenants.is_empty(),
+    )
+    .map_err(invalid)?;
+    if addr.ip().is_unspecified() && sv.allowed_hosts.is_empty() {
+        tracing::warn!(
+            "listening on {addr} with server.allowed_hosts empty: only loopback Host names are \
+             served (421 for others); list the names clients use"
+        );
+    }
+    tracing::info!(
+        anonymous = access.allow_anonymous,
+        admin = ?admin_addr,
+        "access: keyless clients {}",
+        if access.allow_anonymous { "served" } else { "refused (401)" }
+    );
     let state = web::Data::new(AppState {
         status: RwLock::new(Status::Loading),
         tenants,
+        access,
         metrics: metrics.clone(),
         session: settings.session_config(),
         static_dir: settings.server.static_dir.clone().into(),
     });
     let batcher_cfg = settings.batcher_config();
     let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
-    let pins = state.tenants.widget_prompts();
+    let pins = state.tenants.operator_prompts();
     let load_state = state.clone();
     let arbiter = Arbiter::new();
     arbiter.spawn_fn(move || {
@@ -106,10 +141,10 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                 };
                 let batcher = Batcher::new(engine, cfg, metrics).start();
                 if pin_prompts {
-                    for (salt, system) in &pins {
+                    for (tenant, system) in &pins {
                         match tokenizer.encode_chat(&[crate::tokenizer::Message::new("system", system)], false) {
-                            Ok((_, tokens)) => batcher.do_send(crate::engine::batcher::PinPrefix { tokens, salt: *salt }),
-                            Err(e) => tracing::warn!(error = %e, "cannot render a widget system prompt to pin"),
+                            Ok((_, tokens)) => batcher.do_send(crate::engine::batcher::PinPrefix { tokens, tenant: *tenant }),
+                            Err(e) => tracing::warn!(error = %e, "cannot render an operator system prompt to pin"),
                         }
                     }
                 }
@@ -127,22 +162,26 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         }
     });
     let data = state.clone();
-    let server = HttpServer::new(move || {
+    let mut server = HttpServer::new(move || {
         App::new()
             .app_data(data.clone())
+            .wrap(actix_web::middleware::from_fn(routes::gate))
             .configure(routes::configure)
     })
     .workers(settings.server.workers)
     .disable_signals()
     .shutdown_timeout(settings.server.shutdown_grace_s)
-    .bind((settings.server.host.as_str(), settings.server.port))?;
-    let addr = *server.addrs().first().expect("bound to one address");
+    .listen(listener)?;
+    if let Some(l) = admin {
+        server = server.listen(l)?;
+    }
     let server = server.run();
     // The arbiter lives as long as the process; keep its handle alive.
     std::mem::forget(arbiter);
     Ok(Running {
         server,
         addr,
+        admin_addr,
         state,
     })
 }

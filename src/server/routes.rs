@@ -1,14 +1,55 @@
 //! Routes: `/ws` (the session), `/health` (503 while the model loads), `/metrics` (Prometheus),
 //! the static chat page at `/`, the embeddable `widget.js`, and `/widget/{id}`, which tells a
 //! widget whether the page embedding it may use it (a refused WebSocket upgrade tells a page
-//! nothing; this answer, with CORS headers, lets the widget say why).
+//! nothing; this answer, with CORS headers, lets the widget say why). `gate` runs before every
+//! route: the `Host` check and the admin listener's split.
 
+use actix_web::body::{BoxBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::middleware::Next;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
 
 use super::session::Session;
-use super::tenants::Refusal;
+use super::tenants::{Identity, Refusal};
 use super::{AppState, Status};
+
+/// Before every route: a `Host` this server does not serve gets 421 (a DNS-rebinding page sends
+/// its own name); with an admin listener, `/health` and `/metrics` answer there alone and it
+/// answers nothing else.
+pub async fn gate(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let state = req
+        .app_data::<web::Data<AppState>>()
+        .expect("state is registered")
+        .clone();
+    let host = req
+        .headers()
+        .get(actix_web::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(String::from)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+    if !state.access.host_allowed(host.as_deref()) {
+        state.metrics.error("misdirected");
+        let shown = host.as_deref().unwrap_or("(none)");
+        tracing::info!(host = shown, "request for a host not served");
+        let resp = HttpResponse::MisdirectedRequest().json(json!({
+            "error_type": "misdirected",
+            "message": format!("this server does not serve host `{shown}` (server.allowed_hosts)"),
+        }));
+        return Ok(req.into_response(resp));
+    }
+    if let Some(admin) = state.access.admin() {
+        let on_admin = req.app_config().local_addr() == admin;
+        let admin_route = matches!(req.path(), "/health" | "/metrics");
+        if on_admin != admin_route {
+            return Ok(req.into_response(HttpResponse::NotFound().finish()));
+        }
+    }
+    Ok(next.call(req).await?.map_into_boxed_body())
+}
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/ws", web::get().to(ws))
@@ -39,7 +80,16 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
     }
 }
 
-async fn metrics(state: web::Data<AppState>) -> HttpResponse {
+async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    let auth = req
+        .headers()
+        .get("authorization")
+        .and_then(|a| a.to_str().ok());
+    if !state.access.metrics_authorized(auth) {
+        return HttpResponse::Unauthorized()
+            .insert_header(("WWW-Authenticate", "Bearer"))
+            .json(json!({"error_type": "unauthorized", "message": "/metrics needs Authorization: Bearer TOKEN (server.metrics_token)"}));
+    }
     HttpResponse::Ok()
         .content_type("text/plain; version=0.0.4")
         .body(state.metrics.render())
@@ -54,12 +104,13 @@ async fn ws(
         return Ok(HttpResponse::ServiceUnavailable()
             .json(json!({"error_type": "not_ready", "message": "the model is not loaded yet"})));
     };
-    let widget =
-        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
-            .ok()
-            .and_then(|q| q.get("widget").cloned());
-    let identity = match state.tenants.identify(&req, widget.as_deref()) {
+    let identity = match identify(&req, &state) {
         Ok(i) => i,
+        Err(Refusal::BadRequest(m)) => {
+            state.metrics.error("invalid_request");
+            return Ok(HttpResponse::BadRequest()
+                .json(json!({"error_type": "invalid_request", "message": m})));
+        }
         Err(Refusal::Unauthorized(m)) => {
             state.metrics.error("unauthorized");
             return Ok(HttpResponse::Unauthorized()
@@ -78,6 +129,35 @@ async fn ws(
     actix_web_actors::ws::WsResponseBuilder::new(session, &req, stream)
         .frame_size(max_frame)
         .start()
+}
+
+/// Who an upgrade is, from its headers and query (`widget`, `prefix`) alone: an API key
+/// (`Authorization`, any scheme case; `prefix` selects one of its tenant's named prefixes), a
+/// widget (`?widget=ID` from one of its origins), or an anonymous client where the server allows
+/// them (a browser only from the server's own origin).
+fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
+    let query =
+        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
+            .map_err(|e| Refusal::BadRequest(format!("malformed query: {e}")))?;
+    let headers = req.headers();
+    let origin = headers.get("origin").and_then(|o| o.to_str().ok());
+    let prefix = query.get("prefix").map(String::as_str);
+    if let Some(auth) = headers.get("authorization") {
+        let auth = auth
+            .to_str()
+            .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?;
+        return state.tenants.api_key(auth, prefix);
+    }
+    if prefix.is_some() {
+        return Err(Refusal::BadRequest(
+            "`prefix` selects a tenant's named prefix and needs an API key".into(),
+        ));
+    }
+    if let Some(id) = query.get("widget") {
+        return state.tenants.widget(id, origin);
+    }
+    state.access.keyless(origin)?;
+    Ok(state.tenants.anonymous())
 }
 
 /// How long browsers and CDNs may reuse `widget.js` before revalidating it: embedding sites load
@@ -168,7 +248,7 @@ async fn widget_check(
 ) -> HttpResponse {
     let origin = req.headers().get("origin").and_then(|o| o.to_str().ok());
     let known = state.tenants.has_widget(&id);
-    let verdict = state.tenants.widget_for(&id, origin);
+    let verdict = state.tenants.widget(&id, origin);
     let mut resp = match (&verdict, known) {
         (Ok(_), _) => HttpResponse::Ok(),
         (Err(_), true) => HttpResponse::Forbidden(),
@@ -179,7 +259,7 @@ async fn widget_check(
         .insert_header(("Cache-Control", "no-store"));
     match verdict {
         Ok(_) => resp.json(json!({"widget": id.as_str(), "ws": format!("/ws?widget={id}")})),
-        Err(Refusal::Forbidden(m) | Refusal::Unauthorized(m)) => {
+        Err(Refusal::Forbidden(m) | Refusal::Unauthorized(m) | Refusal::BadRequest(m)) => {
             let error_type = if known { "forbidden" } else { "not_found" };
             resp.json(json!({"error_type": error_type, "message": m}))
         }

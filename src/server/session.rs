@@ -14,7 +14,7 @@ use actix::prelude::*;
 use actix_web_actors::ws;
 
 use super::stop::scan;
-use super::tenants::Identity;
+use super::tenants::{ClientKind, Identity};
 use super::{AppState, Ready};
 use crate::engine::batcher::{
     next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
@@ -41,8 +41,11 @@ struct Current {
 
 pub struct Session {
     id: uuid::Uuid,
-    /// Who connected (tenant, cache salt, widget system prompt), from the upgrade request alone.
+    /// Who connected (tenant, kind, roles, operator prompt), from the upgrade request alone.
     identity: Identity,
+    /// The operator prompt rendered alone, once: the prompt tokens it shares with a request are
+    /// the ones cached for the whole tenant.
+    operator_tokens: Option<Vec<u32>>,
     state: Arc<AppState>,
     ready: Ready,
     conversation: Vec<Message>,
@@ -55,6 +58,7 @@ impl Session {
         Session {
             id: uuid::Uuid::new_v4(),
             identity,
+            operator_tokens: None,
             state,
             ready,
             conversation: Vec::new(),
@@ -138,10 +142,51 @@ impl Session {
         }
     }
 
+    /// What this client may send beyond what `validate_chat` checks: its roles, and
+    /// `cache_key` for API-key clients only.
+    fn authorize(&self, chat: &ValidChat) -> Result<(), RequestError> {
+        let id = &self.identity;
+        if let Some((i, m)) = chat
+            .messages
+            .iter()
+            .enumerate()
+            .find(|(_, m)| !id.roles.allows(&m.role))
+        {
+            return Err(RequestError::InvalidRequest(format!(
+                "`messages[{i}].role` {:?} is not allowed for this client (allowed: {})",
+                m.role,
+                id.roles.names()
+            )));
+        }
+        if chat.cache_key.is_some() && id.kind != ClientKind::ApiKey {
+            return Err(RequestError::InvalidRequest(
+                "`params.cache_key` is for API-key clients; a browser session is its own cache partition".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The leading prompt tokens that are operator text (shared within the tenant).
+    fn shared_tokens(&mut self, prompt: &[u32]) -> usize {
+        let Some(sys) = &self.identity.system_prompt else {
+            return 0;
+        };
+        let tok = &self.ready.tokenizer;
+        let op = self.operator_tokens.get_or_insert_with(|| {
+            tok.encode_chat(&[Message::new("system", sys)], false)
+                .map(|(_, ids)| ids)
+                .unwrap_or_default()
+        });
+        op.iter().zip(prompt).take_while(|(a, b)| a == b).count()
+    }
+
     fn start_chat(&mut self, chat: ValidChat, ctx: &mut ws::WebsocketContext<Self>) {
         if let Some(c) = &self.current {
             let busy = RequestError::Busy(c.client_id.clone());
             return self.error(ctx, Some(chat.id), busy);
+        }
+        if let Err(e) = self.authorize(&chat) {
+            return self.error(ctx, Some(chat.id), e);
         }
         let mut all = Vec::with_capacity(self.conversation.len() + chat.messages.len() + 1);
         if let Some(sys) = &self.identity.system_prompt {
@@ -159,6 +204,11 @@ impl Session {
                 )
             }
         };
+        let shared = self.shared_tokens(&prompt);
+        let scope =
+            self.state
+                .tenants
+                .scope(&self.identity, &self.id, chat.cache_key.as_deref(), shared);
         let request = next_request_id();
         self.current = Some(Current {
             client_id: chat.id.clone(),
@@ -177,7 +227,7 @@ impl Session {
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
-            salt: self.identity.salt,
+            scope,
             lease: Some(self.lease_key()),
             reply_to: ctx.address().recipient(),
         };

@@ -1,21 +1,30 @@
-//! Who is connecting: tenants, their API keys and embeddable widgets, checked on the WebSocket
-//! upgrade, and the prefix-cache salt each identity maps to.
+//! Who a connection is: tenants, their API keys, embeddable widgets and named operator prefixes,
+//! decided from the upgrade request alone, and the prefix-cache partition (`CacheScope`) each
+//! request of that identity runs in.
 //!
-//! The salt comes only from the server-side identity (an API key or a widget id defined in config),
-//! never from anything a client says in a frame: prefix caching leaks timing between users who
-//! share a cache, so tenants never share blocks. A browser upgrade carrying an `Origin` is accepted
-//! only from the server's own origin or from an origin its widget allows (cross-site WebSocket
-//! hijacking otherwise lets any page a user visits talk to the server as that user).
+//! Principals (see docs/security.md): every API key is its own principal (a tenant with
+//! `cache_scope = "tenant"` makes all its keys one), optionally split further by the request's
+//! `cache_key`; every widget or anonymous session is its own principal. Blocks holding only
+//! operator text (a widget's `system_prompt`, a tenant's `[[tenants.prefixes]]`) are shared by
+//! the tenant's principals; from the first block with a client token on, blocks are salted with
+//! the principal, so nothing one principal sends can be hit, or timed, by another.
+//!
+//! Salts are SHA-256 of a random per-process secret and the identity, so they can be neither
+//! guessed nor chosen by a client. API keys are kept as SHA-256 digests (configured as keys or
+//! as `api_key_sha256`) and compared in constant time.
 
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::sync::Arc;
 
-use actix_web::HttpRequest;
 use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
 
+use super::access::normalize_origin;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::{CacheScope, Salt};
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WidgetSettings {
     /// Public id, used as `?widget=ID` and in `data-widget`.
@@ -27,29 +36,130 @@ pub struct WidgetSettings {
     pub system_prompt: String,
 }
 
+/// A named system prompt that the tenant's API-key clients select with `/ws?prefix=NAME`;
+/// prefilled and pinned at start, shared by all the tenant's principals.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixSettings {
+    pub name: String,
+    pub system_prompt: String,
+}
+
+/// Which message roles each kind of client of a tenant may send.
 #[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientRoles {
+    #[serde(default = "widget_roles")]
+    pub widget: Vec<String>,
+    #[serde(default = "all_roles")]
+    pub api_key: Vec<String>,
+}
+
+fn widget_roles() -> Vec<String> {
+    vec!["user".into()]
+}
+
+fn all_roles() -> Vec<String> {
+    ["system", "user", "assistant"].map(String::from).to_vec()
+}
+
+impl Default for ClientRoles {
+    fn default() -> Self {
+        ClientRoles {
+            widget: widget_roles(),
+            api_key: all_roles(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TenantSettings {
     pub name: String,
-    /// Keys for server-side clients (`Authorization: Bearer KEY`).
+    /// Keys for server-side clients (`Authorization: Bearer KEY`), at least 16 characters.
     #[serde(default)]
     pub api_keys: Vec<String>,
+    /// The same as SHA-256 hex digests, so the config file need not hold the keys.
+    #[serde(default)]
+    pub api_key_sha256: Vec<String>,
     #[serde(default)]
     pub widgets: Vec<WidgetSettings>,
+    #[serde(default)]
+    pub prefixes: Vec<PrefixSettings>,
+    /// "key" (each API key its own cache partition) or "tenant" (the tenant's keys share one).
+    #[serde(default)]
+    pub cache_scope: Option<String>,
+    #[serde(default)]
+    pub client_roles: ClientRoles,
 }
 
-/// The identity a connection was accepted with.
+/// What kind of client a connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClientKind {
+    ApiKey,
+    Widget,
+    Anonymous,
+}
+
+/// A set of message roles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Roles(u8);
+
+const ROLE_NAMES: [&str; 3] = ["system", "user", "assistant"];
+
+impl Roles {
+    pub const ALL: Roles = Roles(0b111);
+
+    fn parse(names: &[String]) -> Option<Roles> {
+        let mut r = 0;
+        for n in names {
+            r |= 1 << ROLE_NAMES.iter().position(|x| x == n)?;
+        }
+        Some(Roles(r))
+    }
+
+    pub fn allows(self, role: &str) -> bool {
+        ROLE_NAMES
+            .iter()
+            .position(|x| *x == role)
+            .is_some_and(|i| self.0 & (1 << i) != 0)
+    }
+
+    /// "system, user" (for error messages).
+    pub fn names(self) -> String {
+        let v: Vec<&str> = (0..3)
+            .filter(|i| self.0 & (1 << i) != 0)
+            .map(|i| ROLE_NAMES[i])
+            .collect();
+        if v.is_empty() {
+            "none".into()
+        } else {
+            v.join(", ")
+        }
+    }
+}
+
+/// The identity a connection was accepted with (decided on the server, from the upgrade alone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
     pub tenant: String,
-    pub salt: u64,
-    pub system_prompt: Option<String>,
+    pub kind: ClientKind,
+    pub tenant_salt: Salt,
+    /// API-key clients: their principal's partition. Sessions (widget, anonymous) are each their
+    /// own principal, derived from the session id (`Tenants::scope`).
+    key_salt: Option<Salt>,
+    /// Operator text that leads every conversation: a widget's system prompt or a named prefix.
+    pub system_prompt: Option<Arc<str>>,
+    /// Roles this client may send.
+    pub roles: Roles,
 }
 
 /// Why an upgrade is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
-    /// 401: a missing or wrong API key.
+    /// 400: a malformed request (an unknown prefix, say).
+    BadRequest(String),
+    /// 401: a missing or wrong API key, or no credentials where the server needs them.
     Unauthorized(String),
     /// 403: an origin that may not connect.
     Forbidden(String),
@@ -57,114 +167,261 @@ pub enum Refusal {
 
 pub const DEFAULT_TENANT: &str = "default";
 
-fn salt_of(tenant: &str) -> u64 {
-    if tenant == DEFAULT_TENANT {
-        return 0;
-    }
-    let mut h = std::hash::DefaultHasher::new();
-    "llama-relay tenant".hash(&mut h);
-    tenant.hash(&mut h);
-    h.finish() | 1
-}
-
 /// `scheme://host[:port]` with nothing after it.
 fn valid_origin(o: &str) -> bool {
-    let Some((scheme, rest)) = o.split_once("://") else {
-        return false;
-    };
-    matches!(scheme, "http" | "https")
-        && !rest.is_empty()
-        && !rest.contains('/')
-        && !rest.contains('?')
+    normalize_origin(o).is_some()
 }
 
-#[derive(Debug, Clone, Default)]
+struct Tenant {
+    name: String,
+    salt: Salt,
+    prefixes: HashMap<String, Arc<str>>,
+    widget_roles: Roles,
+    key_roles: Roles,
+}
+
+struct Widget {
+    tenant: usize,
+    origins: Vec<String>,
+    system_prompt: Option<Arc<str>>,
+}
+
 pub struct Tenants {
-    keys: HashMap<String, String>,
-    widgets: HashMap<String, (String, WidgetSettings)>,
+    /// Random per process: salts cannot be computed outside it.
+    secret: [u8; 32],
+    tenants: Vec<Tenant>,
+    /// SHA-256 of each key, its tenant, and the key's own salt.
+    keys: Vec<([u8; 32], usize, Salt)>,
+    widgets: HashMap<String, Widget>,
+    default_salt: Salt,
+}
+
+impl std::fmt::Debug for Tenants {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tenants")
+            .field("tenants", &self.tenants.len())
+            .field("keys", &self.keys.len())
+            .field("widgets", &self.widgets.len())
+            .finish()
+    }
+}
+
+fn sha256(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+fn parse_hex32(s: &str) -> Option<[u8; 32]> {
+    if s.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
 }
 
 impl Tenants {
-    /// Validates the configured tenants (unique names, keys and widget ids, well-formed origins).
+    /// Validates the configured tenants (unique names, keys, widget ids and prefix names,
+    /// well-formed origins, known roles).
     pub fn new(tenants: &[TenantSettings]) -> Result<Self> {
-        let bad = |key: &str, value: &str, allowed: &str| EngineError::InvalidSetting {
-            key: key.into(),
+        let mut t = Tenants {
+            secret: rand::random(),
+            tenants: Vec::new(),
+            keys: Vec::new(),
+            widgets: HashMap::new(),
+            default_salt: Salt(0),
+        };
+        t.default_salt = t.derive(&[b"tenant", DEFAULT_TENANT.as_bytes()]);
+        let bad = |key: String, value: &str, allowed: &str| EngineError::InvalidSetting {
+            key,
             value: value.into(),
             allowed: allowed.into(),
         };
-        let mut t = Tenants::default();
         let mut names = std::collections::HashSet::new();
         for (i, ten) in tenants.iter().enumerate() {
             if ten.name.is_empty() || ten.name == DEFAULT_TENANT || !names.insert(ten.name.clone())
             {
                 return Err(bad(
-                    &format!("tenants[{i}].name"),
+                    format!("tenants[{i}].name"),
                     &ten.name,
                     "a unique, non-empty name other than \"default\"",
                 ));
             }
+            let keys_salt = match ten.cache_scope.as_deref() {
+                None | Some("key") => None,
+                Some("tenant") => Some(t.derive(&[b"tenant keys", ten.name.as_bytes()])),
+                Some(other) => {
+                    return Err(bad(
+                        format!("tenants[{i}].cache_scope"),
+                        other,
+                        "\"key\" (each API key its own cache partition) or \"tenant\"",
+                    ))
+                }
+            };
+            let roles = |key: &str, v: &[String]| {
+                Roles::parse(v).ok_or_else(|| {
+                    bad(
+                        format!("tenants[{i}].client_roles.{key}"),
+                        &format!("{v:?}"),
+                        "a list of \"system\", \"user\", \"assistant\"",
+                    )
+                })
+            };
+            let widget_roles = roles("widget", &ten.client_roles.widget)?;
+            let key_roles = roles("api_key", &ten.client_roles.api_key)?;
+            let mut digests = Vec::new();
             for k in &ten.api_keys {
                 if k.len() < 16 {
                     return Err(bad(
-                        &format!("tenants[{i}].api_keys"),
+                        format!("tenants[{i}].api_keys"),
                         "(hidden)",
                         "keys of at least 16 characters",
                     ));
                 }
-                if t.keys.insert(k.clone(), ten.name.clone()).is_some() {
+                digests.push(sha256(k.as_bytes()));
+            }
+            for h in &ten.api_key_sha256 {
+                digests.push(parse_hex32(&h.to_ascii_lowercase()).ok_or_else(|| {
+                    bad(
+                        format!("tenants[{i}].api_key_sha256"),
+                        h,
+                        "64 hex digits (sha256sum of the key)",
+                    )
+                })?);
+            }
+            for d in digests {
+                if t.keys.iter().any(|(k, ..)| *k == d) {
                     return Err(bad(
-                        &format!("tenants[{i}].api_keys"),
+                        format!("tenants[{i}].api_keys"),
                         "(hidden)",
-                        "each key in one tenant only",
+                        "each key once, in one tenant only",
                     ));
                 }
+                let salt =
+                    keys_salt.unwrap_or_else(|| t.derive(&[b"key", ten.name.as_bytes(), &d]));
+                t.keys.push((d, i, salt));
+            }
+            let mut prefixes = HashMap::new();
+            for (j, p) in ten.prefixes.iter().enumerate() {
+                if !valid_id(&p.name) || prefixes.contains_key(&p.name) {
+                    return Err(bad(
+                        format!("tenants[{i}].prefixes[{j}].name"),
+                        &p.name,
+                        "a name of letters, digits, '-' and '_', used once in the tenant",
+                    ));
+                }
+                if p.system_prompt.is_empty() {
+                    return Err(bad(
+                        format!("tenants[{i}].prefixes[{j}].system_prompt"),
+                        "\"\"",
+                        "the operator's text the prefix holds",
+                    ));
+                }
+                prefixes.insert(p.name.clone(), Arc::from(p.system_prompt.as_str()));
             }
             for (j, w) in ten.widgets.iter().enumerate() {
-                if w.id.is_empty()
-                    || !w
-                        .id
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-                {
+                if !valid_id(&w.id) {
                     return Err(bad(
-                        &format!("tenants[{i}].widgets[{j}].id"),
+                        format!("tenants[{i}].widgets[{j}].id"),
                         &w.id,
                         "letters, digits, '-' and '_'",
                     ));
                 }
                 if let Some(o) = w.origins.iter().find(|o| !valid_origin(o)) {
-                    return Err(bad(&format!("tenants[{i}].widgets[{j}].origins"), o, "origins like \"https://shop.example.com\" (scheme, host, optional port; no path)"));
+                    return Err(bad(format!("tenants[{i}].widgets[{j}].origins"), o, "origins like \"https://shop.example.com\" (scheme, host, optional port; no path)"));
                 }
-                if t.widgets
-                    .insert(w.id.clone(), (ten.name.clone(), w.clone()))
-                    .is_some()
-                {
+                let widget = Widget {
+                    tenant: i,
+                    origins: w
+                        .origins
+                        .iter()
+                        .filter_map(|o| normalize_origin(o))
+                        .collect(),
+                    system_prompt: (!w.system_prompt.is_empty())
+                        .then(|| Arc::from(w.system_prompt.as_str())),
+                };
+                if t.widgets.insert(w.id.clone(), widget).is_some() {
                     return Err(bad(
-                        &format!("tenants[{i}].widgets[{j}].id"),
+                        format!("tenants[{i}].widgets[{j}].id"),
                         &w.id,
                         "a widget id used once",
                     ));
                 }
             }
+            t.tenants.push(Tenant {
+                salt: t.derive(&[b"tenant", ten.name.as_bytes()]),
+                name: ten.name.clone(),
+                prefixes,
+                widget_roles,
+                key_roles,
+            });
         }
         Ok(t)
     }
 
-    fn identity(&self, tenant: &str, system_prompt: Option<String>) -> Identity {
-        Identity {
-            tenant: tenant.into(),
-            salt: salt_of(tenant),
-            system_prompt: system_prompt.filter(|s| !s.is_empty()),
+    /// Whether any tenant is configured.
+    pub fn is_empty(&self) -> bool {
+        self.tenants.is_empty()
+    }
+
+    /// A salt from the process secret and `parts` (each length-prefixed, so parts cannot run
+    /// into each other).
+    fn derive(&self, parts: &[&[u8]]) -> Salt {
+        let mut h = Sha256::new();
+        h.update(self.secret);
+        for p in parts {
+            h.update((p.len() as u64).to_le_bytes());
+            h.update(p);
+        }
+        let d = h.finalize();
+        Salt(u64::from_le_bytes(d[..8].try_into().expect("8 bytes")))
+    }
+
+    /// The cache partition of a request: `session` is the session's id (its own principal when
+    /// the client is a widget or anonymous visitor), `cache_key` the request's optional
+    /// partition (API-key clients only), `shared_tokens` how many leading prompt tokens are
+    /// operator text.
+    pub fn scope(
+        &self,
+        id: &Identity,
+        session: &uuid::Uuid,
+        cache_key: Option<&str>,
+        shared_tokens: usize,
+    ) -> CacheScope {
+        let base = match id.key_salt {
+            Some(s) => s,
+            None => self.derive(&[b"session", id.tenant.as_bytes(), session.as_bytes()]),
+        };
+        let principal = match cache_key {
+            Some(k) => self.derive(&[b"cache_key", &base.0.to_le_bytes(), k.as_bytes()]),
+            None => base,
+        };
+        CacheScope {
+            tenant: id.tenant_salt,
+            principal,
+            shared_tokens,
         }
     }
 
-    /// (salt, system prompt) of every widget that has one.
-    pub fn widget_prompts(&self) -> Vec<(u64, String)> {
-        self.widgets
+    /// (tenant salt, text) of every configured operator prompt (widget system prompts and
+    /// tenant prefixes), once each: these are pinned at start.
+    pub fn operator_prompts(&self) -> Vec<(Salt, Arc<str>)> {
+        let mut out: Vec<(Salt, Arc<str>)> = Vec::new();
+        let widgets = self
+            .widgets
             .values()
-            .filter(|(_, w)| !w.system_prompt.is_empty())
-            .map(|(t, w)| (salt_of(t), w.system_prompt.clone()))
-            .collect()
+            .filter_map(|w| Some((self.tenants[w.tenant].salt, w.system_prompt.clone()?)));
+        let prefixes = self
+            .tenants
+            .iter()
+            .flat_map(|t| t.prefixes.values().map(|p| (t.salt, p.clone())));
+        for (salt, text) in widgets.chain(prefixes) {
+            if !out.iter().any(|(s, t)| *s == salt && *t == text) {
+                out.push((salt, text));
+            }
+        }
+        out
     }
 
     /// Whether a widget with this id is configured.
@@ -172,155 +429,289 @@ impl Tenants {
         self.widgets.contains_key(id)
     }
 
-    /// The widget `id` and its tenant, if a page on `origin` may use it.
-    pub fn widget_for(
-        &self,
-        id: &str,
-        origin: Option<&str>,
-    ) -> std::result::Result<(&str, &WidgetSettings), Refusal> {
-        let Some((tenant, w)) = self.widgets.get(id) else {
+    /// The identity of widget `id` when a page on `origin` may use it.
+    pub fn widget(&self, id: &str, origin: Option<&str>) -> std::result::Result<Identity, Refusal> {
+        let Some(w) = self.widgets.get(id) else {
             return Err(Refusal::Forbidden(format!("unknown widget `{id}`")));
         };
-        match origin {
-            Some(o) if w.origins.iter().any(|a| a == o) => Ok((tenant, w)),
-            Some(o) => Err(Refusal::Forbidden(format!(
-                "origin {o} may not embed widget `{id}`"
-            ))),
-            None => Err(Refusal::Forbidden(format!(
+        let Some(o) = origin else {
+            return Err(Refusal::Forbidden(format!(
                 "widget `{id}` connects from a browser page: no Origin given"
-            ))),
+            )));
+        };
+        if !normalize_origin(o).is_some_and(|n| w.origins.contains(&n)) {
+            return Err(Refusal::Forbidden(format!(
+                "origin {o} may not embed widget `{id}`"
+            )));
         }
+        let t = &self.tenants[w.tenant];
+        Ok(Identity {
+            tenant: t.name.clone(),
+            kind: ClientKind::Widget,
+            tenant_salt: t.salt,
+            key_salt: None,
+            system_prompt: w.system_prompt.clone(),
+            roles: t.widget_roles,
+        })
     }
 
-    /// Decides who an upgrade request is. `widget` is the `?widget=` query value.
-    pub fn identify(
+    /// The identity of an `Authorization` header's value, or 401. The key is hashed and
+    /// compared with every configured digest in constant time.
+    pub fn api_key(
         &self,
-        req: &HttpRequest,
-        widget: Option<&str>,
+        authorization: &str,
+        prefix: Option<&str>,
     ) -> std::result::Result<Identity, Refusal> {
-        let headers = req.headers();
-        if let Some(auth) = headers.get("authorization") {
-            let key = auth
-                .to_str()
-                .ok()
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim);
-            return match key.and_then(|k| self.keys.get(k)) {
-                Some(tenant) => Ok(self.identity(tenant, None)),
-                None => Err(Refusal::Unauthorized("unknown API key".into())),
-            };
-        }
-        let origin = headers.get("origin").and_then(|o| o.to_str().ok());
-        if let Some(id) = widget {
-            let (tenant, w) = self.widget_for(id, origin)?;
-            return Ok(self.identity(tenant, Some(w.system_prompt.clone())));
-        }
-        // No key, no widget: the server's own page (same origin) or a non-browser client.
-        if let Some(o) = origin {
-            let host = headers
-                .get("host")
-                .and_then(|h| h.to_str().ok())
-                .unwrap_or("");
-            let same = o.split_once("://").map(|(_, h)| h == host).unwrap_or(false);
-            if !same {
-                return Err(Refusal::Forbidden(format!(
-                    "cross-site WebSocket from {o} refused"
-                )));
+        let key = authorization
+            .split_once(' ')
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, k)| k.trim())
+            .filter(|k| !k.is_empty())
+            .ok_or_else(|| {
+                Refusal::Unauthorized("the Authorization header must be `Bearer KEY`".into())
+            })?;
+        let d = sha256(key.as_bytes());
+        let mut found = None;
+        for (i, (k, tenant, salt)) in self.keys.iter().enumerate() {
+            if bool::from(k.ct_eq(&d)) {
+                found = Some((i, *tenant, *salt));
             }
         }
-        Ok(self.identity(DEFAULT_TENANT, None))
+        let Some((_, tenant, salt)) = found else {
+            return Err(Refusal::Unauthorized("unknown API key".into()));
+        };
+        let t = &self.tenants[tenant];
+        let system_prompt = match prefix {
+            None => None,
+            Some(p) => Some(t.prefixes.get(p).cloned().ok_or_else(|| {
+                Refusal::BadRequest(format!(
+                    "`prefix` {p:?} is not one of tenant `{}`'s prefixes",
+                    t.name
+                ))
+            })?),
+        };
+        Ok(Identity {
+            tenant: t.name.clone(),
+            kind: ClientKind::ApiKey,
+            tenant_salt: t.salt,
+            key_salt: Some(salt),
+            system_prompt,
+            roles: t.key_roles,
+        })
     }
+
+    /// An anonymous visitor of the default tenant: its own principal, any role (there is no
+    /// operator prompt to override; what it sends stays in its session).
+    pub fn anonymous(&self) -> Identity {
+        Identity {
+            tenant: DEFAULT_TENANT.into(),
+            kind: ClientKind::Anonymous,
+            tenant_salt: self.default_salt,
+            key_salt: None,
+            system_prompt: None,
+            roles: Roles::ALL,
+        }
+    }
+}
+
+fn valid_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use actix_web::test::TestRequest;
 
-    fn tenants() -> Tenants {
+    fn acme(cache_scope: Option<&str>) -> Tenants {
         Tenants::new(&[TenantSettings {
             name: "acme".into(),
-            api_keys: vec!["acme-key-0123456789".into()],
+            api_keys: vec!["acme-key-0123456789".into(), "acme-key-second-one".into()],
+            api_key_sha256: vec![format!("{:x}", Sha256::digest(b"acme-key-from-digest"))],
             widgets: vec![WidgetSettings {
                 id: "acme-help".into(),
                 origins: vec!["https://shop.acme.test".into()],
                 system_prompt: "Be kind.".into(),
             }],
+            prefixes: vec![PrefixSettings {
+                name: "support".into(),
+                system_prompt: "You answer support questions.".into(),
+            }],
+            cache_scope: cache_scope.map(String::from),
+            client_roles: ClientRoles::default(),
         }])
         .unwrap()
     }
 
     #[test]
-    fn keys_widgets_and_origins() {
-        let t = tenants();
-        let r = TestRequest::default()
-            .insert_header(("authorization", "Bearer acme-key-0123456789"))
-            .to_http_request();
-        assert_eq!(t.identify(&r, None).unwrap().tenant, "acme");
-        let r = TestRequest::default()
-            .insert_header(("authorization", "Bearer nope"))
-            .to_http_request();
+    fn keys_any_bearer_case_and_digests() {
+        let t = acme(None);
+        for h in [
+            "Bearer acme-key-0123456789",
+            "bearer acme-key-0123456789",
+            "BEARER  acme-key-0123456789 ",
+            "Bearer acme-key-from-digest",
+        ] {
+            let id = t.api_key(h, None).unwrap_or_else(|e| panic!("{h}: {e:?}"));
+            assert_eq!((id.tenant.as_str(), id.kind), ("acme", ClientKind::ApiKey));
+            assert_eq!(id.roles, Roles::ALL);
+        }
+        for h in [
+            "Bearer nope",
+            "Basic acme-key-0123456789",
+            "acme-key-0123456789",
+            "Bearer ",
+        ] {
+            assert!(
+                matches!(t.api_key(h, None), Err(Refusal::Unauthorized(_))),
+                "{h}"
+            );
+        }
+        let id = t
+            .api_key("Bearer acme-key-0123456789", Some("support"))
+            .unwrap();
+        assert_eq!(
+            id.system_prompt.as_deref(),
+            Some("You answer support questions.")
+        );
         assert!(matches!(
-            t.identify(&r, None),
-            Err(Refusal::Unauthorized(_))
+            t.api_key("Bearer acme-key-0123456789", Some("nope")),
+            Err(Refusal::BadRequest(_))
         ));
-        let r = TestRequest::default()
-            .insert_header(("origin", "https://shop.acme.test"))
-            .to_http_request();
-        let id = t.identify(&r, Some("acme-help")).unwrap();
+    }
+
+    #[test]
+    fn widgets_by_origin_with_user_role_only() {
+        let t = acme(None);
+        let id = t
+            .widget("acme-help", Some("https://shop.acme.test"))
+            .unwrap();
         assert_eq!(
             (id.tenant.as_str(), id.system_prompt.as_deref()),
             ("acme", Some("Be kind."))
         );
-        let r = TestRequest::default()
-            .insert_header(("origin", "https://evil.test"))
-            .to_http_request();
+        assert!(id.roles.allows("user") && !id.roles.allows("system"));
+        assert_eq!(id.roles.names(), "user");
+        // Origins compare by scheme, host and port; default ports and case normalize.
+        assert!(t
+            .widget("acme-help", Some("https://SHOP.acme.test:443"))
+            .is_ok());
+        for o in [
+            "http://shop.acme.test",
+            "https://shop.acme.test:8443",
+            "https://evil.test",
+        ] {
+            assert!(
+                matches!(t.widget("acme-help", Some(o)), Err(Refusal::Forbidden(_))),
+                "{o}"
+            );
+        }
         assert!(matches!(
-            t.identify(&r, Some("acme-help")),
+            t.widget("acme-help", None),
             Err(Refusal::Forbidden(_))
         ));
-        assert!(
-            matches!(t.identify(&r, None), Err(Refusal::Forbidden(_))),
-            "cross-site without widget"
-        );
-        let r = TestRequest::default()
-            .insert_header(("origin", "http://localhost:8080"))
-            .insert_header(("host", "localhost:8080"))
-            .to_http_request();
-        assert_eq!(t.identify(&r, None).unwrap().tenant, DEFAULT_TENANT);
-        let r = TestRequest::default().to_http_request();
-        assert_eq!(t.identify(&r, None).unwrap().salt, 0);
+        assert!(matches!(
+            t.widget("nope", Some("https://shop.acme.test")),
+            Err(Refusal::Forbidden(_))
+        ));
     }
 
     #[test]
-    fn tenants_get_distinct_salts() {
-        assert_ne!(salt_of("a"), salt_of("b"));
-        assert_ne!(salt_of("a"), 0);
-        assert_eq!(salt_of(DEFAULT_TENANT), 0);
+    fn principals_get_their_own_partitions() {
+        let t = acme(None);
+        let s1 = uuid::Uuid::new_v4();
+        let s2 = uuid::Uuid::new_v4();
+        let k1 = t.api_key("Bearer acme-key-0123456789", None).unwrap();
+        let k2 = t.api_key("Bearer acme-key-second-one", None).unwrap();
+        let w = t
+            .widget("acme-help", Some("https://shop.acme.test"))
+            .unwrap();
+        let a = t.anonymous();
+        let p = |id: &Identity, s: &uuid::Uuid, ck: Option<&str>| t.scope(id, s, ck, 0).principal;
+        // A key is one principal whatever the session; two keys are two.
+        assert_eq!(p(&k1, &s1, None), p(&k1, &s2, None));
+        assert_ne!(p(&k1, &s1, None), p(&k2, &s1, None));
+        // cache_key partitions within the key.
+        assert_ne!(p(&k1, &s1, Some("u1")), p(&k1, &s1, Some("u2")));
+        assert_eq!(p(&k1, &s1, Some("u1")), p(&k1, &s2, Some("u1")));
+        assert_ne!(p(&k1, &s1, Some("u1")), p(&k2, &s1, Some("u1")));
+        // Widget and anonymous sessions: each session alone.
+        assert_ne!(p(&w, &s1, None), p(&w, &s2, None));
+        assert_ne!(p(&a, &s1, None), p(&a, &s2, None));
+        assert_ne!(p(&w, &s1, None), p(&a, &s1, None));
+        // Operator text is the tenant's, shared by its widgets and keys.
+        assert_eq!(
+            t.scope(&w, &s1, None, 0).tenant,
+            t.scope(&k1, &s1, None, 0).tenant
+        );
+        assert_ne!(
+            t.scope(&w, &s1, None, 0).tenant,
+            t.scope(&a, &s1, None, 0).tenant
+        );
+        // cache_scope = "tenant": the keys share one partition (widgets still do not).
+        let t = acme(Some("tenant"));
+        let k1 = t.api_key("Bearer acme-key-0123456789", None).unwrap();
+        let k2 = t.api_key("Bearer acme-key-second-one", None).unwrap();
+        assert_eq!(t.scope(&k1, &s1, None, 0), t.scope(&k2, &s2, None, 0));
+        // Another process (secret) gives other salts.
+        assert_ne!(
+            acme(None).anonymous().tenant_salt,
+            acme(None).anonymous().tenant_salt
+        );
+    }
+
+    #[test]
+    fn operator_prompts_are_listed_once() {
+        let t = acme(None);
+        let p = t.operator_prompts();
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(p.iter().all(|(s, _)| *s
+            == t.widget("acme-help", Some("https://shop.acme.test"))
+                .unwrap()
+                .tenant_salt));
     }
 
     #[test]
     fn bad_config_is_named() {
-        let e = Tenants::new(&[TenantSettings {
+        let e = |ten: TenantSettings| Tenants::new(&[ten]).unwrap_err().to_string();
+        let s = e(TenantSettings {
             name: "x".into(),
             api_keys: vec!["short".into()],
-            widgets: vec![],
-        }])
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("tenants[0].api_keys"), "{e}");
-        let w = WidgetSettings {
-            id: "w".into(),
-            origins: vec!["https://a.test/path".into()],
-            system_prompt: String::new(),
-        };
-        let e = Tenants::new(&[TenantSettings {
+            ..Default::default()
+        });
+        assert!(s.contains("tenants[0].api_keys"), "{s}");
+        let s = e(TenantSettings {
             name: "x".into(),
-            api_keys: vec![],
-            widgets: vec![w],
-        }])
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("origins"), "{e}");
+            widgets: vec![WidgetSettings {
+                id: "w".into(),
+                origins: vec!["https://a.test/path".into()],
+                system_prompt: String::new(),
+            }],
+            ..Default::default()
+        });
+        assert!(s.contains("origins"), "{s}");
+        let s = e(TenantSettings {
+            name: "x".into(),
+            api_key_sha256: vec!["abc".into()],
+            ..Default::default()
+        });
+        assert!(s.contains("api_key_sha256"), "{s}");
+        let s = e(TenantSettings {
+            name: "x".into(),
+            cache_scope: Some("world".into()),
+            ..Default::default()
+        });
+        assert!(s.contains("cache_scope"), "{s}");
+        let s = e(TenantSettings {
+            name: "x".into(),
+            client_roles: ClientRoles {
+                widget: vec!["robot".into()],
+                api_key: all_roles(),
+            },
+            ..Default::default()
+        });
+        assert!(s.contains("client_roles.widget"), "{s}");
     }
 }

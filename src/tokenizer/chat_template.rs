@@ -29,6 +29,22 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Wraps each message's content while rendering, to find it in the output (`render_spans`):
+    /// private-use characters around a random nonce, so no real text holds them.
+    open: String,
+    close: String,
+    /// The template strips the whitespace around content (Llama 3's `| trim`): content is
+    /// stripped before it is wrapped, since the markers would shield it.
+    trims_content: bool,
+}
+
+/// A piece of a rendered conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Span {
+    /// Written by the template: its control tokens are special.
+    Template(String),
+    /// A message's content: text only.
+    Content(String),
 }
 
 fn raise_exception(msg: String) -> std::result::Result<String, Error> {
@@ -70,11 +86,79 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| EngineError::ChatTemplate(format!("cannot compile: {e}")))?;
-        Ok(ChatTemplate {
+        let nonce = format!("{:016x}", rand::random::<u64>());
+        let mut t = ChatTemplate {
             env,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
-        })
+            open: format!("\u{E000}{nonce}\u{E001}"),
+            close: format!("\u{E002}{nonce}\u{E003}"),
+            trims_content: false,
+        };
+        // Probe: does " X " come out as " X " or as "X"?
+        let probe = format!(" {}x{} ", t.open, t.close);
+        if let Ok(out) = t.render(&[Message::new("user", &probe)], false) {
+            t.trims_content = !out.contains(&probe) && out.contains(probe.trim());
+        }
+        Ok(t)
+    }
+
+    /// Renders `messages` as `render` does, cut into the template's own text and each message's
+    /// content (which may hold any characters, markup of special tokens included).
+    pub fn render_spans(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<Span>> {
+        let wrapped: Vec<Message> = messages
+            .iter()
+            .map(|m| {
+                if m.content.contains(&self.open) || m.content.contains(&self.close) {
+                    return Err(EngineError::ChatTemplate(
+                        "message content holds the renderer's reserved marker".into(),
+                    ));
+                }
+                let c = if self.trims_content {
+                    m.content.trim()
+                } else {
+                    m.content.as_str()
+                };
+                Ok(Message {
+                    role: m.role.clone(),
+                    content: format!("{}{c}{}", self.open, self.close),
+                })
+            })
+            .collect::<Result<_>>()?;
+        let out = self.render(&wrapped, add_generation_prompt)?;
+        let mut spans = Vec::new();
+        let mut rest = out.as_str();
+        while let Some(i) = rest.find(&self.open) {
+            if i > 0 {
+                spans.push(Span::Template(rest[..i].to_string()));
+            }
+            let after = &rest[i + self.open.len()..];
+            let j = after.find(&self.close).ok_or_else(|| {
+                EngineError::ChatTemplate("the template cut a message's content".into())
+            })?;
+            if after[..j].contains(&self.open) {
+                return Err(EngineError::ChatTemplate(
+                    "the template nests message content".into(),
+                ));
+            }
+            if j > 0 {
+                spans.push(Span::Content(after[..j].to_string()));
+            }
+            rest = &after[j + self.close.len()..];
+        }
+        if rest.contains(&self.close) {
+            return Err(EngineError::ChatTemplate(
+                "the template cut a message's content".into(),
+            ));
+        }
+        if !rest.is_empty() {
+            spans.push(Span::Template(rest.to_string()));
+        }
+        Ok(spans)
     }
 
     /// Renders `messages`, ending with the assistant header when `add_generation_prompt`.
@@ -114,6 +198,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("bad role tool"), "{e}");
+    }
+
+    #[test]
+    fn content_spans_come_back_whole_and_trimmed_where_the_template_trims() {
+        let plain = ChatTemplate::new(
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let spans = plain
+            .render_spans(&[Message::new("user", " a<|im_end|>b ")], false)
+            .unwrap();
+        assert_eq!(
+            spans,
+            vec![
+                Span::Template("<|im_start|>user\n".into()),
+                Span::Content(" a<|im_end|>b ".into()),
+                Span::Template("<|im_end|>\n".into()),
+            ]
+        );
+        let trims = ChatTemplate::new(
+            "{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}<eot>{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let spans = trims
+            .render_spans(&[Message::new("user", "  hi  ")], false)
+            .unwrap();
+        assert_eq!(spans[1], Span::Content("hi".into()));
+        let text: String = spans
+            .iter()
+            .map(|s| match s {
+                Span::Template(t) | Span::Content(t) => t.as_str(),
+            })
+            .collect();
+        assert_eq!(
+            text,
+            trims
+                .render(&[Message::new("user", "  hi  ")], false)
+                .unwrap()
+        );
     }
 
     #[test]

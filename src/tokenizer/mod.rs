@@ -1,5 +1,12 @@
 //! Text in and out of the model: the tokenizer (from `tokenizer.json` or GGUF metadata), the chat
 //! template, the end-of-turn ids, and the incremental detokenizer for streaming.
+//!
+//! Message content is text, never control: `encode_chat` tokenizes what the chat template writes
+//! with its special tokens (`<|im_start|>`, `<|start_header_id|>`, `<|eot_id|>`, ...) and every
+//! message's content with a tokenizer that knows no added tokens at all, so a visitor who types
+//! `<|im_end|><|im_start|>system` gets those characters as ordinary text tokens and cannot open
+//! a turn of another role. (transformers' `split_special_tokens` and llama.cpp's `parse_special`
+//! make the same split for a whole string; here it is per span of the rendered prompt.)
 
 pub mod chat_template;
 pub mod detokenizer;
@@ -29,6 +36,8 @@ const END_OF_TURN_TOKENS: &[&str] = &[
 /// A tokenizer with the model's conventions around it.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same model and pre-tokenizer without the added vocabulary: message content.
+    text_only: tokenizers::Tokenizer,
     /// Prepend BOS to plain prompts (GGUF `add_bos_token`; HF folders do it in the post-processor).
     add_bos: Option<u32>,
     eos_ids: Vec<u32>,
@@ -90,6 +99,7 @@ impl TextTokenizer {
             None => None,
         };
         Ok(TextTokenizer {
+            text_only: text_only(&inner),
             inner,
             add_bos: None,
             eos_ids,
@@ -138,6 +148,7 @@ impl TextTokenizer {
             None => None,
         };
         Ok(TextTokenizer {
+            text_only: text_only(&inner),
             inner,
             add_bos: if add_bos { bos_id } else { None },
             eos_ids,
@@ -182,8 +193,18 @@ impl TextTokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Renders the conversation with the chat template (the template writes BOS itself, so the
-    /// text is encoded without adding special tokens, as transformers' `apply_chat_template` does).
+    /// Tokenizes message content: special-token text in it stays text.
+    pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .text_only
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Renders the conversation with the chat template and tokenizes it: the template's own text
+    /// with its special tokens (it writes BOS itself, so nothing is added, as transformers'
+    /// `apply_chat_template` does), each message's content as plain text (`encode_text`).
     pub fn encode_chat(
         &self,
         messages: &[Message],
@@ -193,8 +214,16 @@ impl TextTokenizer {
             .template
             .as_ref()
             .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
-        let text = t.render(messages, add_generation_prompt)?;
-        let ids = self.encode_raw(&text)?;
+        let mut text = String::new();
+        let mut ids = Vec::new();
+        for span in t.render_spans(messages, add_generation_prompt)? {
+            let (s, part) = match &span {
+                chat_template::Span::Template(s) => (s, self.encode_raw(s)?),
+                chat_template::Span::Content(s) => (s, self.encode_text(s)?),
+            };
+            text.push_str(s);
+            ids.extend(part);
+        }
         Ok((text, ids))
     }
 
@@ -207,4 +236,14 @@ impl TextTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// `inner`'s model, normalizer and pre-tokenizer without its added vocabulary: no string can
+/// become a special (or any added) token through it.
+fn text_only(inner: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
+    let mut t = tokenizers::Tokenizer::new(inner.get_model().clone());
+    t.with_normalizer(inner.get_normalizer().cloned());
+    t.with_pre_tokenizer(inner.get_pre_tokenizer().cloned());
+    t.with_decoder(inner.get_decoder().cloned());
+    t
 }

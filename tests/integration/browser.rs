@@ -110,7 +110,10 @@ fn chat_page_and_widget_in_chromium() {
                     origins: vec![format!("http://allowed.test:{host_port}")],
                     system_prompt: WIDGET_PROMPT.into(),
                 }],
+                ..Default::default()
             }];
+            // The chat page itself is served to keyless visitors beside the widget.
+            s.server.allow_anonymous = Some(true);
         },
     );
     relay.set(format!("http://{}", app.addr)).unwrap();

@@ -18,6 +18,8 @@ use crate::common::*;
 
 pub struct App {
     pub addr: SocketAddr,
+    /// The admin listener (`server.admin_port`), when configured.
+    pub admin: Option<SocketAddr>,
     pub state: web::Data<AppState>,
 }
 
@@ -36,17 +38,18 @@ pub fn spawn_app(model: &Path, tweak: impl FnOnce(&mut Settings)) -> App {
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let running = llama_relay::server::build(&s, opts).unwrap();
-            tx.send((running.addr, running.state.clone())).unwrap();
+            tx.send((running.addr, running.admin_addr, running.state.clone()))
+                .unwrap();
             let _ = running.server.await;
         })
     });
-    let (addr, state) = rx.recv().unwrap();
+    let (addr, admin, state) = rx.recv().unwrap();
     let t0 = Instant::now();
     while state.ready().is_none() {
         assert!(t0.elapsed() < Duration::from_secs(60), "model did not load");
         std::thread::sleep(Duration::from_millis(20));
     }
-    App { addr, state }
+    App { addr, admin, state }
 }
 
 impl App {
@@ -71,6 +74,25 @@ impl App {
             }
             assert!(t0.elapsed() < Duration::from_secs(30), "never idle: {s:?}");
             actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A WebSocket upgrade of `path` with extra headers: the client, or the refusal's status.
+    pub async fn connect_with(&self, path: &str, headers: &[(&str, &str)]) -> Result<Client, u16> {
+        let mut req = awc::Client::new()
+            .ws(format!("ws://{}{path}", self.addr))
+            .max_frame_size(1 << 20);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        match req.connect().await {
+            Ok((_, framed)) => {
+                let mut c = Client::from_framed(framed);
+                assert_eq!(c.recv().await["type"], "ready");
+                Ok(c)
+            }
+            Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
+            Err(e) => panic!("{e}"),
         }
     }
 

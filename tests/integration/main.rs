@@ -8,6 +8,7 @@ mod gateway;
 mod kquants;
 mod loading;
 mod prefix_cache;
+mod security;
 mod smollm2;
 mod tiny_llama3;
 mod tokenizers_fixtures;

@@ -49,62 +49,122 @@ async fn chat(c: &mut Client, id: &str, messages: Value, max_tokens: usize) -> (
     (r.started.expect("started frame"), r.text)
 }
 
+/// A tenant's system prompt, configured as a named prefix, is prefilled once at start and every
+/// API key of the tenant starts from it; what one key sends after it is its own. The replies
+/// equal a server's with sharing off.
 #[test]
 fn a_shared_system_prompt_is_computed_once() {
+    use llama_relay::server::tenants::{PrefixSettings, TenantSettings};
+    const Q1: &str =
+        "Where is my parcel? I ordered a garden hose three weeks ago and the tracking \
+        page has said that it is in transit ever since.";
+    const Q2: &str = "How do I get a refund?";
     let _g = model_lock();
     let sys = system_prompt();
-    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let config = |sharing: bool| {
+        let sys = sys.clone();
+        move |s: &mut llama_relay::settings::Settings| {
+            s.cache.prefix_caching = sharing;
+            s.tenants = vec![TenantSettings {
+                name: "example".into(),
+                api_keys: vec![
+                    "example-key-000000001".into(),
+                    "example-key-000000002".into(),
+                ],
+                prefixes: vec![PrefixSettings {
+                    name: "support".into(),
+                    system_prompt: sys,
+                }],
+                ..Default::default()
+            }];
+        }
+    };
     let tok = Tiny::Tied.load(16).tokenizer.clone();
-    let p1 = tok
-        .encode_chat(
-            &[
-                Message::new("system", &sys),
-                Message::new("user", "Where is my parcel?"),
-            ],
+    let render = |q: &str| {
+        tok.encode_chat(
+            &[Message::new("system", &sys), Message::new("user", q)],
             true,
         )
         .unwrap()
-        .1;
-    let p2 = tok
-        .encode_chat(
-            &[
-                Message::new("system", &sys),
-                Message::new("user", "How do I get a refund?"),
-            ],
-            true,
-        )
+        .1
+    };
+    let (p1, p2) = (render(Q1), render(Q2));
+    let pinned = tok
+        .encode_chat(&[Message::new("system", &sys)], false)
         .unwrap()
         .1;
-    assert!(p1.len() > 400, "a long system prompt ({} tokens)", p1.len());
-    actix_web::rt::System::new().block_on(async {
-        let mut a = app.connect().await;
-        let mut b = app.connect().await;
-        let (s1, text_a) = chat(&mut a, "a", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
-        assert_eq!(s1["cached_tokens"], 0);
-        let (s2, _) = chat(&mut b, "b", json!([{"role": "system", "content": sys}, {"role": "user", "content": "How do I get a refund?"}]), 8).await;
-        let cached = s2["cached_tokens"].as_u64().unwrap() as usize;
-        assert_eq!(cached, expected_cached(&p2, &p1));
-        assert!(cached >= common_prefix(&p1, &p2) / BS * BS && cached >= 400, "cached {cached}");
-        // The same question again: the reply is identical with the cache hit.
-        let mut c = app.connect().await;
-        let (s3, text_c) = chat(&mut c, "c", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
-        assert_eq!(s3["cached_tokens"].as_u64().unwrap() as usize, (p1.len() - 1) / BS * BS);
-        assert_eq!(text_c, text_a);
+    assert!(
+        pinned.len() > 400,
+        "a long system prompt ({} tokens)",
+        pinned.len()
+    );
+    let app = spawn_app(Tiny::Tied.dir(), config(true));
+    let (text_a, text_c) = actix_web::rt::System::new().block_on(async {
+        wait_pinned(&app).await;
+        let (s1, text_a) = ask(&app, "1", Q1, "a").await;
+        assert_eq!(
+            s1["cached_tokens"].as_u64().unwrap() as usize,
+            expected_cached(&p1, &pinned),
+            "the first request of all starts from the pinned prefix"
+        );
+        let (s2, _) = ask(&app, "2", Q2, "b").await;
+        assert_eq!(
+            s2["cached_tokens"].as_u64().unwrap() as usize,
+            expected_cached(&p2, &pinned)
+        );
+        // Key 2 asks key 1's question: the prefix and key 2's own earlier request are shared
+        // (up to where the questions differ), key 1's question is not.
+        let (s3, text_c) = ask(&app, "2", Q1, "c").await;
+        assert_eq!(
+            s3["cached_tokens"].as_u64().unwrap() as usize,
+            expected_cached(&p1, &p2)
+        );
+        assert!(expected_cached(&p1, &p2) < (p1.len() - 1) / BS * BS);
+        // Key 1 again: its own blocks too.
+        let (s4, text_d) = ask(&app, "1", Q1, "d").await;
+        assert_eq!(
+            s4["cached_tokens"].as_u64().unwrap() as usize,
+            (p1.len() - 1) / BS * BS
+        );
+        assert_eq!(text_d, text_a);
         app.wait_idle().await;
+        (text_a, text_c)
     });
-    // And identical to a server with sharing off.
-    let off = spawn_app(Tiny::Tied.dir(), |s| s.cache.prefix_caching = false);
+    assert_eq!(text_c, text_a, "the cache hit does not change the reply");
+    // A server with sharing off computes everything and answers the same.
+    let off = spawn_app(Tiny::Tied.dir(), config(false));
     actix_web::rt::System::new().block_on(async {
-        let mut a = off.connect().await;
-        let (s, text) = chat(&mut a, "a", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        let (s, text) = ask(&off, "1", Q1, "a").await;
         assert_eq!(s["cached_tokens"], 0);
-        let mut b = off.connect().await;
-        let (s, text2) = chat(&mut b, "b", json!([{"role": "system", "content": sys}, {"role": "user", "content": "Where is my parcel?"}]), 8).await;
+        assert_eq!(text, text_a, "sharing off gives the same reply");
+        let (s, _) = ask(&off, "1", Q1, "b").await;
         assert_eq!(s["cached_tokens"], 0, "sharing off: nothing is reused");
-        assert_eq!(text, text2);
         let m = crate::gateway::metrics_text(&off).await;
         assert!(m.contains("vllm:prefix_cache_hits_total 0"), "{m}");
     });
+}
+
+/// One request through a fresh connection with key `example-key-00000000{k}` and the
+/// `support` prefix.
+async fn ask(app: &crate::gateway::App, k: &str, q: &str, id: &str) -> (Value, String) {
+    let auth = format!("Bearer example-key-00000000{k}");
+    let mut c = app
+        .connect_with("/ws?prefix=support", &[("Authorization", auth.as_str())])
+        .await
+        .unwrap();
+    chat(&mut c, id, json!([{"role": "user", "content": q}]), 8).await
+}
+
+/// Waits until the configured operator prompts are prefilled and pinned.
+async fn wait_pinned(app: &crate::gateway::App) {
+    let t0 = std::time::Instant::now();
+    while app.status().await.kv_blocks_held == 0 {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(10),
+            "the operator prompt was never pinned"
+        );
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }
 
 #[test]
@@ -181,33 +241,15 @@ fn two_tenants(s: &mut llama_relay::settings::Settings) {
                 origins: vec!["http://shop.alpha.test".into()],
                 system_prompt: WIDGET_PROMPT.into(),
             }],
+            ..Default::default()
         },
         TenantSettings {
             name: "beta".into(),
             api_keys: vec!["beta-key-0123456789".into()],
-            widgets: vec![],
+            ..Default::default()
         },
     ];
-}
-
-async fn connect_with(
-    app: &crate::gateway::App,
-    path: &str,
-    headers: &[(&str, &str)],
-) -> Result<Client, u16> {
-    let mut req = awc::Client::new().ws(format!("ws://{}{path}", app.addr));
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    match req.connect().await {
-        Ok((_, framed)) => {
-            let mut c = Client::from_framed(framed);
-            assert_eq!(c.recv().await["type"], "ready");
-            Ok(c)
-        }
-        Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
-        Err(e) => panic!("{e}"),
-    }
+    s.server.allow_anonymous = Some(true);
 }
 
 #[test]
@@ -218,33 +260,20 @@ fn tenants_never_share_and_origins_are_checked() {
     let tok = Tiny::Tied.load(16).tokenizer.clone();
     actix_web::rt::System::new().block_on(async {
         // The widget prompt is prefilled right after the model loads.
-        let t0 = std::time::Instant::now();
-        while app.status().await.kv_blocks_held == 0 {
-            assert!(
-                t0.elapsed() < std::time::Duration::from_secs(10),
-                "the widget prompt was never pinned"
-            );
-            actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        wait_pinned(&app).await;
         let msgs =
             json!([{"role": "system", "content": sys}, {"role": "user", "content": "Hello"}]);
-        let mut a = connect_with(
-            &app,
-            "/ws",
-            &[("Authorization", "Bearer alpha-key-0123456789")],
-        )
-        .await
-        .unwrap();
+        let mut a = app
+            .connect_with("/ws", &[("Authorization", "Bearer alpha-key-0123456789")])
+            .await
+            .unwrap();
         let (s, _) = chat(&mut a, "a1", msgs.clone(), 4).await;
         assert_eq!(s["cached_tokens"], 0);
         // Tenant B sends tenant A's prompt: nothing shared.
-        let mut b = connect_with(
-            &app,
-            "/ws",
-            &[("Authorization", "Bearer beta-key-0123456789")],
-        )
-        .await
-        .unwrap();
+        let mut b = app
+            .connect_with("/ws", &[("Authorization", "Bearer beta-key-0123456789")])
+            .await
+            .unwrap();
         let (s, _) = chat(&mut b, "b1", msgs.clone(), 4).await;
         assert_eq!(
             s["cached_tokens"], 0,
@@ -255,66 +284,52 @@ fn tenants_never_share_and_origins_are_checked() {
         let (s, _) = chat(&mut d, "d1", msgs.clone(), 4).await;
         assert_eq!(s["cached_tokens"], 0);
         // Within tenant A, sharing is on.
-        let mut a2 = connect_with(
-            &app,
-            "/ws",
-            &[("Authorization", "Bearer alpha-key-0123456789")],
-        )
-        .await
-        .unwrap();
+        let mut a2 = app
+            .connect_with("/ws", &[("Authorization", "Bearer alpha-key-0123456789")])
+            .await
+            .unwrap();
         let (s, _) = chat(&mut a2, "a2", msgs.clone(), 4).await;
         assert!(s["cached_tokens"].as_u64().unwrap() > 400, "{s}");
 
         // Upgrades: wrong key 401, foreign origins 403, the widget's origin and same-origin accepted.
         assert_eq!(
-            connect_with(
-                &app,
-                "/ws",
-                &[("Authorization", "Bearer wrong-key-000000000")]
-            )
-            .await
-            .err(),
+            app.connect_with("/ws", &[("Authorization", "Bearer wrong-key-000000000")])
+                .await
+                .err(),
             Some(401)
         );
         assert_eq!(
-            connect_with(
-                &app,
-                "/ws?widget=alpha-help",
-                &[("Origin", "http://evil.test")]
-            )
-            .await
-            .err(),
-            Some(403)
-        );
-        assert_eq!(
-            connect_with(&app, "/ws", &[("Origin", "http://evil.test")])
+            app.connect_with("/ws?widget=alpha-help", &[("Origin", "http://evil.test")])
                 .await
                 .err(),
             Some(403)
         );
         assert_eq!(
-            connect_with(
-                &app,
-                "/ws?widget=nope",
-                &[("Origin", "http://shop.alpha.test")]
-            )
-            .await
-            .err(),
+            app.connect_with("/ws", &[("Origin", "http://evil.test")])
+                .await
+                .err(),
+            Some(403)
+        );
+        assert_eq!(
+            app.connect_with("/ws?widget=nope", &[("Origin", "http://shop.alpha.test")])
+                .await
+                .err(),
             Some(403)
         );
         let same = format!("http://{}", app.addr);
-        assert!(connect_with(&app, "/ws", &[("Origin", same.as_str())])
+        assert!(app
+            .connect_with("/ws", &[("Origin", same.as_str())])
             .await
             .is_ok());
         // The widget's system prompt leads every conversation through it, and was pinned at start:
         // the first turn of a new conversation is already a cache hit.
-        let mut w = connect_with(
-            &app,
-            "/ws?widget=alpha-help",
-            &[("Origin", "http://shop.alpha.test")],
-        )
-        .await
-        .unwrap();
+        let mut w = app
+            .connect_with(
+                "/ws?widget=alpha-help",
+                &[("Origin", "http://shop.alpha.test")],
+            )
+            .await
+            .unwrap();
         let (s, _) = chat(&mut w, "w1", json!([{"role": "user", "content": "Hi"}]), 2).await;
         let want = tok
             .encode_chat(
