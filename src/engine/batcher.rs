@@ -328,7 +328,11 @@ impl Batcher {
             }
         }
         let t_step = Instant::now();
-        let result = self.engine.model.forward(&sch.batch, &self.engine.cache);
+        let copied = sch
+            .copies
+            .iter()
+            .try_for_each(|c| self.engine.cache.copy_slots(c.src, c.dst, c.slots));
+        let result = copied.and_then(|_| self.engine.model.forward(&sch.batch, &self.engine.cache));
         tracing::debug!(
             seqs = sch.batch.seqs.len(),
             tokens = sch.batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),

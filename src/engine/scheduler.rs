@@ -19,7 +19,9 @@
 //! block that is not full), so the next turn prefills only the new message, not the end of the last
 //! reply back to a block boundary; leases are the first thing dropped, oldest first, when blocks run out, and then
 //! the next turn simply finds fewer cached blocks. *Pinned* prefixes (configured system prompts)
-//! are prefilled once and never dropped.
+//! are prefilled once and never dropped, their partly filled last block included: a sequence that
+//! starts with the whole pinned prefix gets a fresh block with a copy of that block's slots
+//! (vLLM v0's copy-on-write `blocks_to_copy`), so no principal recomputes the operator's text.
 
 use std::collections::VecDeque;
 
@@ -95,6 +97,25 @@ pub struct Scheduled {
     pub started: Vec<(RequestId, usize)>,
     /// Requests preempted while scheduling this step (back in the queue).
     pub preempted: Vec<RequestId>,
+    /// Slots to copy between blocks before the step runs.
+    pub copies: Vec<BlockCopy>,
+}
+
+/// Copy the first `slots` slots of block `src` into block `dst` (every layer's K and V).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+    pub slots: usize,
+}
+
+/// The partly filled last block of a pinned prefix.
+#[derive(Debug, Clone)]
+struct PinTail {
+    /// Hash of the pin's last full block: a sequence whose cached run ends there continues it.
+    after: u64,
+    tokens: Vec<u32>,
+    block: u32,
 }
 
 pub struct Scheduler {
@@ -115,6 +136,9 @@ pub struct Scheduler {
     next_lease: u64,
     /// Pinned prefixes' blocks (held for good).
     pinned: Vec<Vec<u32>>,
+    pin_tails: Vec<PinTail>,
+    /// Copies recorded while admitting sequences, handed out with the step.
+    copies: Vec<BlockCopy>,
     /// Changes whenever leases or pins change (so the held-block count is recounted only then).
     holds_version: u64,
 }
@@ -135,6 +159,8 @@ impl Scheduler {
             lease_tails: Default::default(),
             next_lease: 0,
             pinned: Vec::new(),
+            pin_tails: Vec::new(),
+            copies: Vec::new(),
             holds_version: 0,
         }
     }
@@ -423,10 +449,41 @@ impl Scheduler {
             // request.
             self.drop_lease(k);
         }
+        self.continue_pin_tail(s);
         if !s.started {
             self.prefix_queried += s.tokens.len() as u64;
             self.prefix_hits += s.computed as u64;
             s.cached_tokens = s.computed;
+        }
+    }
+
+    /// When the cached run ends exactly where a pinned prefix's full blocks end and the pin's
+    /// partly filled block's tokens come next (with a token left to compute), a fresh block
+    /// takes a copy of its slots. The pin's chain is salted with its tenant, so only that
+    /// tenant's sequences match, and the tokens copied are the operator's.
+    fn continue_pin_tail(&mut self, s: &mut Sequence) {
+        let bs = self.cfg.block_size;
+        let start = s.block_table.len() * bs;
+        if s.computed != start || s.hashes.len() != s.block_table.len() {
+            return;
+        }
+        let Some(&last) = s.hashes.last() else { return };
+        let Some(t) = self.pin_tails.iter().find(|t| {
+            t.after == last
+                && s.tokens.len() > start + t.tokens.len()
+                && s.tokens[start..start + t.tokens.len()] == t.tokens[..]
+        }) else {
+            return;
+        };
+        let (src, slots) = (t.block, t.tokens.len());
+        if let Some(b) = self.pool.allocate(1) {
+            self.copies.push(BlockCopy {
+                src,
+                dst: b[0],
+                slots,
+            });
+            s.block_table.push(b[0]);
+            s.computed += slots;
         }
     }
 
@@ -455,7 +512,15 @@ impl Scheduler {
                 let r = &self.running[i];
                 if r.pin && r.computed == r.tokens.len() {
                     let p = self.running.remove(i);
-                    let keep = p.hashes.len();
+                    let mut keep = p.hashes.len();
+                    if keep > 0 && p.tokens.len() > keep * bs && p.block_table.len() > keep {
+                        self.pin_tails.push(PinTail {
+                            after: p.hashes[keep - 1],
+                            tokens: p.tokens[keep * bs..].to_vec(),
+                            block: p.block_table[keep],
+                        });
+                        keep += 1;
+                    }
                     self.pool.release_table(&p.block_table[keep..]);
                     self.pinned.push(p.block_table[..keep].to_vec());
                     self.holds_version += 1;
@@ -554,6 +619,7 @@ impl Scheduler {
                 self.running.push(s);
             } else {
                 // Give the shared blocks back until there is room.
+                self.copies.retain(|c| !s.block_table.contains(&c.dst));
                 self.pool.release_table(&s.block_table);
                 s.block_table.clear();
                 s.hashes.clear();
@@ -562,6 +628,7 @@ impl Scheduler {
                 break;
             }
         }
+        out.copies = std::mem::take(&mut self.copies);
         if out.batch.seqs.is_empty() {
             None
         } else {
@@ -892,13 +959,31 @@ mod tests {
         assert!(s.schedule().is_none());
         assert_eq!(
             s.held_blocks().1,
-            2,
-            "two full blocks kept, the partial one released"
+            3,
+            "two full blocks kept, and the partly filled one"
         );
         let mut prompt = sys.clone();
         prompt.extend([40, 41]);
-        s.add(1, prompt, 14, scope(5)).unwrap();
-        assert_eq!(step(&mut s).started, vec![(1, 8)]);
+        s.add(1, prompt.clone(), 14, scope(5)).unwrap();
+        let out = step(&mut s);
+        // The pin's partly filled block is copied into a fresh one: all 9 tokens are cached.
+        assert_eq!(out.started, vec![(1, 9)]);
+        let table = &out.batch.seqs[0].block_table;
+        assert_eq!(out.copies.len(), 1);
+        assert_eq!(out.copies[0].dst, table[2]);
+        assert_eq!(out.copies[0].slots, 1);
+        assert_eq!(out.batch.seqs[0].tokens, vec![40, 41]);
+        // A prompt that leaves the pin inside its last block, or another tenant, copies nothing.
+        s.finish(1, None);
+        let mut other = sys[..8].to_vec();
+        other.extend([50, 51, 52]);
+        s.add(2, other, 14, scope(5)).unwrap();
+        let out = step(&mut s);
+        assert_eq!((out.started.clone(), out.copies.len()), (vec![(2, 8)], 0));
+        s.finish(2, None);
+        s.add(3, prompt, 14, scope(6)).unwrap();
+        let out = step(&mut s);
+        assert_eq!((out.started.clone(), out.copies.len()), (vec![(3, 0)], 0));
     }
 
     #[test]
@@ -916,12 +1001,12 @@ mod tests {
         let mut prompt = sys.clone();
         prompt.extend(40..60); // 29 tokens: 7 full blocks
         s.add(1, prompt.clone(), 30, scope(1)).unwrap();
-        assert_eq!(step(&mut s).started, vec![(1, 8)], "the pin is shared");
+        assert_eq!(step(&mut s).started, vec![(1, 9)], "the pin is shared");
         step(&mut s); // registers request 1's full blocks
         s.finish(1, None);
         // Another principal, the same text: only the operator blocks.
         s.add(2, prompt.clone(), 30, scope(2)).unwrap();
-        assert_eq!(step(&mut s).started, vec![(2, 8)]);
+        assert_eq!(step(&mut s).started, vec![(2, 9)]);
         s.finish(2, None);
         // The same principal again: its own blocks too (all but the last token's).
         s.add(3, prompt.clone(), 30, scope(1)).unwrap();

@@ -119,6 +119,25 @@ impl KvCache {
         Ok((self.k.get(layer)?, self.v.get(layer)?))
     }
 
+    /// Copies the first `slots` slots of block `src` into block `dst`, K and V of every layer.
+    pub fn copy_slots(&self, src: u32, dst: u32, slots: usize) -> Result<()> {
+        let bs = self.spec.block_size;
+        let (from, to) = (src as usize * bs, dst as usize * bs);
+        let rows: Vec<u32> = (to..to + slots).map(|r| r as u32).collect();
+        let index = Tensor::from_vec(rows, (slots, 1), self.k.device())?
+            .broadcast_as((slots, self.kv_dim))?
+            .contiguous()?;
+        // The rows into a buffer of their own (`Tensor::copy` would clone the whole cache):
+        // x * 1 + 0 is exact in every float type.
+        let rows = |t: &Tensor| t.narrow(0, from, slots)?.affine(1.0, 0.0);
+        for layer in 0..self.layers {
+            let (kc, vc) = self.layer(layer)?;
+            kc.scatter_set(&index, &rows(&kc)?, 0)?;
+            vc.scatter_set(&index, &rows(&vc)?, 0)?;
+        }
+        Ok(())
+    }
+
     /// Writes `k`, `v` (`[tokens, kv_dim]`) into the rows `slot_index` (`[tokens, kv_dim]` u32, each
     /// row filled with its slot id, as candle's scatter wants).
     pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
