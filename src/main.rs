@@ -193,7 +193,8 @@ fn bench(
         "client" => false,
         other => anyhow::bail!("--system-prompt must be `server` or `client`, not `{other}`"),
     };
-    let widget = match (&a.url, &a.widget, server_prompt) {
+    let chat = a.workload == "chat";
+    let widget = match (&a.url, &a.widget, server_prompt && chat) {
         (_, Some(w), _) => Some((w[0].clone(), w[1].clone())),
         (None, None, true) => {
             settings
@@ -207,11 +208,9 @@ fn bench(
                     }],
                     ..Default::default()
                 });
-            // The throughput workload connects without a widget.
-            settings.server.allow_anonymous = Some(true);
             Some((BENCH_WIDGET.0.into(), BENCH_WIDGET.1.into()))
         }
-        (Some(_), None, true) if a.workload == "chat" => anyhow::bail!(
+        (Some(_), None, true) => anyhow::bail!(
             "--workload chat with --url needs --widget ID ORIGIN (or --system-prompt client)"
         ),
         _ => None,

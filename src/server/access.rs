@@ -54,6 +54,20 @@ fn split_host(s: &str) -> Option<(String, Option<u16>)> {
     Some((host.to_ascii_lowercase(), port))
 }
 
+/// The credential of an `Authorization: Bearer X` header value (the scheme in any case).
+pub fn bearer(authorization: &str) -> Option<&str> {
+    authorization
+        .split_once(' ')
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, k)| k.trim())
+        .filter(|k| !k.is_empty())
+}
+
+/// SHA-256, the form secrets are kept and compared in.
+pub fn sha256(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
 /// Loopback host names: `localhost`, 127.0.0.0/8 and `[::1]`.
 fn is_loopback_host(h: &str) -> bool {
     if h == "localhost" {
@@ -169,7 +183,7 @@ impl Access {
             loopback_port: loopback.then_some(listen.port()),
             allow_anonymous: s.allow_anonymous.unwrap_or(loopback && !has_tenants),
             metrics_token: (!s.metrics_token.is_empty())
-                .then(|| Sha256::digest(s.metrics_token.as_bytes()).into()),
+                .then(|| sha256(s.metrics_token.as_bytes())),
             admin,
         })
     }
@@ -221,15 +235,9 @@ impl Access {
         let Some(want) = &self.metrics_token else {
             return true;
         };
-        let Some(token) = authorization
-            .and_then(|a| a.split_once(' '))
-            .filter(|(s, _)| s.eq_ignore_ascii_case("bearer"))
-            .map(|(_, t)| t.trim())
-        else {
-            return false;
-        };
-        let d: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        bool::from(d.ct_eq(want))
+        authorization
+            .and_then(bearer)
+            .is_some_and(|token| bool::from(sha256(token.as_bytes()).ct_eq(want)))
     }
 
     /// The admin listener's address, when `/health` and `/metrics` moved there.

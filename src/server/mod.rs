@@ -8,6 +8,7 @@ pub mod session;
 pub mod stop;
 pub mod tenants;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
@@ -29,6 +30,10 @@ pub struct Ready {
     pub batcher: Addr<Batcher>,
     pub tokenizer: Arc<TextTokenizer>,
     pub model: String,
+    /// Each configured operator prompt rendered alone (a system message), by its text: the
+    /// prompt tokens a request shares with it are the tenant's (`Session`), and it is what is
+    /// pinned.
+    pub operator_tokens: Arc<HashMap<Arc<str>, Vec<u32>>>,
 }
 
 #[derive(Clone)]
@@ -140,19 +145,31 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     ..batcher_cfg
                 };
                 let batcher = Batcher::new(engine, cfg, metrics).start();
-                if pin_prompts {
-                    for (tenant, system) in &pins {
-                        match tokenizer.encode_chat(&[crate::tokenizer::Message::new("system", system)], false) {
-                            Ok((_, tokens)) => batcher.do_send(crate::engine::batcher::PinPrefix { tokens, tenant: *tenant }),
-                            Err(e) => tracing::warn!(error = %e, "cannot render an operator system prompt to pin"),
+                let mut operator_tokens = HashMap::new();
+                for (tenant, system) in &pins {
+                    let tokens = match tokenizer
+                        .encode_chat(&[crate::tokenizer::Message::new("system", system)], false)
+                    {
+                        Ok((_, tokens)) => tokens,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot render an operator system prompt");
+                            continue;
                         }
+                    };
+                    if pin_prompts {
+                        batcher.do_send(crate::engine::batcher::PinPrefix {
+                            tokens: tokens.clone(),
+                            tenant: *tenant,
+                        });
                     }
+                    operator_tokens.insert(system.clone(), tokens);
                 }
                 tracing::info!(model = %model, seconds = started.elapsed().as_secs_f64(), "ready");
                 load_state.set(Status::Ready(Ready {
                     batcher,
                     tokenizer,
                     model,
+                    operator_tokens: Arc::new(operator_tokens),
                 }));
             }
             Err(e) => {

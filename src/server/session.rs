@@ -43,9 +43,6 @@ pub struct Session {
     id: uuid::Uuid,
     /// Who connected (tenant, kind, roles, operator prompt), from the upgrade request alone.
     identity: Identity,
-    /// The operator prompt rendered alone, once: the prompt tokens it shares with a request are
-    /// the ones cached for the whole tenant.
-    operator_tokens: Option<Vec<u32>>,
     state: Arc<AppState>,
     ready: Ready,
     conversation: Vec<Message>,
@@ -58,7 +55,6 @@ impl Session {
         Session {
             id: uuid::Uuid::new_v4(),
             identity,
-            operator_tokens: None,
             state,
             ready,
             conversation: Vec::new(),
@@ -166,17 +162,14 @@ impl Session {
         Ok(())
     }
 
-    /// The leading prompt tokens that are operator text (shared within the tenant).
-    fn shared_tokens(&mut self, prompt: &[u32]) -> usize {
-        let Some(sys) = &self.identity.system_prompt else {
+    /// The leading prompt tokens that are operator text (shared within the tenant): those equal
+    /// to the operator prompt rendered alone.
+    fn shared_tokens(&self, prompt: &[u32]) -> usize {
+        let Some(op) = (self.identity.system_prompt.as_ref())
+            .and_then(|sys| self.ready.operator_tokens.get(sys))
+        else {
             return 0;
         };
-        let tok = &self.ready.tokenizer;
-        let op = self.operator_tokens.get_or_insert_with(|| {
-            tok.encode_chat(&[Message::new("system", sys)], false)
-                .map(|(_, ids)| ids)
-                .unwrap_or_default()
-        });
         op.iter().zip(prompt).take_while(|(a, b)| a == b).count()
     }
 

@@ -20,7 +20,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::access::normalize_origin;
+use super::access::{bearer, normalize_origin, sha256};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{CacheScope, Salt};
 
@@ -204,10 +204,6 @@ impl std::fmt::Debug for Tenants {
             .field("widgets", &self.widgets.len())
             .finish()
     }
-}
-
-fn sha256(b: &[u8]) -> [u8; 32] {
-    Sha256::digest(b).into()
 }
 
 fn parse_hex32(s: &str) -> Option<[u8; 32]> {
@@ -462,22 +458,18 @@ impl Tenants {
         authorization: &str,
         prefix: Option<&str>,
     ) -> std::result::Result<Identity, Refusal> {
-        let key = authorization
-            .split_once(' ')
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, k)| k.trim())
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| {
-                Refusal::Unauthorized("the Authorization header must be `Bearer KEY`".into())
-            })?;
+        let key = bearer(authorization).ok_or_else(|| {
+            Refusal::Unauthorized("the Authorization header must be `Bearer KEY`".into())
+        })?;
         let d = sha256(key.as_bytes());
+        // Every digest is compared, whichever matches.
         let mut found = None;
-        for (i, (k, tenant, salt)) in self.keys.iter().enumerate() {
+        for (k, tenant, salt) in &self.keys {
             if bool::from(k.ct_eq(&d)) {
-                found = Some((i, *tenant, *salt));
+                found = Some((*tenant, *salt));
             }
         }
-        let Some((_, tenant, salt)) = found else {
+        let Some((tenant, salt)) = found else {
             return Err(Refusal::Unauthorized("unknown API key".into()));
         };
         let t = &self.tenants[tenant];

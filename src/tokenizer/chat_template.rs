@@ -130,6 +130,7 @@ impl ChatTemplate {
             })
             .collect::<Result<_>>()?;
         let out = self.render(&wrapped, add_generation_prompt)?;
+        let cut = || EngineError::ChatTemplate("the template cut a message's content".into());
         let mut spans = Vec::new();
         let mut rest = out.as_str();
         while let Some(i) = rest.find(&self.open) {
@@ -137,9 +138,7 @@ impl ChatTemplate {
                 spans.push(Span::Template(rest[..i].to_string()));
             }
             let after = &rest[i + self.open.len()..];
-            let j = after.find(&self.close).ok_or_else(|| {
-                EngineError::ChatTemplate("the template cut a message's content".into())
-            })?;
+            let j = after.find(&self.close).ok_or_else(cut)?;
             if after[..j].contains(&self.open) {
                 return Err(EngineError::ChatTemplate(
                     "the template nests message content".into(),
@@ -151,9 +150,7 @@ impl ChatTemplate {
             rest = &after[j + self.close.len()..];
         }
         if rest.contains(&self.close) {
-            return Err(EngineError::ChatTemplate(
-                "the template cut a message's content".into(),
-            ));
+            return Err(cut());
         }
         if !rest.is_empty() {
             spans.push(Span::Template(rest.to_string()));

@@ -186,20 +186,12 @@ impl TextTokenizer {
 
     /// Tokenizes text as it is: special tokens written in it are recognised, nothing is added.
     pub fn encode_raw(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        ids_of(&self.inner, text)
     }
 
     /// Tokenizes message content: special-token text in it stays text.
     pub fn encode_text(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .text_only
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        ids_of(&self.text_only, text)
     }
 
     /// Renders the conversation with the chat template and tokenizes it: the template's own text
@@ -236,6 +228,14 @@ impl TextTokenizer {
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
+}
+
+/// `text` through `t` with nothing added.
+fn ids_of(t: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let enc = t
+        .encode(text, false)
+        .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+    Ok(enc.get_ids().to_vec())
 }
 
 /// `inner`'s model, normalizer and pre-tokenizer without its added vocabulary: no string can
