@@ -119,6 +119,9 @@ pub struct BlockPool {
     next_front_key: u64,
     cached: HashMap<u64, u32>,
     evictions: u64,
+    /// Free blocks that still hold content, kept on every change (the metrics read it each
+    /// step; a recount would walk every free block).
+    cached_free: usize,
 }
 
 impl BlockPool {
@@ -130,6 +133,7 @@ impl BlockPool {
             next_front_key: 0,
             cached: HashMap::new(),
             evictions: 0,
+            cached_free: 0,
         };
         for b in 0..total as u32 {
             p.push_free_front(b);
@@ -140,15 +144,20 @@ impl BlockPool {
     fn push_free_back(&mut self, b: u32) {
         let k = self.next_key;
         self.next_key += 1;
-        self.free.insert(k, b);
-        self.meta[b as usize].free_key = Some(k);
+        self.push_free(k, b);
     }
 
     fn push_free_front(&mut self, b: u32) {
         let k = self.next_front_key;
         self.next_front_key += 1;
+        self.push_free(k, b);
+    }
+
+    fn push_free(&mut self, k: u64, b: u32) {
         self.free.insert(k, b);
-        self.meta[b as usize].free_key = Some(k);
+        let m = &mut self.meta[b as usize];
+        m.free_key = Some(k);
+        self.cached_free += usize::from(m.content.is_some());
     }
 
     pub fn total(&self) -> usize {
@@ -165,11 +174,7 @@ impl BlockPool {
     }
 
     pub fn stats(&self) -> PoolStats {
-        let cached_free = self
-            .free
-            .values()
-            .filter(|&&b| self.meta[b as usize].content.is_some())
-            .count();
+        let cached_free = self.cached_free;
         PoolStats {
             total: self.total(),
             used: self.used_count(),
@@ -196,6 +201,7 @@ impl BlockPool {
             m.free_key = None;
             m.refs = 1;
             if let Some((h, ..)) = m.content.take() {
+                self.cached_free -= 1;
                 if self.cached.get(&h) == Some(&b) {
                     self.cached.remove(&h);
                 }
@@ -236,6 +242,9 @@ impl BlockPool {
         if m.content.as_ref().is_some_and(|c| c.0 == h) {
             return h;
         }
+        if m.content.is_none() && m.free_key.is_some() {
+            self.cached_free += 1;
+        }
         m.content = Some((h, parent, salt, tokens.to_vec()));
         // An identical block already cached stays the one lookups find.
         self.cached.entry(h).or_insert(b);
@@ -275,6 +284,8 @@ impl BlockPool {
                     .take()
                     .expect("a free block has a queue position");
                 self.free.remove(&k);
+                // A matched block holds content.
+                self.cached_free -= 1;
             }
             m.refs += 1;
         }
@@ -321,6 +332,17 @@ impl BlockPool {
                     return Err(format!("block {b}: hash does not match its content"));
                 }
             }
+        }
+        let counted = self
+            .free
+            .values()
+            .filter(|&&b| self.meta[b as usize].content.is_some())
+            .count();
+        if counted != self.cached_free {
+            return Err(format!(
+                "cached_free {} but {counted} free blocks hold content",
+                self.cached_free
+            ));
         }
         for (h, &b) in &self.cached {
             if self.meta[b as usize].content.as_ref().map(|c| c.0) != Some(*h) {
