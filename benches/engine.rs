@@ -9,6 +9,7 @@
 //!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
 //!     cargo bench --bench engine -- --chunk 44 --context 464   # a cache-hit turn's prefill step
+//!     cargo bench --bench engine -- --chunk 27 --context 433 --seqs 10   # ten such turns in one step
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -31,6 +32,7 @@ struct Args {
     decode_only: Option<usize>,
     context: usize,
     chunk: Option<usize>,
+    seqs: usize,
     kv_f16: bool,
     no_cpu_layers: bool,
     weights: llama_relay::model::loader::WeightMode,
@@ -50,6 +52,7 @@ fn parse() -> Args {
         decode_only: None,
         context: 128,
         chunk: None,
+        seqs: 1,
         // The server's default (`engine.kv_dtype` in config/default.toml).
         kv_f16: true,
         no_cpu_layers: false,
@@ -82,6 +85,7 @@ fn parse() -> Args {
             }
             "--no-cpu-layers" => a.no_cpu_layers = true,
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
+            "--seqs" => a.seqs = it.next().and_then(|v| v.parse().ok()).expect("--seqs N"),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
             "--weights" => {
                 use llama_relay::model::loader::WeightMode;
@@ -470,36 +474,51 @@ fn main() {
     );
     prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up
     if let Some(n) = a.chunk {
-        // A cache-hit turn: `n` new prompt tokens after `--context` cached ones, one sequence.
+        // Cache-hit turns: `--seqs` sequences, each `n` new prompt tokens after `--context` cached
+        // ones, in one step.
         let ctx = a.context;
         let bs = e.cache.block_size();
-        let mut table = Vec::new();
-        assert!(e.pool.ensure_capacity(&mut table, ctx + n, bs));
-        let seq = |tokens: Vec<u32>, start_pos: usize, want_logits: bool| StepBatch {
-            seqs: vec![SeqChunk {
-                tokens,
-                start_pos,
-                block_table: table.clone(),
-                want_logits,
-            }],
+        let tables: Vec<Vec<u32>> = (0..a.seqs)
+            .map(|_| {
+                let mut table = Vec::new();
+                assert!(e.pool.ensure_capacity(&mut table, ctx + n, bs));
+                table
+            })
+            .collect();
+        let step = |len: usize, seed: u64, start_pos: usize, want_logits: bool| StepBatch {
+            seqs: tables
+                .iter()
+                .enumerate()
+                .map(|(i, table)| SeqChunk {
+                    tokens: tokens(len, seed + i as u64, vocab),
+                    start_pos,
+                    block_table: table.clone(),
+                    want_logits,
+                })
+                .collect(),
         };
         if ctx > 0 {
-            e.model
-                .forward(&seq(tokens(ctx, 1, vocab), 0, false), &e.cache)
-                .unwrap();
+            e.model.forward(&step(ctx, 1, 0, false), &e.cache).unwrap();
         }
-        let step = seq(tokens(n, 2, vocab), ctx, true);
+        let turn = step(n, 100, ctx, true);
         let t = median(
             (0..10 * a.reps.max(1))
                 .map(|_| {
                     let t = Instant::now();
-                    e.model.forward(&step, &e.cache).unwrap();
+                    e.model.forward(&turn, &e.cache).unwrap();
                     t.elapsed().as_secs_f64()
                 })
                 .collect(),
         );
-        println!("{n} new tokens after {ctx} cached: {:.1} ms", t * 1e3);
-        e.pool.release(&table);
+        println!(
+            "{} seqs x {n} new tokens after {ctx} cached: {:.1} ms ({:.0} tok/s)",
+            a.seqs,
+            t * 1e3,
+            (a.seqs * n) as f64 / t
+        );
+        for table in &tables {
+            e.pool.release(table);
+        }
         return;
     }
     if let Some(n) = a.decode_only {

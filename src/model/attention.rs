@@ -17,6 +17,7 @@ use crate::engine::step::SeqMeta;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::slot_of;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
+use crate::model::kernels::cpu::Isa;
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 
 /// Which attention implementation a model uses.
@@ -108,6 +109,7 @@ struct Job<'a> {
     plan: &'a FastCpuPlan,
     /// Distance between query rows in `qs` (Q may sit inside wider rows, as in a stacked QKV output).
     q_stride: usize,
+    isa: Isa,
 }
 
 /// A task's output rows and each row's softmax statistics.
@@ -141,7 +143,7 @@ impl Job<'_> {
                     v: &vs[t.kv_head * hd..],
                     d: hd,
                 };
-                let stats = attend(&tile, &mut o);
+                let stats = attend(self.isa, &tile, &mut o);
                 (o, stats)
             })
             .collect()
@@ -243,6 +245,7 @@ pub(crate) fn fast_cpu_rows(
         seqs,
         plan,
         q_stride,
+        isa: Isa::best(),
     };
     let outs = match k_cache.dtype() {
         DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {

@@ -12,11 +12,11 @@
 //! prefetched, since one KV head's row is a few cache lines at the stride of a whole cache row, a
 //! pattern the hardware prefetchers follow poorly, and a decode step's rows come from DRAM.
 //!
-//! The measured cost before (one task per (token, KV head), a dot product per (row, position), a
-//! weighted sum per row): 890 us per layer for a 29-token chunk after 479 cached tokens, 264 us for
-//! 16 decoding sequences at context 200 (`cargo bench --bench engine -- --attention 1 --chunk 29
-//! --context 479`). `tile_scalar` is the reference (and the path on CPUs without AVX2 + FMA + F16C
+//! `cargo bench --bench engine -- --attention 1 --chunk 29 --context 479` measures it alone.
+//! `tile_scalar` is the reference (and the path on CPUs without AVX2 + FMA + F16C
 //! and for head sizes other than 64 and 128); a proptest compares the two on odd shapes.
+
+use super::cpu::Isa;
 
 /// An element of the KV cache: F32, or F16 read into F32 lanes as it is loaded.
 pub(crate) trait KvElem: Copy + Send + Sync + 'static {
@@ -85,7 +85,7 @@ pub(crate) struct Tile<'a, T> {
 /// # Panics
 /// When the shapes disagree or a row offset points outside `k` or `v` (a bug in the caller: block
 /// tables are validated when a step is planned).
-pub(crate) fn attend<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
+pub(crate) fn attend<T: KvElem>(isa: Isa, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     let n = t.ctx.len();
     assert_eq!(t.q.len(), n * t.d, "query rows are d wide");
     assert_eq!(out.len(), n * t.d, "output rows are d wide");
@@ -110,8 +110,8 @@ pub(crate) fn attend<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)>
         ..*t
     };
     #[cfg(target_arch = "x86_64")]
-    if simd() {
-        // SAFETY: AVX2, FMA and F16C were detected; the shapes and every row offset below `cmax`
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2, FMA and F16C; the shapes and every row offset below `cmax`
         // were checked above.
         match t.d {
             64 => return unsafe { avx2::tile::<T, 64>(&t, cmax, out) },
@@ -143,17 +143,6 @@ pub(crate) fn merge_parts(parts: &[(&[f32], (f32, f32))], out: &mut [f32]) {
     }
 }
 
-/// Whether the AVX2 + FMA + F16C paths may run.
-pub(crate) fn simd() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| super::q8_0::has_avx2() && is_x86_feature_detected!("f16c"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// The reference: one row at a time, one dot product per position.
 pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     let d = t.d;
@@ -163,7 +152,7 @@ pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, 
         let q = &t.q[r * d..(r + 1) * d];
         s.clear();
         s.extend((t.from..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d])));
-        stats.push(softmax(&mut s));
+        stats.push(softmax(Isa::Scalar, &mut s));
         let o = &mut out[r * d..(r + 1) * d];
         o.fill(0.0);
         for (p, &w) in (t.from..c).zip(&s) {
@@ -198,10 +187,10 @@ fn dot<T: KvElem>(a: &[f32], b: &[T]) -> f32 {
 /// prefill chunk's attention at long context, and then the scalar sum (one dependent add per
 /// position, ~12% of a chunk's attention).
 /// Returns the largest score and the sum of `exp(score - largest)`.
-pub(crate) fn softmax(s: &mut [f32]) -> (f32, f32) {
+pub(crate) fn softmax(isa: Isa, s: &mut [f32]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if super::q8_0::has_avx2() {
-        // SAFETY: AVX2 and FMA were detected.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA.
         return unsafe { softmax_avx2(s) };
     }
     // Eight lanes, so the compiler vectorizes the max and the sum.
@@ -318,7 +307,7 @@ pub(crate) unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::ar
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{softmax, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD};
+    use super::{softmax_avx2, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD};
 
     /// Rows a micro-kernel takes at once: 2 rows x 4 accumulators + 4 loaded vectors + the query or
     /// weight vectors fit the 16 ymm registers (3 rows spilled an accumulator to the stack every
@@ -367,7 +356,7 @@ mod avx2 {
         let mut stats = Vec::with_capacity(n);
         for (r, &c) in t.ctx.iter().enumerate() {
             let row = &mut s[r * cmax..(r + 1) * cmax];
-            stats.push(softmax(&mut row[..c]));
+            stats.push(softmax_avx2(&mut row[..c]));
             row[c..].fill(0.0);
         }
         out.fill(0.0);
@@ -539,14 +528,19 @@ mod tests {
         let row: Vec<f32> = (0..1003)
             .map(|i| ((i * 37 % 1000) as f32 - 900.0) * 0.11)
             .collect();
-        let mut got = row.clone();
-        softmax(&mut got);
         let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f64> = row.iter().map(|&x| ((x - m) as f64).exp()).collect();
         let sum: f64 = e.iter().sum();
-        for (g, w) in got.iter().zip(&e) {
-            let w = w / sum;
-            assert!((*g as f64 - w).abs() <= 1e-6 * w + 1e-30, "{g} vs {w}");
+        for isa in Isa::available() {
+            let mut got = row.clone();
+            softmax(isa, &mut got);
+            for (g, w) in got.iter().zip(&e) {
+                let w = w / sum;
+                assert!(
+                    (*g as f64 - w).abs() <= 1e-6 * w + 1e-30,
+                    "{isa:?}: {g} vs {w}"
+                );
+            }
         }
     }
 
@@ -592,10 +586,15 @@ mod tests {
         };
         let mut want = vec![0f32; c.q.len()];
         tile_scalar(&t, &mut want);
-        let mut got = vec![0f32; c.q.len()];
-        attend(&t, &mut got);
-        for (a, b) in got.iter().zip(&want) {
-            prop_assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        for isa in Isa::simd_levels_for_test("tiled_equals_reference") {
+            let mut got = vec![0f32; c.q.len()];
+            attend(isa, &t, &mut got);
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{isa:?}: {a} vs {b}"
+                );
+            }
         }
         Ok(())
     }
@@ -637,7 +636,7 @@ mod tests {
                     v: &c.v,
                     d,
                 };
-                attend(&t, out)
+                attend(Isa::best(), &t, out)
             };
             let mut want = vec![0f32; c.q.len()];
             full(0, &c.ctx, &mut want);
@@ -679,6 +678,6 @@ mod tests {
             v: &c.v,
             d: 64,
         };
-        attend(&t, &mut vec![0f32; c.q.len()]);
+        attend(Isa::best(), &t, &mut vec![0f32; c.q.len()]);
     }
 }

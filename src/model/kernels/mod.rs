@@ -8,8 +8,9 @@
 //! activation rows with no horizontal sums (the engine's projections and the tied embedding use
 //! them); `attn` is the attention tile, `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
 //! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
-//! in tests. Each kernel has a scalar reference that proptests compare it with on odd shapes; the
-//! AVX2 path is chosen at run time by CPU feature detection, the scalar one elsewhere.
+//! in tests. Each kernel has a scalar reference that proptests compare it with on odd shapes. The
+//! SIMD paths run only with a token from runtime CPU feature detection (`cpu::Isa`); the scalar
+//! one runs everywhere else.
 
 /// Calls a kernel that is const-generic over its activation row count with `nr` (1 to 4) rows:
 /// `dispatch_rows!(nr, avx2::tile(w, a, r0, out))` becomes `avx2::tile::<4>(w, a, r0, out)` etc.
@@ -25,6 +26,7 @@ macro_rules! dispatch_rows {
 }
 
 pub mod attn;
+pub mod cpu;
 pub mod q4_1x8;
 pub mod q4_kx8;
 pub mod q8_0;

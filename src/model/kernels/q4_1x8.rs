@@ -17,6 +17,8 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::cpu::Isa;
+
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
 
@@ -151,8 +153,8 @@ impl RowGroups for Repacked {
         }
     }
 
-    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
-        tile(w, a, r0, nr, out, simd)
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
+        tile(w, a, r0, nr, out, isa)
     }
 }
 
@@ -262,17 +264,72 @@ pub(crate) mod avx2 {
     }
 }
 
+/// The AVX-512 VNNI kernel: `vpdpbusd` on 256-bit vectors sums each step's four nibble-activation
+/// products straight into a column's 32-bit lane, where AVX2 needs `maddubs`, a 16-bit add and a
+/// final `madd` (~1.15x on a prefill step of the default model).
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA, F16C, AVX512VL and AVX512VNNI; `w` must hold `a.blocks`
+    /// group blocks; rows `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub unsafe fn tile<const NR: usize>(w: &[u8], a: &QuantizedRows, r0: usize, out: &mut [f32]) {
+        debug_assert!(w.len() >= a.blocks * GROUP_BLOCK_BYTES && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * GROUP);
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); NR];
+        let wp = w.as_ptr();
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let gb = wp.add(b * GROUP_BLOCK_BYTES);
+            let nib = gb.add(QS);
+            let mut s32 = [_mm256_setzero_si256(); NR];
+            for s in 0..4 {
+                let v = _mm256_loadu_si256(nib.add(s * 32) as *const __m256i);
+                let lo = _mm256_and_si256(v, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (r, acc32) in s32.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
+                    let a_lo = _mm256_set1_epi32(at.read_unaligned());
+                    let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
+                    *acc32 = _mm256_dpbusd_epi32(*acc32, lo, a_lo);
+                    *acc32 = _mm256_dpbusd_epi32(*acc32, hi, a_hi);
+                }
+            }
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
+            let mw = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(MINS) as *const __m128i));
+            for r in 0..NR {
+                let ai = (r0 + r) * a.blocks + b;
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*a.scales.get_unchecked(ai)));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r]), d, acc[r]);
+                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.sums.get_unchecked(ai)), acc[r]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * GROUP), *v);
+        }
+    }
+}
+
 /// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
-fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * GROUP_BLOCK_BYTES);
     assert!(out.len() >= nr * GROUP);
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2, FMA and F16C were detected; bounds asserted above.
+    if let Some(_vnni) = isa.avx512_vnni() {
+        // SAFETY: the token proves AVX2, FMA, F16C, AVX512VL and AVX512VNNI; bounds asserted above.
+        unsafe { dispatch_rows!(nr, vnni::tile(w, a, r0, out)) }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2, FMA and F16C; bounds asserted above.
         unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
-    let _ = simd;
     tile_scalar(w, a, r0, nr, out);
 }
 
@@ -375,10 +432,12 @@ mod tests {
             let k = kb * QK;
             let rp = Repacked::from_q4_1(&q4_1_bytes(seed, n, k), n, k);
             let x = xs(seed ^ 0x5a5a, m * k);
-            let s = rp.matmul_with(&x, m, false);
-            let v = rp.matmul_with(&x, m, true);
-            for (a, b) in s.iter().zip(&v) {
-                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            let s = rp.matmul_with(&x, m, Isa::Scalar);
+            for isa in Isa::simd_levels_for_test("simd_equals_scalar") {
+                let v = rp.matmul_with(&x, m, isa);
+                for (a, b) in s.iter().zip(&v) {
+                    prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{isa:?}: {a} vs {b}");
+                }
             }
         }
     }

@@ -13,6 +13,8 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::cpu::Isa;
+
 use super::q4_1x8::nibble_at;
 use super::q8_0::{QuantizedRows, QK, QK_K};
 use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
@@ -146,8 +148,8 @@ impl RowGroups for Repacked {
         }
     }
 
-    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
-        tile(w, a, r0, nr, out, simd)
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
+        tile(w, a, r0, nr, out, isa)
     }
 }
 
@@ -219,7 +221,7 @@ mod avx2 {
 }
 
 /// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
-fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
     assert!(
         a.blocks.is_multiple_of(SUBS),
         "{} blocks are not whole super-blocks",
@@ -228,12 +230,11 @@ fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows);
     assert!(w.len() >= a.blocks / SUBS * GROUP_SUPER_BYTES && out.len() >= nr * GROUP);
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA; bounds asserted above.
         unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
-    let _ = simd;
     tile_scalar(w, a, r0, nr, out);
 }
 
@@ -268,8 +269,9 @@ mod tests {
             let rp = Repacked::from_q4_k(&bytes, n, k);
             let x = lcg(seed ^ 0x55, m * k);
             let a = quantize_rows(&x, m, k);
-            assert_matches_reference(&rp.matmul_with(&x, m, false), &a, &deq, n);
-            assert_matches_reference(&rp.matmul_with(&x, m, true), &a, &deq, n);
+            for isa in Isa::available() {
+                assert_matches_reference(&rp.matmul_with(&x, m, isa), &a, &deq, n);
+            }
         }
     }
 }

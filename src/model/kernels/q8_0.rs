@@ -10,6 +10,8 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::cpu::Isa;
+
 /// Values per block.
 pub const QK: usize = 32;
 /// Values per K-quant super-block (Q4_K, Q6_K).
@@ -42,11 +44,11 @@ const QUANTIZE_ROWS_PER_TASK: usize = 32;
 /// AVX2 where the CPU has it (bit-identical to the scalar loop, tested), over all threads for
 /// calls of more than `QUANTIZE_ROWS_PER_TASK` rows.
 pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
-    quantize_rows_with(x, rows, k, has_avx2())
+    quantize_rows_with(x, rows, k, Isa::best())
 }
 
-/// As `quantize_rows`, choosing the kernel (tests run both).
-pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, simd: bool) -> QuantizedRows {
+/// As `quantize_rows`, at level `isa` (tests run each).
+pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> QuantizedRows {
     assert_eq!(x.len(), rows * k);
     assert!(k.is_multiple_of(QK));
     let blocks = k / QK;
@@ -55,7 +57,7 @@ pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, simd: bool) -> Quant
     let mut qs = vec![0i8; rows * k];
     let run = |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]| {
         for (i, (xb, q)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
-            let (d, isum) = quantize_block(xb.try_into().unwrap(), q.try_into().unwrap(), simd);
+            let (d, isum) = quantize_block(xb.try_into().unwrap(), q.try_into().unwrap(), isa);
             // As ggml: quantize with the f32 scale, store it as f16 (the kernels multiply by that).
             scales[i] = f16::from_f32(d).to_f32();
             sums[i] = scales[i] * isum as f32;
@@ -82,13 +84,12 @@ pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, simd: bool) -> Quant
 
 /// One 32-value block: quants into `q`; returns (the f32 scale `amax / 127`, the quants' sum).
 #[inline]
-fn quantize_block(xb: &[f32; QK], q: &mut [i8; QK], simd: bool) -> (f32, i32) {
+fn quantize_block(xb: &[f32; QK], q: &mut [i8; QK], isa: Isa) -> (f32, i32) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; the arrays are 32 long.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA; the arrays are 32 long.
         return unsafe { avx2::quantize_block(xb, q) };
     }
-    let _ = simd;
     let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -223,22 +224,6 @@ pub(crate) mod avx2 {
     }
 }
 
-/// Whether the AVX2 kernels can run: AVX2, FMA and F16C (every AVX2 CPU has the other two, but
-/// the kernels say so and this checks it).
-pub(crate) fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// GGUF Q8_0 bytes (per 32 values: f16 scale, 32 i8) for `[n, k]` values, quantized as
 /// `quantize_rows` does (tests and the kernel benchmark build weights with it).
 pub fn to_gguf_bytes(w: &[f32], n: usize, k: usize) -> Vec<u8> {
@@ -252,27 +237,26 @@ pub fn to_gguf_bytes(w: &[f32], n: usize, k: usize) -> Vec<u8> {
 }
 
 /// One weight row against rows `r0..r0+nr` (`nr <= 4`), with the best kernel this CPU has.
-fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32; TILE_ROWS], simd: bool) {
+fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32; TILE_ROWS], isa: Isa) {
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * BLOCK_BYTES);
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA; bounds asserted above.
         unsafe { dispatch_rows!(nr, avx2::tile(w, a, r0, out)) }
         return;
     }
-    let _ = simd;
     tile_scalar(w, a, r0, nr, out);
 }
 
 /// `out[m, n] = x[m, k] . w[n, k]` for Q8_0 weights `w` (`n * k / 32` blocks).
 pub fn matmul(x: &[f32], m: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
-    matmul_with(x, m, k, w, n, has_avx2())
+    matmul_with(x, m, k, w, n, Isa::best())
 }
 
-/// As `matmul`, choosing the kernel (tests run both).
-pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, simd: bool) -> Vec<f32> {
+/// As `matmul`, at level `isa` (tests run each).
+pub fn matmul_with(x: &[f32], m: usize, k: usize, w: &[u8], n: usize, isa: Isa) -> Vec<f32> {
     tiled_matmul(x, m, k, w, n, BLOCK_BYTES, |wrow, a, r0, nr, res| {
-        tile(wrow, a, r0, nr, res, simd)
+        tile(wrow, a, r0, nr, res, isa)
     })
 }
 
@@ -375,11 +359,13 @@ mod tests {
                     _ => {}
                 }
             }
-            let s = quantize_rows_with(&x, rows, k, false);
-            let v = quantize_rows_with(&x, rows, k, true);
-            prop_assert_eq!(&s.qs, &v.qs);
-            prop_assert_eq!(&s.scales, &v.scales);
-            prop_assert_eq!(&s.sums, &v.sums);
+            let s = quantize_rows_with(&x, rows, k, Isa::Scalar);
+            for isa in Isa::simd_levels_for_test("simd_quantizer_equals_scalar") {
+                let v = quantize_rows_with(&x, rows, k, isa);
+                prop_assert_eq!(&s.qs, &v.qs);
+                prop_assert_eq!(&s.scales, &v.scales);
+                prop_assert_eq!(&s.sums, &v.sums);
+            }
         }
     }
 
@@ -392,10 +378,12 @@ mod tests {
             let k = kb * QK;
             let x = lcg(seed, m * k);
             let w = to_gguf_bytes(&lcg(seed ^ 0xabc, n * k), n, k);
-            let s = matmul_with(&x, m, k, &w, n, false);
-            let v = matmul_with(&x, m, k, &w, n, true);
-            for (a, b) in s.iter().zip(&v) {
-                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            let s = matmul_with(&x, m, k, &w, n, Isa::Scalar);
+            for isa in Isa::simd_levels_for_test("q8_0 simd_equals_scalar") {
+                let v = matmul_with(&x, m, k, &w, n, isa);
+                for (a, b) in s.iter().zip(&v) {
+                    prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{isa:?}: {a} vs {b}");
+                }
             }
         }
     }

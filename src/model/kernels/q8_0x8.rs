@@ -20,6 +20,8 @@
 use half::f16;
 use rayon::prelude::*;
 
+use super::cpu::Isa;
+
 use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK, QK_K};
 
 /// Weight rows per group (one AVX2 register of 32-bit lanes).
@@ -178,8 +180,8 @@ impl<const S: usize> RowGroups for Rows8<S> {
         }
     }
 
-    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool) {
-        tile::<S>(w, a, r0, nr, out, simd)
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
+        tile::<S>(w, a, r0, nr, out, isa)
     }
 }
 
@@ -248,9 +250,9 @@ pub trait RowGroups: Sync {
     fn group(&self, g: usize) -> &[u8];
     /// Row `row` as f32 values.
     fn dequantize_row(&self, row: usize, out: &mut [f32]);
-    /// One group against activation rows `r0..r0+nr` into `out` (`nr x GROUP`), with the AVX2
-    /// kernel when `simd`, else the scalar one.
-    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], simd: bool);
+    /// One group against activation rows `r0..r0+nr` into `out` (`nr x GROUP`), with the
+    /// best kernel `isa` allows.
+    fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa);
 
     /// The whole matrix as f32, `[n, k]` row-major, all threads.
     fn dequantize(&self) -> Vec<f32> {
@@ -264,24 +266,24 @@ pub trait RowGroups: Sync {
 
     /// `out[m, n] = x[m, k] . w[n, k]` with the best kernel this CPU has.
     fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
-        self.matmul_with(x, m, super::q8_0::has_avx2())
+        self.matmul_with(x, m, Isa::best())
     }
 
-    /// As `matmul`, choosing the kernel (tests run both).
-    fn matmul_with(&self, x: &[f32], m: usize, simd: bool) -> Vec<f32> {
+    /// As `matmul`, at level `isa` (tests run each).
+    fn matmul_with(&self, x: &[f32], m: usize, isa: Isa) -> Vec<f32> {
         let (_, k) = self.dims();
         assert_eq!(x.len(), m * k);
-        self.matmul_quantized_with(&quantize_rows(x, m, k), simd)
+        self.matmul_quantized_with(&quantize_rows(x, m, k), isa)
     }
 
     /// `out[m, n]` for activations already quantized (projections that share an input share
     /// one quantization).
     fn matmul_quantized(&self, a: &QuantizedRows) -> Vec<f32> {
-        self.matmul_quantized_with(a, super::q8_0::has_avx2())
+        self.matmul_quantized_with(a, Isa::best())
     }
 
-    /// As `matmul_quantized`, choosing the kernel.
-    fn matmul_quantized_with(&self, a: &QuantizedRows, simd: bool) -> Vec<f32> {
+    /// As `matmul_quantized`, at level `isa`.
+    fn matmul_quantized_with(&self, a: &QuantizedRows, isa: Isa) -> Vec<f32> {
         let (n, k) = self.dims();
         assert_eq!(
             a.blocks * QK,
@@ -293,7 +295,7 @@ pub trait RowGroups: Sync {
             n,
             a,
             |g| self.group(g),
-            |w, a, r0, nr, out| self.tile(w, a, r0, nr, out, simd),
+            |w, a, r0, nr, out| self.tile(w, a, r0, nr, out, isa),
         )
     }
 }
@@ -387,13 +389,13 @@ fn tile<const S: usize>(
     r0: usize,
     nr: usize,
     out: &mut [f32],
-    simd: bool,
+    isa: Isa,
 ) {
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * group_block_bytes(S));
     assert!(out.len() >= nr * GROUP);
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; bounds asserted above.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA; bounds asserted above.
         unsafe {
             match nr {
                 4 => avx2::tile::<S, 4>(w, a, r0, out),
@@ -404,7 +406,6 @@ fn tile<const S: usize>(
         }
         return;
     }
-    let _ = simd;
     tile_scalar::<S>(w, a, r0, nr, out);
 }
 
@@ -468,8 +469,9 @@ mod tests {
             let rp = Q6kRepacked::from_q6_k(&bytes, n, k);
             let x = lcg(seed ^ 0x99, m * k);
             let a = quantize_rows(&x, m, k);
-            assert_matches_reference(&rp.matmul_with(&x, m, false), &a, &deq, n);
-            assert_matches_reference(&rp.matmul_with(&x, m, true), &a, &deq, n);
+            for isa in Isa::available() {
+                assert_matches_reference(&rp.matmul_with(&x, m, isa), &a, &deq, n);
+            }
         }
     }
 
@@ -482,10 +484,12 @@ mod tests {
             let k = kb * QK;
             let x = lcg(seed, m * k);
             let rp = Repacked::from_q8_0(&q8_0_bytes(&lcg(seed ^ 0xabc, n * k), n, k), n, k);
-            let s = rp.matmul_with(&x, m, false);
-            let v = rp.matmul_with(&x, m, true);
-            for (a, b) in s.iter().zip(&v) {
-                prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{a} vs {b}");
+            let s = rp.matmul_with(&x, m, Isa::Scalar);
+            for isa in Isa::simd_levels_for_test("simd_equals_scalar") {
+                let v = rp.matmul_with(&x, m, isa);
+                for (a, b) in s.iter().zip(&v) {
+                    prop_assert!((a - b).abs() <= 1e-4 * (1.0 + a.abs()), "{isa:?}: {a} vs {b}");
+                }
             }
         }
     }

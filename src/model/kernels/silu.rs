@@ -8,6 +8,8 @@
 
 use rayon::prelude::*;
 
+use super::cpu::Isa;
+
 /// Values from which a call spreads over the threads: below it the work (~0.3 ns a value) is
 /// shorter than waking the other worker.
 const PAR_VALUES: usize = 8192;
@@ -47,16 +49,15 @@ mod avx2 {
     }
 }
 
-/// `out = silu(g) * u` element by element, with the AVX2 kernel when `simd`.
-fn silu_mul_with(g: &[f32], u: &[f32], out: &mut [f32], simd: bool) {
+/// `out = silu(g) * u` element by element, with the best kernel `isa` allows.
+fn silu_mul_with(g: &[f32], u: &[f32], out: &mut [f32], isa: Isa) {
     assert!(g.len() == out.len() && u.len() == out.len());
     #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA were detected; lengths asserted above.
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2 and FMA; lengths asserted above.
         unsafe { avx2::silu_mul(g, u, out) };
         return;
     }
-    let _ = simd;
     silu_mul_scalar(g, u, out);
 }
 
@@ -70,11 +71,11 @@ pub fn silu_mul_rows(
     width: usize,
     out: &mut [f32],
 ) {
-    let simd = super::q8_0::has_avx2();
+    let isa = Isa::best();
     let row = |(r, o): (usize, &mut [f32])| {
         let g = &gate[r * g_stride..][..width];
         let u = &up[r * u_stride..][..width];
-        silu_mul_with(g, u, o, simd);
+        silu_mul_with(g, u, o, isa);
     };
     if out.len() >= PAR_VALUES {
         out.par_chunks_mut(width).enumerate().for_each(row);
@@ -93,18 +94,20 @@ mod tests {
     fn assert_close(g: &[f32], u: &[f32]) {
         let n = g.len();
         let (mut s, mut v) = (vec![0f32; n], vec![0f32; n]);
-        silu_mul_with(g, u, &mut s, false);
-        silu_mul_with(g, u, &mut v, true);
-        for i in 0..n {
-            let tol = 4.0 * f32::EPSILON * s[i].abs() + 1e-30;
-            assert!(
-                (s[i] - v[i]).abs() <= tol,
-                "g={} u={}: {} vs {}",
-                g[i],
-                u[i],
-                s[i],
-                v[i]
-            );
+        silu_mul_with(g, u, &mut s, Isa::Scalar);
+        for isa in Isa::simd_levels_for_test("silu simd_matches_the_scalar_formula") {
+            silu_mul_with(g, u, &mut v, isa);
+            for i in 0..n {
+                let tol = 4.0 * f32::EPSILON * s[i].abs() + 1e-30;
+                assert!(
+                    (s[i] - v[i]).abs() <= tol,
+                    "g={} u={}: {} vs {}",
+                    g[i],
+                    u[i],
+                    s[i],
+                    v[i]
+                );
+            }
         }
     }
 
@@ -136,12 +139,7 @@ mod tests {
         for r in 0..rows {
             let mut want = vec![0f32; width];
             let row = &gu[r * 2 * width..][..2 * width];
-            silu_mul_with(
-                &row[..width],
-                &row[width..],
-                &mut want,
-                super::super::q8_0::has_avx2(),
-            );
+            silu_mul_with(&row[..width], &row[width..], &mut want, Isa::best());
             assert_eq!(&out[r * width..][..width], &want[..]);
         }
     }

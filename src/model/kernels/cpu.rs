@@ -1,0 +1,164 @@
+//! CPU capabilities as values. A token for an instruction set can only be obtained from runtime
+//! detection (`Avx2::detect`, `Avx512Vnni::detect`, or `Isa::best`, which uses them), and every
+//! SIMD kernel entry point takes an `Isa`: the `unsafe` blocks that run `#[target_feature]` code
+//! rely on the token, so safe code cannot run AVX2 on a CPU without it, whatever a caller or a test
+//! passes. (The pattern of `pulp`'s and `multiversion`'s tokens, written here in a few lines because
+//! the kernels need nothing else from those crates.)
+//!
+//! `Isa::best()` is what the engine runs: the highest level detected, capped by the environment
+//! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`) so that one binary can be measured at each level.
+
+use std::sync::OnceLock;
+
+/// Proof that the CPU has AVX2, FMA and F16C (every AVX2 CPU has the other two, but the kernels
+/// use them, so detection checks them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx2(());
+
+impl Avx2 {
+    /// The token, when this CPU has the features.
+    pub fn detect() -> Option<Avx2> {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        let has = *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        });
+        has.then_some(Avx2(()))
+    }
+}
+
+/// Proof that the CPU has everything `Avx2` stands for plus AVX-512 F, BW, VL and VNNI (the 8-bit
+/// dot product `vpdpbusd`, used here on 256-bit vectors).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512Vnni(());
+
+impl Avx512Vnni {
+    /// The token, when this CPU has the features.
+    pub fn detect() -> Option<Avx512Vnni> {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        let has = *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                Avx2::detect().is_some()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        });
+        has.then_some(Avx512Vnni(()))
+    }
+
+    /// The AVX2 token this one implies.
+    pub fn avx2(self) -> Avx2 {
+        Avx2(())
+    }
+}
+
+/// The instruction-set level a kernel call runs at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// The portable reference code.
+    Scalar,
+    Avx2(Avx2),
+    Avx512Vnni(Avx512Vnni),
+}
+
+impl Isa {
+    /// The highest level this CPU has, capped by `LLAMA_RELAY_ISA` when set; decided once per
+    /// process (an unknown value is reported on stderr and ignored).
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let all = Isa::available();
+            let top = *all.last().expect("scalar is always available");
+            match std::env::var("LLAMA_RELAY_ISA") {
+                Ok(cap) => match all.iter().find(|i| i.name() == cap.trim()) {
+                    Some(&i) => i,
+                    None => {
+                        eprintln!(
+                            "LLAMA_RELAY_ISA={cap:?} is not one of this CPU's levels ({}); using {}",
+                            all.iter().map(|i| i.name()).collect::<Vec<_>>().join(", "),
+                            top.name()
+                        );
+                        top
+                    }
+                },
+                Err(_) => top,
+            }
+        })
+    }
+
+    /// Every level this CPU has, lowest first: tests compare each with the scalar reference.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        v.extend(Avx2::detect().map(Isa::Avx2));
+        v.extend(Avx512Vnni::detect().map(Isa::Avx512Vnni));
+        v
+    }
+
+    /// The levels above scalar that this CPU has; when there are none, says on stderr that the
+    /// calling test compares nothing (so a run on such a CPU shows what it skipped).
+    pub fn simd_levels_for_test(test: &str) -> Vec<Isa> {
+        let v: Vec<Isa> = Isa::available()
+            .into_iter()
+            .filter(|i| *i != Isa::Scalar)
+            .collect();
+        if v.is_empty() {
+            eprintln!("{test}: skipped, this CPU has no SIMD level (AVX2 + FMA + F16C) to compare");
+        }
+        v
+    }
+
+    /// The AVX2 token, when this level includes AVX2.
+    pub fn avx2(self) -> Option<Avx2> {
+        match self {
+            Isa::Scalar => None,
+            Isa::Avx2(t) => Some(t),
+            Isa::Avx512Vnni(t) => Some(t.avx2()),
+        }
+    }
+
+    /// The AVX-512 VNNI token, when this level includes it.
+    pub fn avx512_vnni(self) -> Option<Avx512Vnni> {
+        match self {
+            Isa::Avx512Vnni(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The level's name, as `LLAMA_RELAY_ISA` and the logs spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2(_) => "avx2",
+            Isa::Avx512Vnni(_) => "avx512vnni",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_are_ordered_and_imply_each_other() {
+        let all = Isa::available();
+        assert_eq!(all[0], Isa::Scalar);
+        for i in &all {
+            if i.avx512_vnni().is_some() {
+                assert!(i.avx2().is_some(), "VNNI implies AVX2");
+            }
+        }
+        assert!(all.contains(&Isa::best()));
+        assert_eq!(Isa::Scalar.avx2(), None);
+    }
+}
