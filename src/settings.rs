@@ -315,6 +315,8 @@ impl Settings {
                 max_running: self.scheduler.max_running,
                 max_waiting: self.scheduler.max_waiting,
                 step_tokens: self.scheduler.step_tokens,
+            },
+            kv: crate::kv_cache::manager::KvConfig {
                 block_size: self.engine.block_size,
                 prefix_caching: self.cache.prefix_caching,
                 lease_tokens_per_session: self.cache.lease_tokens_per_session,

@@ -16,6 +16,7 @@ use actix::prelude::*;
 
 use super::scheduler::{AddError, RequestId, Scheduler, SchedulerConfig};
 use super::Engine;
+use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
 use crate::metrics::Metrics;
 use crate::protocol::{FinishReason, RequestError, Timings, Usage};
 use crate::sampler::{Sampler, SamplingParams};
@@ -24,7 +25,7 @@ use crate::sampler::{Sampler, SamplingParams};
 /// arrive for an id the session does not know yet).
 pub fn next_request_id() -> RequestId {
     static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+    RequestId(NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 /// What a session hears about its request.
@@ -62,7 +63,7 @@ pub struct Submit {
     /// Which cached blocks the request may share (from its server-side identity).
     pub scope: crate::kv_cache::CacheScope,
     /// The session's lease key: its conversation's blocks stay cached for its next turn.
-    pub lease: Option<u64>,
+    pub lease: Option<LeaseKey>,
     pub reply_to: Recipient<GenerationEvent>,
 }
 
@@ -87,7 +88,7 @@ pub enum CancelReason {
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct EndLease {
-    pub lease: u64,
+    pub lease: LeaseKey,
 }
 
 /// Prefill a prefix (a configured system prompt) and keep it cached for good.
@@ -130,7 +131,7 @@ struct Active {
     sampler: Sampler,
     max_tokens: usize,
     ignore_eos: bool,
-    lease: Option<u64>,
+    lease: Option<LeaseKey>,
     prompt_tokens: usize,
     cached_tokens: usize,
     submitted: Instant,
@@ -142,6 +143,7 @@ struct Active {
 
 pub struct BatcherConfig {
     pub scheduler: SchedulerConfig,
+    pub kv: KvConfig,
     pub max_context: usize,
     /// How long a session's lease outlives its connection.
     pub lease_grace: Duration,
@@ -162,7 +164,7 @@ pub struct Batcher {
     held_counted: Option<u64>,
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
-    lease_expiry: HashMap<u64, Instant>,
+    lease_expiry: HashMap<LeaseKey, Instant>,
 }
 
 impl Batcher {
@@ -170,7 +172,7 @@ impl Batcher {
         let pool = std::mem::replace(&mut engine.pool, crate::kv_cache::BlockPool::new(0));
         metrics.kv_blocks_total.set(pool.total() as i64);
         Batcher {
-            sched: Scheduler::new(cfg.scheduler, pool),
+            sched: Scheduler::new(cfg.scheduler, KvManager::new(cfg.kv, pool)),
             engine,
             active: HashMap::new(),
             stepping: false,
@@ -195,19 +197,20 @@ impl Batcher {
         let m = &self.metrics;
         m.requests_running.set(self.sched.running_len() as i64);
         m.requests_waiting.set(self.sched.waiting_len() as i64);
-        let st = self.sched.pool().stats();
+        let kv = self.sched.kv();
+        let st = kv.pool().stats();
         m.kv_blocks_used.set(st.used as i64);
         // Counting held blocks walks every lease: only when leases or pins changed.
-        let version = self.sched.holds_version();
+        let version = kv.holds_version();
         if self.held_counted != Some(version) {
             self.held_counted = Some(version);
-            m.kv_blocks_held.set(self.sched.held_distinct() as i64);
+            m.kv_blocks_held.set(kv.held_distinct() as i64);
         }
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.
-        let (q, h) = self.sched.prefix_stats();
-        let now = [q, h, st.evictions, self.sched.preemptions()];
+        let p = self.sched.prefix_stats();
+        let now = [p.queried, p.hits, st.evictions, self.sched.preemptions()];
         let last = std::mem::replace(&mut self.reported, now);
         m.prefix_queries.inc_by(now[0] - last[0]);
         m.prefix_hits.inc_by(now[1] - last[1]);
@@ -272,7 +275,7 @@ impl Batcher {
 
     fn expire_leases(&mut self) {
         let now = Instant::now();
-        let gone: Vec<u64> = self
+        let gone: Vec<LeaseKey> = self
             .lease_expiry
             .iter()
             .filter(|(_, t)| **t <= now)
@@ -308,7 +311,8 @@ impl Batcher {
             return false;
         };
         let now = Instant::now();
-        for (id, cached) in &sch.started {
+        for st in &sch.started {
+            let (id, cached) = (&st.id, &st.cached_tokens);
             if let Some(a) = self.active.get_mut(id) {
                 a.cached_tokens = *cached;
                 if a.scheduled.is_none() {
@@ -343,7 +347,7 @@ impl Batcher {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward step failed; failing its requests");
-                let ids = sch.entries.iter().map(|(id, _)| *id).collect();
+                let ids = sch.entries.iter().map(|e| e.id).collect();
                 self.fail_all(
                     ids,
                     RequestError::Internal(format!("the model step failed: {e}")),
@@ -356,7 +360,7 @@ impl Batcher {
             let rows = match logits.to_vec2::<f32>() {
                 Ok(r) => r,
                 Err(e) => {
-                    let ids = sch.entries.iter().map(|(id, _)| *id).collect();
+                    let ids = sch.entries.iter().map(|e| e.id).collect();
                     self.fail_all(
                         ids,
                         RequestError::Internal(format!("reading logits failed: {e}")),
@@ -364,7 +368,7 @@ impl Batcher {
                     return !self.sched.is_idle();
                 }
             };
-            let sampled = sch.entries.iter().filter(|(_, w)| *w).map(|(id, _)| *id);
+            let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
             let now = Instant::now();
             let eos = self.engine.tokenizer.eos_ids().to_vec();
             for (id, mut row) in sampled.zip(rows) {
@@ -512,9 +516,9 @@ impl Handler<GetStatus> for Batcher {
         BatcherStatus {
             running: self.sched.running_len(),
             waiting: self.sched.waiting_len(),
-            kv_blocks_used: self.sched.pool().used_count(),
-            kv_blocks_total: self.sched.pool().total(),
-            kv_blocks_held: self.sched.held_distinct(),
+            kv_blocks_used: self.sched.kv().pool().used_count(),
+            kv_blocks_total: self.sched.kv().pool().total(),
+            kv_blocks_held: self.sched.kv().held_distinct(),
         }
     }
 }

@@ -27,6 +27,10 @@ use std::hash::{Hash, Hasher};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct Salt(pub u64);
 
+/// The chained content hash of a full block (its parent's hash, its salt, its token ids).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BlockHash(pub u64);
+
 /// Which salt each block of a sequence is hashed with: the blocks wholly inside the first
 /// `shared_tokens` tokens (text the operator configured, identical for every principal of the
 /// tenant) take `tenant`, every later block `principal`.
@@ -67,16 +71,16 @@ impl CacheScope {
 }
 
 /// The chained hash of a full block: parent block's hash, salt, token ids.
-pub fn block_hash(parent: Option<u64>, salt: Salt, tokens: &[u32]) -> u64 {
+pub fn block_hash(parent: Option<BlockHash>, salt: Salt, tokens: &[u32]) -> BlockHash {
     let mut h = std::hash::DefaultHasher::new();
     parent.hash(&mut h);
     salt.hash(&mut h);
     tokens.hash(&mut h);
-    h.finish()
+    BlockHash(h.finish())
 }
 
 /// Hashes of the full blocks of `tokens` (a partial last block has none).
-pub fn prefix_hashes(tokens: &[u32], block_size: usize, scope: &CacheScope) -> Vec<u64> {
+pub fn prefix_hashes(tokens: &[u32], block_size: usize, scope: &CacheScope) -> Vec<BlockHash> {
     let mut out = Vec::with_capacity(tokens.len() / block_size);
     let mut parent = None;
     for (i, chunk) in tokens.chunks_exact(block_size).enumerate() {
@@ -91,7 +95,7 @@ pub fn prefix_hashes(tokens: &[u32], block_size: usize, scope: &CacheScope) -> V
 struct Meta {
     refs: u32,
     /// Content identity while cached: (hash, parent hash, salt, tokens).
-    content: Option<(u64, Option<u64>, Salt, Vec<u32>)>,
+    content: Option<(BlockHash, Option<BlockHash>, Salt, Vec<u32>)>,
     /// Position in the free queue while free.
     free_key: Option<u64>,
 }
@@ -117,7 +121,7 @@ pub struct BlockPool {
     next_key: u64,
     /// Low keys for never-used blocks so that they are taken before cached ones.
     next_front_key: u64,
-    cached: HashMap<u64, u32>,
+    cached: HashMap<BlockHash, u32>,
     evictions: u64,
     /// Free blocks that still hold content, kept on every change (the metrics read it each
     /// step; a recount would walk every free block).
@@ -236,7 +240,13 @@ impl BlockPool {
     }
 
     /// Records that full block `b` holds `tokens` after the block hashed `parent`.
-    pub fn register(&mut self, b: u32, parent: Option<u64>, salt: Salt, tokens: &[u32]) -> u64 {
+    pub fn register(
+        &mut self,
+        b: u32,
+        parent: Option<BlockHash>,
+        salt: Salt,
+        tokens: &[u32],
+    ) -> BlockHash {
         let h = block_hash(parent, salt, tokens);
         let m = &mut self.meta[b as usize];
         if m.content.as_ref().is_some_and(|c| c.0 == h) {
@@ -347,7 +357,7 @@ impl BlockPool {
         for (h, &b) in &self.cached {
             if self.meta[b as usize].content.as_ref().map(|c| c.0) != Some(*h) {
                 return Err(format!(
-                    "cached hash {h} points at block {b} with other content"
+                    "cached hash {h:?} points at block {b} with other content"
                 ));
             }
         }

@@ -1,14 +1,17 @@
-//! The paged KV cache: per-layer K and V tensors cut into fixed-size blocks (`storage`), and the
-//! pure bookkeeping of which blocks are free (`block_pool`).
+//! The paged KV cache: per-layer K and V tensors cut into fixed-size blocks (`storage`), the pure
+//! bookkeeping of which blocks are free and what they hold (`block_pool`), and the manager that
+//! gives requests their blocks, shares cached prefixes and keeps leases and pins (`manager`).
 //!
 //! The layout follows vLLM's PagedAttention: a sequence owns a block table (a list of block ids);
 //! token position `p` lives in slot `table[p / block_size] * block_size + p % block_size`. Storage
-//! holds tensors and nothing else; the pool holds ids and nothing else, so it is tested alone.
+//! holds tensors and nothing else; the pool and the manager hold ids and nothing else, so they are
+//! tested alone.
 
 pub mod block_pool;
+pub mod manager;
 pub mod storage;
 
-pub use block_pool::{BlockPool, CacheScope, Salt};
+pub use block_pool::{BlockHash, BlockPool, CacheScope, Salt};
 pub use storage::{KvCache, KvCacheSpec};
 
 /// Number of blocks needed to hold `tokens` tokens.

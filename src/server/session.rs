@@ -20,6 +20,7 @@ use crate::engine::batcher::{
     next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
 };
 use crate::engine::scheduler::RequestId;
+use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::tokenizer::{IncrementalDecoder, Message};
 
@@ -64,8 +65,8 @@ impl Session {
     }
 
     /// The session's KV lease key (its id, as a number).
-    fn lease_key(&self) -> u64 {
-        self.id.as_u64_pair().0
+    fn lease_key(&self) -> LeaseKey {
+        LeaseKey(self.id.as_u64_pair().0)
     }
 
     fn send(&self, ctx: &mut ws::WebsocketContext<Self>, frame: &ServerFrame) {

@@ -1,0 +1,608 @@
+//! The KV cache manager: everything about a request's blocks, in the shape of vLLM v1's
+//! `KVCacheManager` (`get_computed_blocks`, `allocate_slots`, `cache_full_blocks`, `free`), plus
+//! what a chat server adds on top: session leases and pinned prefixes. Pure code (no tensors, no
+//! actors), tested alone: the scheduler owns it and decides *which* requests run and how many of
+//! their tokens; this decides *which blocks* hold them.
+//!
+//! - **Prefix caching** (with `prefix_caching` on): a request about to run its first chunk takes
+//!   over the longest run of cached full blocks that match its tokens in its `CacheScope`, always
+//!   leaving its last token to compute (its logits are what the next token is sampled from).
+//!   Blocks a request fills are registered once their K/V are written (`cache_full_blocks`).
+//! - **Leases**: a finished turn's full blocks stay referenced for the session's next turn (up to
+//!   a cap per session and in all), with the partly filled block after them and the tokens it
+//!   holds (only the lease references it: nothing else can share a block that is not full), so the
+//!   next turn prefills only the new message. Leases are the first thing dropped, oldest first,
+//!   when blocks run short; the next turn then simply finds fewer cached blocks.
+//! - **Pins**: configured system prompts are prefilled once and never dropped, their partly filled
+//!   last block included. A request whose cached run ends where a pin's full blocks end, and whose
+//!   next tokens are the pin's partial block, gets a fresh block with a copy of that block's slots
+//!   (vLLM v0's copy-on-write `blocks_to_copy`), so no principal recomputes the operator's text.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use super::block_pool::{prefix_hashes, BlockHash, BlockPool, CacheScope};
+use super::blocks_for;
+
+/// Names a session's lease (the session derives it; leases of different sessions never mix).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseKey(pub u64);
+
+/// How blocks are kept and shared.
+#[derive(Debug, Clone, Copy)]
+pub struct KvConfig {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Share cached prefix blocks between requests.
+    pub prefix_caching: bool,
+    /// Tokens a session's lease may keep between turns (0 = no leases).
+    pub lease_tokens_per_session: usize,
+    /// Tokens all leases together may keep.
+    pub lease_tokens_total: usize,
+}
+
+/// A request's blocks: its block table (position `p` lives in block `table[p / block_size]`), the
+/// hashes of the blocks registered so far (block `i` of the table), and the partition they are
+/// hashed in. Changed only by the manager.
+#[derive(Debug, Clone)]
+pub struct SeqBlocks {
+    table: Vec<u32>,
+    hashes: Vec<BlockHash>,
+    scope: CacheScope,
+}
+
+impl SeqBlocks {
+    /// No blocks yet.
+    pub fn new(scope: CacheScope) -> Self {
+        SeqBlocks {
+            table: Vec::new(),
+            hashes: Vec::new(),
+            scope,
+        }
+    }
+
+    pub fn table(&self) -> &[u32] {
+        &self.table
+    }
+
+    pub fn scope(&self) -> &CacheScope {
+        &self.scope
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.table.is_empty()
+    }
+
+    /// Moves the blocks out, leaving none (same scope) behind.
+    pub fn take(&mut self) -> SeqBlocks {
+        std::mem::replace(self, SeqBlocks::new(self.scope))
+    }
+}
+
+/// What `computed_blocks` found for a request.
+#[derive(Debug, Clone)]
+pub struct Computed {
+    pub blocks: SeqBlocks,
+    /// Tokens those blocks already hold.
+    pub tokens: usize,
+}
+
+/// Copy the first `slots` slots of block `src` into block `dst` (every layer's K and V) before
+/// the step that reads `dst` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+    pub slots: usize,
+}
+
+/// The partly filled last block of a pinned prefix.
+#[derive(Debug, Clone)]
+struct PinTail {
+    /// Hash of the pin's last full block: a request whose cached run ends there continues it.
+    after: BlockHash,
+    tokens: Vec<u32>,
+    block: u32,
+}
+
+/// A session's kept blocks; with `tail`, the last block is partly filled with those tokens.
+#[derive(Debug, Clone)]
+struct Lease {
+    key: LeaseKey,
+    table: Vec<u32>,
+    tail: Option<Vec<u32>>,
+}
+
+pub struct KvManager {
+    cfg: KvConfig,
+    pool: BlockPool,
+    /// Leases by age (first = oldest), and each key's place in that order.
+    leases: BTreeMap<u64, Lease>,
+    lease_order: HashMap<LeaseKey, u64>,
+    next_lease: u64,
+    /// Pinned prefixes' blocks (held for good).
+    pinned: Vec<Vec<u32>>,
+    pin_tails: Vec<PinTail>,
+    /// Copies recorded while requests took their computed blocks, handed out with the step.
+    copies: Vec<BlockCopy>,
+    /// Changes whenever leases or pins change (so the held-block count is recounted only then).
+    holds_version: u64,
+}
+
+impl KvManager {
+    pub fn new(cfg: KvConfig, pool: BlockPool) -> Self {
+        KvManager {
+            cfg,
+            pool,
+            leases: BTreeMap::new(),
+            lease_order: HashMap::new(),
+            next_lease: 0,
+            pinned: Vec::new(),
+            pin_tails: Vec::new(),
+            copies: Vec::new(),
+            holds_version: 0,
+        }
+    }
+
+    pub fn config(&self) -> &KvConfig {
+        &self.cfg
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Tokens the whole cache holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.total() * self.cfg.block_size
+    }
+
+    /// Whether a request of `tokens` tokens could ever fit.
+    pub fn fits(&self, tokens: usize) -> bool {
+        blocks_for(tokens, self.cfg.block_size) <= self.pool.total()
+    }
+
+    /// The blocks a request starts from (vLLM's `get_computed_blocks`): the longest cached run of
+    /// its full blocks in its scope, then the session lease's partly filled block or a pinned
+    /// prefix's partly filled block when the tokens continue it, always leaving the last token to
+    /// compute. The session's previous lease has then served: its blocks are this request's now.
+    /// Without prefix caching, nothing.
+    pub fn computed_blocks(
+        &mut self,
+        tokens: &[u32],
+        scope: CacheScope,
+        lease: Option<LeaseKey>,
+    ) -> Computed {
+        let mut blocks = SeqBlocks::new(scope);
+        if !self.cfg.prefix_caching || tokens.is_empty() {
+            return Computed { blocks, tokens: 0 };
+        }
+        let bs = self.cfg.block_size;
+        let max_blocks = (tokens.len() - 1) / bs;
+        blocks.table = self.pool.acquire_prefix(tokens, bs, &scope, max_blocks);
+        blocks.hashes = prefix_hashes(&tokens[..blocks.table.len() * bs], bs, &scope);
+        let mut computed = blocks.table.len() * bs;
+        if let Some(key) = lease {
+            computed = self.continue_lease_tail(key, tokens, &mut blocks, computed);
+            self.drop_lease(key);
+        }
+        computed = self.continue_pin_tail(tokens, &mut blocks, computed);
+        Computed {
+            blocks,
+            tokens: computed,
+        }
+    }
+
+    /// The lease's partly filled last block continues the request when the full blocks before it
+    /// matched and its tokens come next (with a token left to compute): the lease's reference
+    /// moves to the request. Returns the tokens computed.
+    fn continue_lease_tail(
+        &mut self,
+        key: LeaseKey,
+        tokens: &[u32],
+        blocks: &mut SeqBlocks,
+        computed: usize,
+    ) -> usize {
+        let bs = self.cfg.block_size;
+        let Some(&order) = self.lease_order.get(&key) else {
+            return computed;
+        };
+        let lease = self
+            .leases
+            .get_mut(&order)
+            .expect("lease_order points at a lease");
+        let Some(tail) = &lease.tail else {
+            return computed;
+        };
+        let start = (lease.table.len() - 1) * bs;
+        if blocks.table.len() == lease.table.len() - 1
+            && tokens.len() > start + tail.len()
+            && tokens[start..start + tail.len()] == tail[..]
+        {
+            let computed = start + tail.len();
+            lease.tail = None;
+            blocks.table.extend(lease.table.pop());
+            return computed;
+        }
+        computed
+    }
+
+    /// When the cached run ends exactly where a pinned prefix's full blocks end and the pin's
+    /// partly filled block's tokens come next (with a token left to compute), a fresh block takes
+    /// a copy of its slots. The pin's chain is salted with its tenant, so only that tenant's
+    /// requests match, and the tokens copied are the operator's. Returns the tokens computed.
+    fn continue_pin_tail(
+        &mut self,
+        tokens: &[u32],
+        blocks: &mut SeqBlocks,
+        computed: usize,
+    ) -> usize {
+        let start = blocks.table.len() * self.cfg.block_size;
+        if computed != start || blocks.hashes.len() != blocks.table.len() {
+            return computed;
+        }
+        let Some(&last) = blocks.hashes.last() else {
+            return computed;
+        };
+        let Some(t) = self.pin_tails.iter().find(|t| {
+            t.after == last
+                && tokens.len() > start + t.tokens.len()
+                && tokens[start..start + t.tokens.len()] == t.tokens[..]
+        }) else {
+            return computed;
+        };
+        let (src, slots) = (t.block, t.tokens.len());
+        match self.pool.allocate(1) {
+            Some(b) => {
+                self.copies.push(BlockCopy {
+                    src,
+                    dst: b[0],
+                    slots,
+                });
+                blocks.table.push(b[0]);
+                computed + slots
+            }
+            None => computed,
+        }
+    }
+
+    /// Grows the table to hold `tokens` tokens (vLLM's `allocate_slots`), dropping leases oldest
+    /// first when free blocks run short; false (and nothing allocated) when even that is not
+    /// enough.
+    pub fn allocate_slots(&mut self, blocks: &mut SeqBlocks, tokens: usize) -> bool {
+        let bs = self.cfg.block_size;
+        self.make_room(blocks_for(tokens, bs).saturating_sub(blocks.table.len()));
+        self.pool.ensure_capacity(&mut blocks.table, tokens, bs)
+    }
+
+    /// Registers the blocks that the first `computed` tokens have filled since the last call
+    /// (their K/V are written), so that later requests in the same scope find them.
+    pub fn cache_full_blocks(&mut self, blocks: &mut SeqBlocks, tokens: &[u32], computed: usize) {
+        if !self.cfg.prefix_caching {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        for i in blocks.hashes.len()..computed / bs {
+            let h = self.pool.register(
+                blocks.table[i],
+                blocks.hashes.last().copied(),
+                blocks.scope.salt_of_block(i, bs),
+                &tokens[i * bs..(i + 1) * bs],
+            );
+            blocks.hashes.push(h);
+        }
+    }
+
+    /// Frees a request's blocks, tail first (so its tail is evicted before its head), with any
+    /// copy still pending into them.
+    pub fn free(&mut self, blocks: SeqBlocks) {
+        self.copies.retain(|c| !blocks.table.contains(&c.dst));
+        self.pool.release_table(&blocks.table);
+    }
+
+    /// Ends a request whose first `computed` tokens are in its blocks. With a lease key (and
+    /// leases on), the conversation's full blocks up to the per-session cap, and the partly
+    /// filled block after them when the cap leaves room for all of it, stay referenced for the
+    /// session's next turn, replacing its previous lease; the rest is freed.
+    pub fn finish(
+        &mut self,
+        mut blocks: SeqBlocks,
+        tokens: &[u32],
+        computed: usize,
+        lease: Option<LeaseKey>,
+    ) {
+        let bs = self.cfg.block_size;
+        let per_session = self.cfg.lease_tokens_per_session;
+        let leasing = lease.is_some() && self.cfg.prefix_caching && per_session > 0;
+        let keep = if leasing {
+            (computed.min(per_session) / bs).min(blocks.table.len())
+        } else {
+            0
+        };
+        let tail_len = computed - keep * bs;
+        let tail = leasing
+            && tail_len > 0
+            && tail_len < bs
+            && computed <= per_session
+            && blocks.table.len() > keep;
+        let held = keep + usize::from(tail);
+        // Kept blocks are findable before they are held.
+        self.cache_full_blocks(&mut blocks, tokens, keep * bs);
+        self.pool.release_table(&blocks.table[held..]);
+        let Some(key) = lease else { return };
+        self.drop_lease(key);
+        if held == 0 {
+            return;
+        }
+        let order = self.next_lease;
+        self.next_lease += 1;
+        self.leases.insert(
+            order,
+            Lease {
+                key,
+                table: blocks.table[..held].to_vec(),
+                tail: tail.then(|| tokens[keep * bs..computed].to_vec()),
+            },
+        );
+        self.lease_order.insert(key, order);
+        self.holds_version += 1;
+        let cap = self.cfg.lease_tokens_total / bs;
+        while self.held_blocks().leased > cap && self.drop_oldest_lease() {}
+    }
+
+    /// Drops a session's lease (its blocks stay cached until evicted). Idempotent.
+    pub fn drop_lease(&mut self, key: LeaseKey) {
+        if let Some(order) = self.lease_order.remove(&key) {
+            let lease = self
+                .leases
+                .remove(&order)
+                .expect("lease_order points at a lease");
+            self.pool.release_table(&lease.table);
+            self.holds_version += 1;
+        }
+    }
+
+    fn drop_oldest_lease(&mut self) -> bool {
+        let Some(key) = self.leases.first_key_value().map(|(_, l)| l.key) else {
+            return false;
+        };
+        self.drop_lease(key);
+        true
+    }
+
+    /// Drops leases, oldest first, until `blocks` blocks are free; false if that is not enough.
+    fn make_room(&mut self, blocks: usize) -> bool {
+        while self.pool.free_count() < blocks {
+            if !self.drop_oldest_lease() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// A pinned prefix has been prefilled: its full blocks (registered) and its partly filled
+    /// last block stay referenced for good.
+    pub fn pin(&mut self, mut blocks: SeqBlocks, tokens: &[u32]) {
+        let bs = self.cfg.block_size;
+        self.cache_full_blocks(&mut blocks, tokens, tokens.len());
+        let mut keep = blocks.hashes.len();
+        if keep > 0 && tokens.len() > keep * bs && blocks.table.len() > keep {
+            self.pin_tails.push(PinTail {
+                after: blocks.hashes[keep - 1],
+                tokens: tokens[keep * bs..].to_vec(),
+                block: blocks.table[keep],
+            });
+            keep += 1;
+        }
+        self.pool.release_table(&blocks.table[keep..]);
+        self.pinned.push(blocks.table[..keep].to_vec());
+        self.holds_version += 1;
+    }
+
+    /// The copies the next step must make before it runs.
+    pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// A number that changes whenever `held_distinct` may have.
+    pub fn holds_version(&self) -> u64 {
+        self.holds_version
+    }
+
+    /// Distinct blocks referenced only by leases and pins once nothing runs (the idle level).
+    pub fn held_distinct(&self) -> usize {
+        let mut all: HashSet<u32> = HashSet::new();
+        for l in self.leases.values() {
+            all.extend(&l.table);
+        }
+        for t in &self.pinned {
+            all.extend(t);
+        }
+        all.len()
+    }
+
+    /// Block references held by leases and by pinned prefixes.
+    pub fn held_blocks(&self) -> HeldBlocks {
+        HeldBlocks {
+            leased: self.leases.values().map(|l| l.table.len()).sum(),
+            pinned: self.pinned.iter().map(Vec::len).sum(),
+        }
+    }
+
+    /// Checks the manager's invariants and the pool's (tests and debug assertions).
+    pub fn check(&self) -> Result<(), String> {
+        self.pool.check()?;
+        if self.leases.len() != self.lease_order.len() {
+            return Err("leases and their order disagree".into());
+        }
+        for (k, o) in &self.lease_order {
+            match self.leases.get(o) {
+                Some(l) if l.key == *k => {}
+                _ => return Err(format!("lease {k:?} is not at its place {o}")),
+            }
+        }
+        let bs = self.cfg.block_size;
+        for l in self.leases.values() {
+            if l.table.is_empty() {
+                return Err(format!("lease {:?} holds no block", l.key));
+            }
+            if l.tail
+                .as_ref()
+                .is_some_and(|t| t.is_empty() || t.len() >= bs)
+            {
+                return Err(format!(
+                    "lease {:?}: a tail is a partly filled block",
+                    l.key
+                ));
+            }
+        }
+        for (b, refs) in self.held_refs() {
+            if self.pool.refs(b) < refs {
+                return Err(format!(
+                    "block {b} is held {refs} times but has {} references",
+                    self.pool.refs(b)
+                ));
+            }
+        }
+        for t in &self.pin_tails {
+            if !self.pinned.iter().any(|p| p.contains(&t.block)) {
+                return Err(format!("pin tail block {} is not pinned", t.block));
+            }
+        }
+        Ok(())
+    }
+
+    /// References leases and pins hold, per block.
+    fn held_refs(&self) -> HashMap<u32, u32> {
+        let mut refs: HashMap<u32, u32> = HashMap::new();
+        let tables = self.leases.values().map(|l| &l.table).chain(&self.pinned);
+        for b in tables.flatten() {
+            *refs.entry(*b).or_default() += 1;
+        }
+        refs
+    }
+}
+
+/// Block references held between requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldBlocks {
+    pub leased: usize,
+    pub pinned: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv_cache::Salt;
+
+    fn manager(blocks: usize, lease: usize) -> KvManager {
+        let cfg = KvConfig {
+            block_size: 4,
+            prefix_caching: true,
+            lease_tokens_per_session: lease,
+            lease_tokens_total: lease,
+        };
+        KvManager::new(cfg, BlockPool::new(blocks))
+    }
+
+    /// A request that has computed all of `tokens` (their K/V written).
+    fn computed(kv: &mut KvManager, tokens: &[u32], scope: CacheScope) -> SeqBlocks {
+        let c = kv.computed_blocks(tokens, scope, None);
+        let mut b = c.blocks;
+        assert!(kv.allocate_slots(&mut b, tokens.len()));
+        kv.cache_full_blocks(&mut b, tokens, tokens.len());
+        b
+    }
+
+    #[test]
+    fn computed_blocks_are_the_cached_run_in_the_same_scope_leaving_one_token() {
+        let mut kv = manager(16, 0);
+        let a = CacheScope::private(Salt(1));
+        let tokens: Vec<u32> = (0..12).collect();
+        let first = computed(&mut kv, &tokens, a);
+        // Same scope: two full blocks (the third would leave no token to compute).
+        let c = kv.computed_blocks(&tokens, a, None);
+        assert_eq!((c.tokens, c.blocks.table()), (8, &first.table()[..2]));
+        kv.free(c.blocks);
+        // Another scope: nothing.
+        let c = kv.computed_blocks(&tokens, CacheScope::private(Salt(2)), None);
+        assert_eq!(c.tokens, 0);
+        kv.free(c.blocks);
+        kv.free(first);
+        assert_eq!(kv.pool().used_count(), 0);
+        kv.check().unwrap();
+    }
+
+    #[test]
+    fn a_lease_holds_a_turn_and_hands_its_partial_block_to_the_next() {
+        let mut kv = manager(16, 64);
+        let scope = CacheScope::private(Salt(1));
+        let turn1: Vec<u32> = (0..10).collect(); // 2 full blocks and 2 tokens
+        let b = computed(&mut kv, &turn1, scope);
+        kv.finish(b, &turn1, 10, Some(LeaseKey(7)));
+        assert_eq!(kv.held_blocks().leased, 3);
+        assert_eq!(kv.pool().used_count(), 3);
+        kv.check().unwrap();
+        let mut turn2 = turn1.clone();
+        turn2.extend([50, 51]);
+        let c = kv.computed_blocks(&turn2, scope, Some(LeaseKey(7)));
+        assert_eq!(c.tokens, 10, "the partial block continues the request");
+        assert_eq!(kv.held_blocks().leased, 0, "the lease has served");
+        assert_eq!(kv.pool().used_count(), 3);
+        kv.free(c.blocks);
+        assert_eq!(kv.pool().used_count(), 0);
+        kv.check().unwrap();
+    }
+
+    #[test]
+    fn allocation_drops_leases_oldest_first_before_failing() {
+        let mut kv = manager(4, 64);
+        let scope = CacheScope::private(Salt(1));
+        for (key, base) in [(1u64, 0u32), (2, 100)] {
+            let t: Vec<u32> = (base..base + 8).collect();
+            let b = computed(&mut kv, &t, scope);
+            kv.finish(b, &t, 8, Some(LeaseKey(key)));
+        }
+        assert_eq!(kv.pool().free_count(), 0);
+        let mut b = SeqBlocks::new(scope);
+        assert!(kv.allocate_slots(&mut b, 5), "lease 1 goes");
+        assert_eq!(kv.held_blocks().leased, 2);
+        assert!(!kv.allocate_slots(&mut b, 20), "more than the pool holds");
+        assert_eq!(b.table().len(), 2, "nothing allocated when it fails");
+        kv.free(b);
+        kv.drop_lease(LeaseKey(2));
+        assert_eq!(kv.pool().used_count(), 0);
+        kv.check().unwrap();
+    }
+
+    #[test]
+    fn a_pins_partial_block_is_copied_for_its_tenant_only() {
+        let mut kv = manager(16, 0);
+        let tenant = Salt(5);
+        let sys: Vec<u32> = (0..9).collect();
+        let b = computed(&mut kv, &sys, CacheScope::operator(tenant));
+        kv.pin(b, &sys);
+        assert_eq!(kv.held_blocks().pinned, 3);
+        let mut prompt = sys.clone();
+        prompt.push(40);
+        let visitor = CacheScope {
+            tenant,
+            principal: Salt(9),
+            shared_tokens: sys.len(),
+        };
+        let c = kv.computed_blocks(&prompt, visitor, None);
+        assert_eq!(c.tokens, 9);
+        let copies = kv.take_copies();
+        assert_eq!(copies.len(), 1);
+        assert_eq!((copies[0].dst, copies[0].slots), (c.blocks.table()[2], 1));
+        // Freed before its step ran: the pending copy goes with it.
+        kv.free(c.blocks);
+        let c = kv.computed_blocks(&prompt, visitor, None);
+        kv.free(c.blocks);
+        assert!(kv.take_copies().is_empty());
+        // Another tenant finds nothing.
+        let c = kv.computed_blocks(&prompt, CacheScope::private(Salt(6)), None);
+        assert_eq!(c.tokens, 0);
+        kv.free(c.blocks);
+        kv.check().unwrap();
+    }
+}
