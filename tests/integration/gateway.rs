@@ -453,8 +453,18 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
         for _ in 0..4 {
             clients.push(app.connect().await);
         }
-        for (i, c) in clients.iter_mut().enumerate() {
-            c.chat(&format!("r{i}"), "Write a long answer.", greedy(600))
+        let long = json!({"temperature": 0, "max_tokens": 600, "ignore_eos": true});
+        // One request runs, one waits; the two after them find the queue full.
+        clients[0]
+            .chat("r0", "Write a long answer.", long.clone())
+            .await;
+        wait_for(&app, |s| s.running == 1).await;
+        clients[1]
+            .chat("r1", "Write a long answer.", long.clone())
+            .await;
+        wait_for(&app, |s| s.waiting == 1).await;
+        for (i, c) in clients.iter_mut().enumerate().skip(2) {
+            c.chat(&format!("r{i}"), "Write a long answer.", long.clone())
                 .await;
         }
         let replies = futures_util::future::join_all(
@@ -464,25 +474,34 @@ fn queue_overflow_is_overloaded_at_once_and_the_others_finish() {
                 .map(|(i, c)| async move { c.reply(&format!("r{i}")).await }),
         )
         .await;
-        let overloaded = replies
-            .iter()
-            .filter(|r| r.done["error_type"] == "overloaded")
-            .count();
-        let done = replies.iter().filter(|r| r.done["type"] == "done").count();
-        assert!(
-            overloaded >= 1,
-            "{:?}",
-            replies.iter().map(|r| &r.done).collect::<Vec<_>>()
-        );
-        assert_eq!(done + overloaded, 4);
-        assert!(done >= 1, "the admitted requests finish");
+        let ends: Vec<&Value> = replies.iter().map(|r| &r.done).collect();
+        for r in &replies[..2] {
+            assert_eq!(r.done["type"], "done", "{ends:?}");
+            assert_eq!(r.done["finish_reason"], "length", "{ends:?}");
+        }
+        for r in &replies[2..] {
+            assert_eq!(r.done["error_type"], "overloaded", "{ends:?}");
+        }
         let m = metrics_text(&app).await;
         assert!(
-            m.contains("llama_relay_errors_total{error_type=\"overloaded\"}"),
+            m.contains("llama_relay_errors_total{error_type=\"overloaded\"} 2"),
             "{m}"
         );
         app.wait_idle().await;
     });
+}
+
+/// Waits (up to 10 s) until the batcher's status satisfies `f`.
+async fn wait_for(app: &App, f: impl Fn(&BatcherStatus) -> bool) {
+    let t0 = Instant::now();
+    loop {
+        let s = app.status().await;
+        if f(&s) {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{s:?}");
+        actix_web::rt::time::sleep(Duration::from_millis(2)).await;
+    }
 }
 
 pub async fn metrics_text(app: &App) -> String {
