@@ -1,25 +1,24 @@
-//! One sequence through the engine: chunked prefill, then decode until an end-of-turn id or the
-//! token limit. Behind the `generate` command (a quick check of a model before serving it) and the
-//! model tests.
+//! One prompt through the engine core, the same scheduler, KV manager and sampler the server
+//! runs: chunked prefill, then decode until an end-of-turn id or the token limit. Behind the
+//! `generate` command (a quick check of a model before serving it) and the model tests.
 
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Tensor};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
-
-use crate::engine::{Engine, SeqChunk, StepBatch};
+use crate::engine::core::{Core, Event, Finish, Request};
+use crate::engine::scheduler::{RequestId, SchedulerConfig};
+use crate::engine::Engine;
 use crate::error::{EngineError, Result};
+use crate::kv_cache::manager::KvConfig;
+use crate::kv_cache::{CacheScope, Salt};
+use crate::sampler::SamplingParams;
 use crate::tokenizer::TextTokenizer;
 
 /// How to pick tokens.
 #[derive(Debug, Clone)]
 pub struct GenerateParams {
     pub max_new_tokens: usize,
-    /// 0 = greedy.
-    pub temperature: f64,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f64>,
-    pub seed: u64,
+    /// The server's sampling settings (default: greedy).
+    pub sampling: SamplingParams,
     /// Tokens per prefill step.
     pub prefill_chunk: usize,
     /// Stop at the model's end-of-turn ids.
@@ -30,10 +29,10 @@ impl Default for GenerateParams {
     fn default() -> Self {
         GenerateParams {
             max_new_tokens: 128,
-            temperature: 0.0,
-            top_k: None,
-            top_p: None,
-            seed: 299_792_458,
+            sampling: SamplingParams {
+                seed: Some(299_792_458),
+                ..SamplingParams::default()
+            },
             prefill_chunk: 512,
             stop_at_eos: true,
         }
@@ -62,34 +61,8 @@ impl GenerationStats {
     }
 }
 
-fn sampler(p: &GenerateParams) -> LogitsProcessor {
-    let s = if p.temperature <= 0.0 {
-        Sampling::ArgMax
-    } else {
-        match (p.top_k, p.top_p) {
-            (None, None) => Sampling::All {
-                temperature: p.temperature,
-            },
-            (Some(k), None) => Sampling::TopK {
-                k,
-                temperature: p.temperature,
-            },
-            (None, Some(tp)) => Sampling::TopP {
-                p: tp,
-                temperature: p.temperature,
-            },
-            (Some(k), Some(tp)) => Sampling::TopKThenTopP {
-                k,
-                p: tp,
-                temperature: p.temperature,
-            },
-        }
-    };
-    LogitsProcessor::from_sampling(p.seed, s)
-}
-
-/// Generates from `prompt` (token ids), calling `on_token` with the tokenizer and each new id. Frees its KV blocks
-/// when done, also on error.
+/// Generates from `prompt` (token ids), calling `on_token` with the tokenizer and each new id.
+/// Frees its KV blocks when done, also on error.
 pub fn generate(
     engine: &mut Engine,
     prompt: &[u32],
@@ -99,86 +72,80 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(EngineError::InvalidBatch("the prompt is empty".into()));
     }
+    let context = engine.model.max_positions();
     let total = prompt.len() + params.max_new_tokens;
-    if total > engine.model.max_positions() {
+    if total > context {
         return Err(EngineError::InvalidBatch(format!(
-            "prompt ({} tokens) + max_new_tokens ({}) exceeds the context of {}",
+            "prompt ({} tokens) + max_new_tokens ({}) exceeds the context of {context}",
             prompt.len(),
             params.max_new_tokens,
-            engine.model.max_positions()
         )));
     }
-    let mut table = Vec::new();
-    let bs = engine.cache.block_size();
-    if !engine.pool.ensure_capacity(&mut table, total, bs) {
-        return Err(EngineError::KvCache(format!(
-            "{total} tokens need {} blocks, {} are free",
-            total.div_ceil(bs),
-            engine.pool.free_count()
-        )));
-    }
-    let result = run(engine, prompt, params, &table, &mut on_token);
-    engine.pool.release(&table);
+    let sched = SchedulerConfig {
+        max_running: 1,
+        max_waiting: 1,
+        step_tokens: params.prefill_chunk.max(1),
+    };
+    let kv = KvConfig {
+        block_size: engine.cache.block_size(),
+        prefix_caching: false,
+        lease_tokens_per_session: 0,
+        lease_tokens_total: 0,
+    };
+    let mut core = Core::new(&mut *engine, sched, kv, context);
+    let result = run(&mut core, prompt, params, &mut on_token);
+    core.remove(RequestId(0));
+    core.into_engine();
     result
 }
 
 fn run(
-    engine: &Engine,
+    core: &mut Core<&mut Engine>,
     prompt: &[u32],
     params: &GenerateParams,
-    table: &[u32],
     on_token: &mut impl FnMut(&TextTokenizer, u32) -> Result<()>,
 ) -> Result<GenerationStats> {
+    let id = RequestId(0);
+    let request = Request {
+        id,
+        prompt: prompt.to_vec(),
+        sampling: params.sampling.clone(),
+        max_tokens: params.max_new_tokens,
+        ignore_eos: !params.stop_at_eos,
+        scope: CacheScope::private(Salt(0)),
+        lease: None,
+    };
+    core.add(request).map_err(|e| {
+        let free = core.scheduler().kv().pool().free_count();
+        EngineError::KvCache(format!("{e:?}; {free} blocks are free"))
+    })?;
     let mut stats = GenerationStats {
         prompt_tokens: prompt.len(),
         ..Default::default()
     };
-    let mut lp = sampler(params);
-    let chunk = params.prefill_chunk.max(1);
     let t0 = Instant::now();
-    let mut logits: Option<Tensor> = None;
-    let mut pos = 0;
-    while pos < prompt.len() {
-        let end = (pos + chunk).min(prompt.len());
-        let batch = StepBatch {
-            seqs: vec![SeqChunk {
-                tokens: prompt[pos..end].to_vec(),
-                start_pos: pos,
-                block_table: table.to_vec(),
-                want_logits: end == prompt.len(),
-            }],
-        };
-        logits = engine.model.forward(&batch, &engine.cache)?;
-        pos = end;
-    }
-    let mut logits = logits.expect("the last prefill chunk asks for logits");
-    stats.prefill = t0.elapsed();
-    let t1 = Instant::now();
-    while stats.generated.len() < params.max_new_tokens {
-        let row = logits.squeeze(0)?.to_dtype(DType::F32)?;
-        let next = lp.sample(&row)?;
-        stats.generated.push(next);
-        on_token(&engine.tokenizer, next)?;
-        if params.stop_at_eos && engine.tokenizer.eos_ids().contains(&next) {
-            stats.stopped_at_eos = true;
+    let mut first: Option<Instant> = None;
+    loop {
+        let Some(events) = core.step().map_err(|f| f.error)? else {
             break;
-        }
-        if stats.generated.len() == params.max_new_tokens {
-            break;
-        }
-        let batch = StepBatch {
-            seqs: vec![SeqChunk {
-                tokens: vec![next],
-                start_pos: prompt.len() + stats.generated.len() - 1,
-                block_table: table.to_vec(),
-                want_logits: true,
-            }],
         };
-        logits = engine
-            .model
-            .forward(&batch, &engine.cache)?
-            .expect("decode asks for logits");
+        for ev in events {
+            match ev {
+                Event::Token { token, .. } => {
+                    if first.is_none() {
+                        first = Some(Instant::now());
+                        stats.prefill = t0.elapsed();
+                    }
+                    stats.generated.push(token);
+                    on_token(&core.engine().tokenizer, token)?;
+                }
+                Event::Finished { reason, .. } => {
+                    stats.stopped_at_eos = reason == Finish::EndOfTurn;
+                }
+                Event::Started { .. } => {}
+            }
+        }
     }
-    stats.decode = t1.elapsed();
+    stats.decode = first.map(|f| f.elapsed()).unwrap_or_default();
     Ok(stats)
 }

@@ -110,11 +110,16 @@ struct GenerateArgs {
     max_tokens: usize,
     /// 0 = greedy.
     #[arg(short, long, default_value_t = 0.0)]
-    temperature: f64,
-    #[arg(long)]
-    top_k: Option<usize>,
-    #[arg(long)]
-    top_p: Option<f64>,
+    temperature: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// 1 = off.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
     /// Tokens per prefill step.
@@ -322,6 +327,22 @@ async fn tokio_select<A: std::future::Future, B: std::future::Future>(a: A, b: B
 }
 
 fn run_generate(opts: &llama_relay::engine::EngineOptions, a: GenerateArgs) -> anyhow::Result<()> {
+    let sampling = llama_relay::sampler::SamplingParams {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        seed: Some(a.seed),
+        ..Default::default()
+    };
+    if let Err(e) = sampling.check() {
+        anyhow::bail!(
+            "--{} must be {}. Given: {}",
+            e.field.replace('_', "-"),
+            e.allowed,
+            e.given
+        );
+    }
     let mut engine = Engine::load(opts).context("loading the model")?;
     let ids = if a.raw || !engine.tokenizer.has_chat_template() {
         engine.tokenizer.encode_prompt(&a.prompt)?
@@ -335,10 +356,7 @@ fn run_generate(opts: &llama_relay::engine::EngineOptions, a: GenerateArgs) -> a
     };
     let params = GenerateParams {
         max_new_tokens: a.max_tokens,
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        seed: a.seed,
+        sampling,
         prefill_chunk: a.prefill_chunk,
         stop_at_eos: !a.ignore_eos,
     };

@@ -176,23 +176,6 @@ fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
     RequestError::InvalidRequest(format!("`{field}` {msg}"))
 }
 
-fn range_f32(
-    field: &str,
-    v: Option<f32>,
-    lo: f32,
-    hi: f32,
-    default: f32,
-) -> Result<f32, RequestError> {
-    match v {
-        None => Ok(default),
-        Some(x) if x.is_finite() && x >= lo && x <= hi => Ok(x),
-        Some(x) => Err(bad(
-            field,
-            format!("must be between {lo} and {hi}. Given: {x}"),
-        )),
-    }
-}
-
 impl Limits {
     /// Validates a `chat` frame's fields against these limits and the server's defaults.
     pub fn validate_chat(
@@ -241,60 +224,22 @@ impl Limits {
             }
         }
         let sampling = SamplingParams {
-            temperature: range_f32(
-                "params.temperature",
-                p.temperature,
-                0.0,
-                2.0,
-                defaults.temperature,
-            )?,
-            top_k: match p.top_k {
-                Some(k) if k > 1000 => {
-                    return Err(bad(
-                        "params.top_k",
-                        format!("must be between 0 (off) and 1000. Given: {k}"),
-                    ))
-                }
-                Some(k) => k,
-                None => defaults.top_k,
-            },
-            top_p: match p.top_p {
-                Some(x) if !(x > 0.0 && x <= 1.0) => {
-                    return Err(bad(
-                        "params.top_p",
-                        format!("must be in (0, 1]. Given: {x}"),
-                    ))
-                }
-                Some(x) => x,
-                None => defaults.top_p,
-            },
-            min_p: range_f32("params.min_p", p.min_p, 0.0, 1.0, defaults.min_p)?,
-            repetition_penalty: match p.repetition_penalty {
-                Some(x) if !(x > 0.0 && x <= 2.0) => {
-                    return Err(bad(
-                        "params.repetition_penalty",
-                        format!("must be in (0, 2]. Given: {x}"),
-                    ))
-                }
-                Some(x) => x,
-                None => defaults.repetition_penalty,
-            },
-            presence_penalty: range_f32(
-                "params.presence_penalty",
-                p.presence_penalty,
-                -2.0,
-                2.0,
-                defaults.presence_penalty,
-            )?,
-            frequency_penalty: range_f32(
-                "params.frequency_penalty",
-                p.frequency_penalty,
-                -2.0,
-                2.0,
-                defaults.frequency_penalty,
-            )?,
+            temperature: p.temperature.unwrap_or(defaults.temperature),
+            top_k: p.top_k.unwrap_or(defaults.top_k),
+            top_p: p.top_p.unwrap_or(defaults.top_p),
+            min_p: p.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: p.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+            presence_penalty: p.presence_penalty.unwrap_or(defaults.presence_penalty),
+            frequency_penalty: p.frequency_penalty.unwrap_or(defaults.frequency_penalty),
             seed: p.seed.or(defaults.seed),
         };
+        // The defaults were checked at start, so a value out of range is the client's.
+        sampling.check().map_err(|e| {
+            bad(
+                &format!("params.{}", e.field),
+                format!("must be {}. Given: {}", e.allowed, e.given),
+            )
+        })?;
         let max_tokens = match p.max_tokens {
             Some(0) => {
                 return Err(bad(

@@ -46,6 +46,81 @@ impl Default for SamplingParams {
     }
 }
 
+/// A sampling setting outside its range: the field (as `SamplingParams` names it), what is
+/// allowed, and the value given.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutOfRange {
+    pub field: &'static str,
+    pub allowed: &'static str,
+    pub given: String,
+}
+
+impl SamplingParams {
+    /// The one definition of every setting's range: the wire (`params.*`), the config file
+    /// (`sampling.*`) and the `generate` command all check with it.
+    pub fn check(&self) -> Result<(), OutOfRange> {
+        fn within(v: f32, lo: f32, hi: f32, lo_open: bool) -> bool {
+            v.is_finite() && (if lo_open { v > lo } else { v >= lo }) && v <= hi
+        }
+        let f32s = [
+            (
+                "temperature",
+                self.temperature,
+                0.0,
+                2.0,
+                false,
+                "between 0 and 2",
+            ),
+            ("top_p", self.top_p, 0.0, 1.0, true, "in (0, 1]"),
+            ("min_p", self.min_p, 0.0, 1.0, false, "between 0 and 1"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty,
+                0.0,
+                2.0,
+                true,
+                "in (0, 2]",
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                -2.0,
+                2.0,
+                false,
+                "between -2 and 2",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                -2.0,
+                2.0,
+                false,
+                "between -2 and 2",
+            ),
+        ];
+        for (field, v, lo, hi, lo_open, allowed) in f32s {
+            if !within(v, lo, hi, lo_open) {
+                return Err(OutOfRange {
+                    field,
+                    allowed,
+                    given: v.to_string(),
+                });
+            }
+        }
+        if self.top_k > MAX_TOP_K {
+            return Err(OutOfRange {
+                field: "top_k",
+                allowed: "between 0 (off) and 1000",
+                given: self.top_k.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// The largest `top_k` accepted.
+pub const MAX_TOP_K: usize = 1000;
+
 /// Per-request sampling state.
 pub struct Sampler {
     params: SamplingParams,
@@ -175,6 +250,38 @@ pub fn argmax(v: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_range_is_checked_and_named() {
+        assert_eq!(SamplingParams::default().check(), Ok(()));
+        type Set = fn(&mut SamplingParams);
+        let cases: [(&str, Set); 8] = [
+            ("temperature", |p| p.temperature = 2.5),
+            ("temperature", |p| p.temperature = f32::NAN),
+            ("top_p", |p| p.top_p = 0.0),
+            ("min_p", |p| p.min_p = -0.1),
+            ("repetition_penalty", |p| p.repetition_penalty = 0.0),
+            ("presence_penalty", |p| p.presence_penalty = 2.1),
+            ("frequency_penalty", |p| p.frequency_penalty = -3.0),
+            ("top_k", |p| p.top_k = MAX_TOP_K + 1),
+        ];
+        for (field, set) in cases {
+            let mut p = SamplingParams::default();
+            set(&mut p);
+            assert_eq!(p.check().unwrap_err().field, field);
+        }
+        let edges = SamplingParams {
+            temperature: 2.0,
+            top_p: 1.0,
+            min_p: 1.0,
+            repetition_penalty: 2.0,
+            presence_penalty: -2.0,
+            frequency_penalty: 2.0,
+            top_k: MAX_TOP_K,
+            ..SamplingParams::default()
+        };
+        assert_eq!(edges.check(), Ok(()));
+    }
 
     fn params(t: f32) -> SamplingParams {
         SamplingParams {

@@ -239,22 +239,9 @@ impl Settings {
             ));
         }
         let sp = &self.sampling;
-        if !(0.0..=2.0).contains(&sp.temperature) {
-            return Err(invalid("sampling.temperature", sp.temperature, "0 to 2"));
-        }
-        if !(sp.top_p > 0.0 && sp.top_p <= 1.0) {
-            return Err(invalid("sampling.top_p", sp.top_p, "(0, 1]"));
-        }
-        if !(0.0..=1.0).contains(&sp.min_p) {
-            return Err(invalid("sampling.min_p", sp.min_p, "0 to 1"));
-        }
-        if !(sp.repetition_penalty > 0.0 && sp.repetition_penalty <= 2.0) {
-            return Err(invalid(
-                "sampling.repetition_penalty",
-                sp.repetition_penalty,
-                "(0, 2]",
-            ));
-        }
+        self.sampling_defaults()
+            .check()
+            .map_err(|e| invalid(&format!("sampling.{}", e.field), e.given, e.allowed))?;
         if sp.max_tokens == 0 || sp.max_tokens > self.limits.max_tokens {
             return Err(invalid(
                 "sampling.max_tokens",
@@ -280,6 +267,21 @@ impl Settings {
         Ok(())
     }
 
+    /// The `[sampling]` section as a request's defaults.
+    pub fn sampling_defaults(&self) -> crate::sampler::SamplingParams {
+        let sp = &self.sampling;
+        crate::sampler::SamplingParams {
+            temperature: sp.temperature,
+            top_k: sp.top_k,
+            top_p: sp.top_p,
+            min_p: sp.min_p,
+            repetition_penalty: sp.repetition_penalty,
+            presence_penalty: sp.presence_penalty,
+            frequency_penalty: sp.frequency_penalty,
+            seed: None,
+        }
+    }
+
     pub fn session_config(&self) -> crate::server::SessionConfig {
         let sp = &self.sampling;
         crate::server::SessionConfig {
@@ -293,16 +295,7 @@ impl Settings {
                 max_stop_chars: self.limits.max_stop_chars,
                 max_id_chars: 128,
             },
-            sampling: crate::sampler::SamplingParams {
-                temperature: sp.temperature,
-                top_k: sp.top_k,
-                top_p: sp.top_p,
-                min_p: sp.min_p,
-                repetition_penalty: sp.repetition_penalty,
-                presence_penalty: sp.presence_penalty,
-                frequency_penalty: sp.frequency_penalty,
-                seed: None,
-            },
+            sampling: self.sampling_defaults(),
             default_max_tokens: sp.max_tokens,
             heartbeat: std::time::Duration::from_secs(self.server.heartbeat_s),
             client_timeout: std::time::Duration::from_secs(self.server.client_timeout_s),

@@ -1,8 +1,9 @@
-//! The batcher actor: the one owner of the model, the KV cache and the scheduler.
+//! The batcher actor: the one owner of the engine core (model, KV cache, scheduler, samplers).
 //!
 //! Sessions send it `Submit` (carrying their reply `Recipient`) and `Cancel`; it answers `Submit`
-//! at once (queued, or an error) and wakes itself. Each `Step` runs one scheduled forward pass over
-//! every running sequence, samples, and sends each token to its session the moment it exists;
+//! at once (queued, or an error) and wakes itself. Each `Step` runs one core step (one scheduled
+//! forward pass over every running sequence, then sampling) and sends each token to its session
+//! the moment it exists;
 //! it re-arms itself with `notify` while work remains (so `Submit` and `Cancel` are handled between
 //! steps) and sleeps when idle: no spinning, no timer. A reply channel that no longer connects is a
 //! cancel (TGI, mistral.rs). It runs on its own Arbiter because a forward step blocks the thread.
@@ -14,12 +15,13 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::scheduler::{AddError, RequestId, Scheduler, SchedulerConfig};
+use super::core::{Core, Event, Finish, Request, StepFailed};
+use super::scheduler::{AddError, RequestId, SchedulerConfig};
 use super::Engine;
-use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
+use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
 use crate::protocol::{FinishReason, RequestError, Timings, Usage};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::SamplingParams;
 
 /// A fresh request id, unique in the process (sessions allocate them so that events can never
 /// arrive for an id the session does not know yet).
@@ -126,12 +128,9 @@ pub struct BatcherStatus {
 #[rtype(result = "()")]
 struct Step;
 
+/// What the batcher keeps of a request: where its events go, and its timings.
 struct Active {
     reply_to: Recipient<GenerationEvent>,
-    sampler: Sampler,
-    max_tokens: usize,
-    ignore_eos: bool,
-    lease: Option<LeaseKey>,
     prompt_tokens: usize,
     cached_tokens: usize,
     submitted: Instant,
@@ -150,8 +149,7 @@ pub struct BatcherConfig {
 }
 
 pub struct Batcher {
-    engine: Engine,
-    sched: Scheduler,
+    core: Core,
     active: HashMap<RequestId, Active>,
     stepping: bool,
     /// Shutting down: no new requests; running ones end with `shutdown` at this instant.
@@ -168,12 +166,10 @@ pub struct Batcher {
 }
 
 impl Batcher {
-    pub fn new(mut engine: Engine, cfg: BatcherConfig, metrics: Arc<Metrics>) -> Self {
-        let pool = std::mem::replace(&mut engine.pool, crate::kv_cache::BlockPool::new(0));
-        metrics.kv_blocks_total.set(pool.total() as i64);
+    pub fn new(engine: Engine, cfg: BatcherConfig, metrics: Arc<Metrics>) -> Self {
+        metrics.kv_blocks_total.set(engine.pool.total() as i64);
         Batcher {
-            sched: Scheduler::new(cfg.scheduler, KvManager::new(cfg.kv, pool)),
-            engine,
+            core: Core::new(engine, cfg.scheduler, cfg.kv, cfg.max_context),
             active: HashMap::new(),
             stepping: false,
             drain_deadline: None,
@@ -195,9 +191,10 @@ impl Batcher {
 
     fn update_gauges(&mut self) {
         let m = &self.metrics;
-        m.requests_running.set(self.sched.running_len() as i64);
-        m.requests_waiting.set(self.sched.waiting_len() as i64);
-        let kv = self.sched.kv();
+        let sched = self.core.scheduler();
+        m.requests_running.set(sched.running_len() as i64);
+        m.requests_waiting.set(sched.waiting_len() as i64);
+        let kv = sched.kv();
         let st = kv.pool().stats();
         m.kv_blocks_used.set(st.used as i64);
         // Counting held blocks walks every lease: only when leases or pins changed.
@@ -209,8 +206,8 @@ impl Batcher {
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.
-        let p = self.sched.prefix_stats();
-        let now = [p.queried, p.hits, st.evictions, self.sched.preemptions()];
+        let p = sched.prefix_stats();
+        let now = [p.queried, p.hits, st.evictions, sched.preemptions()];
         let last = std::mem::replace(&mut self.reported, now);
         m.prefix_queries.inc_by(now[0] - last[0]);
         m.prefix_hits.inc_by(now[1] - last[1]);
@@ -220,8 +217,12 @@ impl Batcher {
 
     /// Removes a request and tells its session how it ended.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
-        let lease = self.active.get(&id).and_then(|a| a.lease);
-        self.sched.finish(id, lease);
+        self.core.finish(id);
+        self.report_finished(id, reason);
+    }
+
+    /// Tells a finished request's session how it ended.
+    fn report_finished(&mut self, id: RequestId, reason: FinishReason) {
         if let Some(a) = self.active.remove(&id) {
             let now = Instant::now();
             let decode_s = match (a.first_token, a.last_token) {
@@ -262,7 +263,7 @@ impl Batcher {
 
     fn fail_all(&mut self, ids: Vec<RequestId>, err: RequestError) {
         for id in ids {
-            self.sched.remove(id);
+            self.core.remove(id);
             if let Some(a) = self.active.remove(&id) {
                 self.metrics.error(err.error_type());
                 a.reply_to.do_send(GenerationEvent {
@@ -283,7 +284,7 @@ impl Batcher {
             .collect();
         for k in gone {
             self.lease_expiry.remove(&k);
-            self.sched.drop_lease(k);
+            self.core.scheduler_mut().drop_lease(k);
         }
     }
 
@@ -303,106 +304,82 @@ impl Batcher {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            self.sched.remove(id);
+            self.core.remove(id);
             self.active.remove(&id);
         }
-        let Some(sch) = self.sched.schedule() else {
-            self.update_gauges();
-            return false;
-        };
-        let now = Instant::now();
-        for st in &sch.started {
-            let (id, cached) = (&st.id, &st.cached_tokens);
-            if let Some(a) = self.active.get_mut(id) {
-                a.cached_tokens = *cached;
-                if a.scheduled.is_none() {
-                    a.scheduled = Some(now);
-                    self.metrics
-                        .queue_time
-                        .observe((now - a.submitted).as_secs_f64());
-                    self.metrics.prompt_tokens.inc_by(a.prompt_tokens as u64);
-                    a.reply_to.do_send(GenerationEvent {
-                        request: *id,
-                        kind: EventKind::Started {
-                            prompt_tokens: a.prompt_tokens,
-                            cached_tokens: *cached,
-                        },
-                    });
-                }
+        let events = match self.core.step() {
+            Ok(Some(events)) => events,
+            Ok(None) => {
+                self.update_gauges();
+                return false;
             }
-        }
-        let t_step = Instant::now();
-        let copied = sch
-            .copies
-            .iter()
-            .try_for_each(|c| self.engine.cache.copy_slots(c.src, c.dst, c.slots));
-        let result = copied.and_then(|_| self.engine.model.forward(&sch.batch, &self.engine.cache));
-        tracing::debug!(
-            seqs = sch.batch.seqs.len(),
-            tokens = sch.batch.seqs.iter().map(|s| s.tokens.len()).sum::<usize>(),
-            forward_ms = t_step.elapsed().as_secs_f64() * 1e3,
-            "step"
-        );
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "forward step failed; failing its requests");
-                let ids = sch.entries.iter().map(|e| e.id).collect();
+            Err(StepFailed { ids, error }) => {
+                tracing::error!(error = %error, "forward step failed; failing its requests");
                 self.fail_all(
                     ids,
-                    RequestError::Internal(format!("the model step failed: {e}")),
+                    RequestError::Internal(format!("the model step failed: {error}")),
                 );
                 self.update_gauges();
-                return !self.sched.is_idle();
+                return !self.core.is_idle();
             }
         };
-        if let Some(logits) = logits {
-            let rows = match logits.to_vec2::<f32>() {
-                Ok(r) => r,
-                Err(e) => {
-                    let ids = sch.entries.iter().map(|e| e.id).collect();
-                    self.fail_all(
-                        ids,
-                        RequestError::Internal(format!("reading logits failed: {e}")),
-                    );
-                    return !self.sched.is_idle();
-                }
-            };
-            let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
-            let now = Instant::now();
-            let eos = self.engine.tokenizer.eos_ids().to_vec();
-            for (id, mut row) in sampled.zip(rows) {
-                let Some(a) = self.active.get_mut(&id) else {
-                    continue;
-                };
-                let token = a.sampler.sample(&mut row);
-                a.sampler.observe(token);
-                a.generated += 1;
-                match a.last_token {
-                    None => {
-                        a.first_token = Some(now);
-                        self.metrics.ttft.observe((now - a.submitted).as_secs_f64());
-                    }
-                    Some(l) => self.metrics.inter_token.observe((now - l).as_secs_f64()),
-                }
-                a.last_token = Some(now);
-                self.metrics.generation_tokens.inc();
-                a.reply_to.do_send(GenerationEvent {
-                    request: id,
-                    kind: EventKind::Token(token),
-                });
-                let total = a.prompt_tokens + a.generated;
-                if !a.ignore_eos && eos.contains(&token) {
-                    self.finish(id, FinishReason::Stop);
-                } else if a.generated >= a.max_tokens || total >= self.max_context {
-                    self.finish(id, FinishReason::Length);
-                } else {
-                    self.sched.append(id, token);
+        let now = Instant::now();
+        for ev in events {
+            match ev {
+                Event::Started { id, cached_tokens } => self.on_started(id, cached_tokens, now),
+                Event::Token { id, token } => self.on_token(id, token, now),
+                Event::Finished { id, reason } => {
+                    let reason = match reason {
+                        Finish::EndOfTurn => FinishReason::Stop,
+                        Finish::Length => FinishReason::Length,
+                    };
+                    self.report_finished(id, reason);
                 }
             }
         }
         self.update_gauges();
-        !self.sched.is_idle()
+        !self.core.is_idle()
+    }
+
+    fn on_started(&mut self, id: RequestId, cached_tokens: usize, now: Instant) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        a.cached_tokens = cached_tokens;
+        if a.scheduled.is_none() {
+            a.scheduled = Some(now);
+            self.metrics
+                .queue_time
+                .observe((now - a.submitted).as_secs_f64());
+            self.metrics.prompt_tokens.inc_by(a.prompt_tokens as u64);
+            a.reply_to.do_send(GenerationEvent {
+                request: id,
+                kind: EventKind::Started {
+                    prompt_tokens: a.prompt_tokens,
+                    cached_tokens,
+                },
+            });
+        }
+    }
+
+    fn on_token(&mut self, id: RequestId, token: u32, now: Instant) {
+        let Some(a) = self.active.get_mut(&id) else {
+            return;
+        };
+        a.generated += 1;
+        match a.last_token {
+            None => {
+                a.first_token = Some(now);
+                self.metrics.ttft.observe((now - a.submitted).as_secs_f64());
+            }
+            Some(l) => self.metrics.inter_token.observe((now - l).as_secs_f64()),
+        }
+        a.last_token = Some(now);
+        self.metrics.generation_tokens.inc();
+        a.reply_to.do_send(GenerationEvent {
+            request: id,
+            kind: EventKind::Token(token),
+        });
     }
 }
 
@@ -434,16 +411,21 @@ impl Handler<Submit> for Batcher {
                 self.max_context
             )));
         }
-        let max_total = (n + m.max_tokens).min(self.max_context);
         self.expire_leases();
         if let Some(k) = m.lease {
             // The session is back: its lease no longer expires.
             self.lease_expiry.remove(&k);
         }
-        let position = match self
-            .sched
-            .add(m.request, m.prompt.clone(), max_total, m.scope)
-        {
+        let request = Request {
+            id: m.request,
+            prompt: m.prompt,
+            sampling: m.sampling,
+            max_tokens: m.max_tokens,
+            ignore_eos: m.ignore_eos,
+            scope: m.scope,
+            lease: m.lease,
+        };
+        let position = match self.core.add(request) {
             Ok(p) => p,
             Err(AddError::Overloaded { waiting }) => return Err(RequestError::Overloaded(waiting)),
             Err(AddError::TooLarge {
@@ -455,17 +437,10 @@ impl Handler<Submit> for Batcher {
             )))
             }
         };
-        if let Some(k) = m.lease {
-            self.sched.set_lease(m.request, k);
-        }
         self.active.insert(
             m.request,
             Active {
-                sampler: Sampler::new(m.sampling, &m.prompt),
                 reply_to: m.reply_to,
-                max_tokens: m.max_tokens,
-                ignore_eos: m.ignore_eos,
-                lease: m.lease,
                 prompt_tokens: n,
                 cached_tokens: 0,
                 submitted: Instant::now(),
@@ -487,7 +462,7 @@ impl Handler<Cancel> for Batcher {
     fn handle(&mut self, m: Cancel, _: &mut Context<Self>) {
         match m.reason {
             CancelReason::Disconnected => {
-                self.sched.remove(m.request);
+                self.core.remove(m.request);
                 self.active.remove(&m.request);
             }
             CancelReason::Client => self.finish(m.request, FinishReason::Cancelled),
@@ -514,11 +489,11 @@ impl Handler<GetStatus> for Batcher {
 
     fn handle(&mut self, _: GetStatus, _: &mut Context<Self>) -> BatcherStatus {
         BatcherStatus {
-            running: self.sched.running_len(),
-            waiting: self.sched.waiting_len(),
-            kv_blocks_used: self.sched.kv().pool().used_count(),
-            kv_blocks_total: self.sched.kv().pool().total(),
-            kv_blocks_held: self.sched.kv().held_distinct(),
+            running: self.core.scheduler().running_len(),
+            waiting: self.core.scheduler().waiting_len(),
+            kv_blocks_used: self.core.scheduler().kv().pool().used_count(),
+            kv_blocks_total: self.core.scheduler().kv().pool().total(),
+            kv_blocks_held: self.core.scheduler().kv().held_distinct(),
         }
     }
 }
@@ -547,7 +522,9 @@ impl Handler<PinPrefix> for Batcher {
     type Result = ();
 
     fn handle(&mut self, m: PinPrefix, ctx: &mut Context<Self>) {
-        self.sched.add_pinned(next_request_id(), m.tokens, m.tenant);
+        self.core
+            .scheduler_mut()
+            .add_pinned(next_request_id(), m.tokens, m.tenant);
         self.wake(ctx);
     }
 }

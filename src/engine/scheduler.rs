@@ -149,6 +149,11 @@ impl Scheduler {
         &self.kv
     }
 
+    /// The KV cache manager, ending the scheduler.
+    pub fn into_kv(self) -> KvManager {
+        self.kv
+    }
+
     pub fn running_len(&self) -> usize {
         self.running.len()
     }

@@ -151,6 +151,11 @@ impl KvManager {
         &self.pool
     }
 
+    /// The pool back, with every block leases, pins and requests hold still referenced.
+    pub fn into_pool(self) -> BlockPool {
+        self.pool
+    }
+
     /// Tokens the whole cache holds.
     pub fn capacity_tokens(&self) -> usize {
         self.pool.total() * self.cfg.block_size

@@ -1,0 +1,230 @@
+//! The engine core: continuous batching as plain method calls. Requests go in, each `step` runs
+//! one scheduled forward pass over every running request and samples, and events come out. It
+//! owns the engine (model, KV cache tensors, tokenizer), the scheduler (and through it the KV
+//! manager) and each request's sampler, so the server's batcher actor, the `generate` command and
+//! the tests all run the same scheduling, block bookkeeping and sampling (vLLM v1's `EngineCore`
+//! in shape). No actors and no clocks: the batcher adds messages, timings and metrics.
+
+use std::borrow::BorrowMut;
+use std::collections::HashMap;
+
+use super::scheduler::{AddError, RequestId, Scheduler, SchedulerConfig};
+use super::Engine;
+use crate::error::EngineError;
+use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
+use crate::kv_cache::{BlockPool, CacheScope};
+use crate::sampler::{Sampler, SamplingParams};
+
+/// A request, validated by the caller: a non-empty prompt shorter than the context.
+#[derive(Debug, Clone)]
+pub struct Request {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Keep generating past the model's end-of-turn ids.
+    pub ignore_eos: bool,
+    /// Which cached blocks the request may share.
+    pub scope: CacheScope,
+    /// The session lease it continues and leaves its blocks to.
+    pub lease: Option<LeaseKey>,
+}
+
+/// Why the core ended a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The model sent an end-of-turn id.
+    EndOfTurn,
+    /// `max_tokens` or the context was reached.
+    Length,
+}
+
+/// What a step did, per request, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event {
+    /// The request's first chunk ran, `cached_tokens` of its prompt found in the cache.
+    Started {
+        id: RequestId,
+        cached_tokens: usize,
+    },
+    Token {
+        id: RequestId,
+        token: u32,
+    },
+    /// The request is over (its blocks freed or left to its lease); comes after its last token.
+    Finished {
+        id: RequestId,
+        reason: Finish,
+    },
+}
+
+/// A step that failed: its requests are removed.
+#[derive(Debug)]
+pub struct StepFailed {
+    pub ids: Vec<RequestId>,
+    pub error: EngineError,
+}
+
+/// A running request's sampling state and limits.
+struct Decoding {
+    sampler: Sampler,
+    max_tokens: usize,
+    ignore_eos: bool,
+    prompt_tokens: usize,
+    generated: usize,
+    lease: Option<LeaseKey>,
+}
+
+/// `E` is the engine, owned (the batcher) or borrowed (`generate`).
+pub struct Core<E: BorrowMut<Engine> = Engine> {
+    engine: E,
+    sched: Scheduler,
+    live: HashMap<RequestId, Decoding>,
+    max_context: usize,
+    eos: Vec<u32>,
+}
+
+impl<E: BorrowMut<Engine>> Core<E> {
+    /// Takes the engine's block pool into the KV manager (`into_engine` gives it back).
+    pub fn new(mut engine: E, sched: SchedulerConfig, kv: KvConfig, max_context: usize) -> Self {
+        let e = engine.borrow_mut();
+        let pool = std::mem::replace(&mut e.pool, BlockPool::new(0));
+        let eos = e.tokenizer.eos_ids().to_vec();
+        Core {
+            engine,
+            sched: Scheduler::new(sched, KvManager::new(kv, pool)),
+            live: HashMap::new(),
+            max_context,
+            eos,
+        }
+    }
+
+    pub fn engine(&self) -> &Engine {
+        self.engine.borrow()
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// For leases and pins.
+    pub fn scheduler_mut(&mut self) -> &mut Scheduler {
+        &mut self.sched
+    }
+
+    /// The engine, with its block pool back.
+    pub fn into_engine(mut self) -> E {
+        self.engine.borrow_mut().pool = self.sched.into_kv().into_pool();
+        self.engine
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_idle()
+    }
+
+    /// Queues a request; returns its queue position.
+    pub fn add(&mut self, r: Request) -> Result<usize, AddError> {
+        let n = r.prompt.len();
+        let max_total = (n + r.max_tokens).min(self.max_context);
+        let sampler = Sampler::new(r.sampling, &r.prompt);
+        let position = self.sched.add(r.id, r.prompt, max_total, r.scope)?;
+        if let Some(k) = r.lease {
+            self.sched.set_lease(r.id, k);
+        }
+        self.live.insert(
+            r.id,
+            Decoding {
+                sampler,
+                max_tokens: r.max_tokens,
+                ignore_eos: r.ignore_eos,
+                prompt_tokens: n,
+                generated: 0,
+                lease: r.lease,
+            },
+        );
+        Ok(position)
+    }
+
+    /// Ends a request now (cancelled, a stop string, shutdown): its conversation's blocks go to
+    /// its lease, the rest are freed. Idempotent.
+    pub fn finish(&mut self, id: RequestId) {
+        let lease = self.live.remove(&id).and_then(|d| d.lease);
+        self.sched.finish(id, lease);
+    }
+
+    /// Drops a request and all its blocks (its client is gone). Idempotent.
+    pub fn remove(&mut self, id: RequestId) {
+        self.live.remove(&id);
+        self.sched.remove(id);
+    }
+
+    /// Runs one step: `Ok(None)` when there is nothing to run.
+    pub fn step(&mut self) -> Result<Option<Vec<Event>>, StepFailed> {
+        let Some(sch) = self.sched.schedule() else {
+            return Ok(None);
+        };
+        let mut events: Vec<Event> = sch
+            .started
+            .iter()
+            .map(|s| Event::Started {
+                id: s.id,
+                cached_tokens: s.cached_tokens,
+            })
+            .collect();
+        let t = std::time::Instant::now();
+        let e = self.engine.borrow();
+        let result = sch
+            .copies
+            .iter()
+            .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
+            .and_then(|_| e.model.forward(&sch.batch, &e.cache))
+            .and_then(|l| {
+                l.map(|l| l.to_vec2::<f32>())
+                    .transpose()
+                    .map_err(Into::into)
+            });
+        tracing::debug!(
+            seqs = sch.batch.seqs.len(),
+            tokens = sch.batch.num_tokens(),
+            forward_ms = t.elapsed().as_secs_f64() * 1e3,
+            "step"
+        );
+        let rows = match result {
+            Ok(rows) => rows.unwrap_or_default(),
+            Err(error) => {
+                let ids: Vec<RequestId> = sch.entries.iter().map(|e| e.id).collect();
+                for id in &ids {
+                    self.remove(*id);
+                }
+                return Err(StepFailed { ids, error });
+            }
+        };
+        let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
+        for (id, mut row) in sampled.zip(rows) {
+            let Some(d) = self.live.get_mut(&id) else {
+                continue;
+            };
+            let token = d.sampler.sample(&mut row);
+            d.sampler.observe(token);
+            d.generated += 1;
+            events.push(Event::Token { id, token });
+            let reason = if !d.ignore_eos && self.eos.contains(&token) {
+                Some(Finish::EndOfTurn)
+            } else if d.generated >= d.max_tokens
+                || d.prompt_tokens + d.generated >= self.max_context
+            {
+                Some(Finish::Length)
+            } else {
+                None
+            };
+            match reason {
+                Some(reason) => {
+                    self.finish(id);
+                    events.push(Event::Finished { id, reason });
+                }
+                None => self.sched.append(id, token),
+            }
+        }
+        Ok(Some(events))
+    }
+}
