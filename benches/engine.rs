@@ -349,8 +349,8 @@ fn kernels_k(reps: usize) {
 /// it reads per second.
 fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
     use candle_core::{DType, Device, Tensor};
-    use llama_relay::engine::step::SeqMeta;
     use llama_relay::model::attention::{paged_attention, AttentionImpl, AttnDims};
+    use llama_relay::model::batch::SeqMeta;
     let (h, kvh, hd, bs) = (9, 3, 64, 16);
     let blocks_per_seq = (ctx + q_len).div_ceil(bs);
     // Spread each sequence's blocks over a cache 30x the working set, in a shuffled order.

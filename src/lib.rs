@@ -1,21 +1,24 @@
 //! llama-relay: streams Llama-3-family chat completions, batched on one machine.
 //!
-//! Module map:
-//! - `settings`: config file / environment / defaults, validated into engine options.
+//! Modules, in layers (each uses only those above it in this list; `tests/integration/layers.rs`
+//! checks it):
 //! - `error`: the engine's error enum with stable `error_type()` strings.
-//! - `model`: the Llama decoder on candle (`llama`), its config (`config`), GGUF and Hugging Face
-//!   loading (`loader`), and paged attention with a CPU fast path and a generic path (`attention`).
-//! - `kv_cache`: paged K/V tensors (`storage`) and the pure block pool (`block_pool`).
-//! - `engine`: the flat step batch (`step`) and a loaded engine (`loaded`).
-//! - `tokenizer`: tokenizer from tokenizer.json or GGUF metadata, chat templates (minijinja),
-//!   incremental detokenizer.
-//! - `generate`: one sequence through the engine (the `generate` command, model tests).
-//! - `default_model`: fetching and verifying the embedded default model.
+//! - `files` (reading JSON and GGUF metadata), `default_model` (fetching and verifying the
+//!   embedded default model), `sampler` (logits to a token), `kv_cache` (paged K/V tensors, the
+//!   block pool, the KV manager: all block bookkeeping).
+//! - `model`: the Llama decoder on candle, the step batch it takes, GGUF and Hugging Face loading,
+//!   paged attention, the CPU kernels. `tokenizer`: tokenizers, chat templates, detokenizer.
+//! - `engine`: a loaded engine, the scheduler (policy) and the core that steps them.
+//!   `protocol`: the WebSocket frames and their validation. `metrics`: the Prometheus registry.
+//! - `generate`: one prompt through an engine core. `settings`: the config file's values.
+//! - `server`: actix-web routes, the session actors, the batcher actor, tenants and access.
+//! - `bench`: the load generator.
 
 pub mod bench;
 pub mod default_model;
 pub mod engine;
 pub mod error;
+pub mod files;
 pub mod generate;
 pub mod kv_cache;
 pub mod metrics;

@@ -298,7 +298,7 @@ async fn start_in_process(
     loop {
         let s = ready
             .batcher
-            .send(llama_relay::engine::batcher::GetStatus)
+            .send(llama_relay::server::batcher::GetStatus)
             .await?;
         if s.running + s.waiting == 0 {
             break;

@@ -133,11 +133,11 @@ impl Engine {
         let weight_types = src.load_summary();
         let spec = match opts.cache {
             CacheSize::Mib(m) => {
-                KvCacheSpec::from_bytes(&cfg, opts.kv_dtype, opts.block_size, m << 20)
+                KvCacheSpec::from_bytes(cfg.kv_shape(), opts.kv_dtype, opts.block_size, m << 20)
             }
             CacheSize::Tokens(t) => KvCacheSpec::from_tokens(opts.block_size, t),
         };
-        let cache = KvCache::new(&cfg, spec, opts.kv_dtype, &opts.device)?;
+        let cache = KvCache::new(cfg.kv_shape(), spec, opts.kv_dtype, &opts.device)?;
         let name = path
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -149,7 +149,7 @@ impl Engine {
             "model loaded"
         );
         tracing::info!(
-            bytes_per_token = KvCacheSpec::bytes_per_token(&cfg, opts.kv_dtype),
+            bytes_per_token = KvCacheSpec::bytes_per_token(cfg.kv_shape(), opts.kv_dtype),
             dtype = ?opts.kv_dtype,
             block_size = spec.block_size,
             blocks = spec.num_blocks,

@@ -13,9 +13,9 @@
 
 use std::collections::VecDeque;
 
-use super::step::{SeqChunk, StepBatch};
 use crate::kv_cache::manager::{BlockCopy, KvManager, LeaseKey, SeqBlocks};
 use crate::kv_cache::{CacheScope, Salt};
+use crate::model::batch::{SeqChunk, StepBatch};
 
 /// Names a request inside the engine (the batcher hands them out).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -12,7 +12,7 @@ pub mod manager;
 pub mod storage;
 
 pub use block_pool::{BlockHash, BlockPool, CacheScope, Salt};
-pub use storage::{KvCache, KvCacheSpec};
+pub use storage::{KvCache, KvCacheSpec, KvShape};
 
 /// Number of blocks needed to hold `tokens` tokens.
 pub fn blocks_for(tokens: usize, block_size: usize) -> usize {

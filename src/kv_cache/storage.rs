@@ -10,7 +10,13 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{EngineError, Result};
-use crate::model::config::ModelConfig;
+
+/// What one token's K and V take: `layers` of `kv_dim` values each (the model says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvShape {
+    pub layers: usize,
+    pub kv_dim: usize,
+}
 
 /// How big the cache is and how it is cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,13 +27,13 @@ pub struct KvCacheSpec {
 
 impl KvCacheSpec {
     /// Bytes one token takes across all layers (K and V).
-    pub fn bytes_per_token(cfg: &ModelConfig, dtype: DType) -> usize {
-        2 * cfg.num_layers * cfg.kv_dim() * dtype.size_in_bytes()
+    pub fn bytes_per_token(shape: KvShape, dtype: DType) -> usize {
+        2 * shape.layers * shape.kv_dim * dtype.size_in_bytes()
     }
 
     /// The largest whole number of blocks that fits in `bytes`.
-    pub fn from_bytes(cfg: &ModelConfig, dtype: DType, block_size: usize, bytes: usize) -> Self {
-        let per_block = Self::bytes_per_token(cfg, dtype) * block_size;
+    pub fn from_bytes(shape: KvShape, dtype: DType, block_size: usize, bytes: usize) -> Self {
+        let per_block = Self::bytes_per_token(shape, dtype) * block_size;
         KvCacheSpec {
             block_size,
             num_blocks: bytes / per_block,
@@ -57,12 +63,7 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    pub fn new(
-        cfg: &ModelConfig,
-        spec: KvCacheSpec,
-        dtype: DType,
-        device: &Device,
-    ) -> Result<Self> {
+    pub fn new(shape: KvShape, spec: KvCacheSpec, dtype: DType, device: &Device) -> Result<Self> {
         if !matches!(dtype, DType::F32 | DType::F16) {
             return Err(EngineError::KvCache(format!(
                 "the cache holds F32 or F16, not {dtype:?}"
@@ -74,15 +75,15 @@ impl KvCache {
                 spec.block_size, spec.num_blocks
             )));
         }
-        let shape = (cfg.num_layers, spec.num_slots(), cfg.kv_dim());
-        let k = Tensor::zeros(shape, dtype, device)?;
-        let v = Tensor::zeros(shape, dtype, device)?;
+        let dims = (shape.layers, spec.num_slots(), shape.kv_dim);
+        let k = Tensor::zeros(dims, dtype, device)?;
+        let v = Tensor::zeros(dims, dtype, device)?;
         advise_huge_pages(&k);
         advise_huge_pages(&v);
         Ok(KvCache {
             spec,
-            kv_dim: cfg.kv_dim(),
-            layers: cfg.num_layers,
+            kv_dim: shape.kv_dim,
+            layers: shape.layers,
             dtype,
             k,
             v,

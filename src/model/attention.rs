@@ -13,9 +13,9 @@
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
-use crate::engine::step::SeqMeta;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::slot_of;
+use crate::model::batch::SeqMeta;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
 use crate::model::kernels::cpu::Isa;
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};

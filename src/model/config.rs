@@ -62,6 +62,14 @@ impl ModelConfig {
         self.num_kv_heads * self.head_dim
     }
 
+    /// What one token takes in the KV cache.
+    pub fn kv_shape(&self) -> crate::kv_cache::KvShape {
+        crate::kv_cache::KvShape {
+            layers: self.num_layers,
+            kv_dim: self.kv_dim(),
+        }
+    }
+
     /// Checks the invariants the model code relies on; `path` names the file in the error.
     pub fn validate(&self, path: &Path) -> Result<()> {
         let bad = |m: String| Err(EngineError::bad_file(path, m));

@@ -29,9 +29,9 @@ use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
 use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
-use crate::engine::step::{StepBatch, StepPlan};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
+use crate::model::batch::{StepBatch, StepPlan};
 
 /// cos/sin tables for every position up to the context limit, `[positions, head_dim/2]`.
 #[derive(Debug, Clone)]

@@ -29,6 +29,7 @@ use serde_json::Value;
 use super::config::{parse_id_list, ModelConfig, RopeScaling};
 use super::linear::{Linear, Packed};
 use crate::error::{EngineError, Result};
+use crate::files::{md_f, md_str, md_u, read_json};
 
 /// How weights are stored after load.
 #[derive(Debug, Clone)]
@@ -146,26 +147,6 @@ pub fn read_gguf(path: &Path) -> Result<(gguf_file::Content, BufReader<File>)> {
     let content = gguf_file::Content::read(&mut reader)
         .map_err(|e| EngineError::bad_file(path, format!("not a readable GGUF file: {e}")))?;
     Ok((content, reader))
-}
-
-fn md_u(c: &gguf_file::Content, key: &str) -> Option<usize> {
-    c.metadata
-        .get(key)
-        .and_then(|v| v.to_u64().ok().or_else(|| v.to_u32().ok().map(u64::from)))
-        .map(|v| v as usize)
-}
-
-fn md_f(c: &gguf_file::Content, key: &str) -> Option<f64> {
-    c.metadata
-        .get(key)
-        .and_then(|v| v.to_f32().map(f64::from).ok().or_else(|| v.to_f64().ok()))
-}
-
-pub(crate) fn md_str<'a>(c: &'a gguf_file::Content, key: &str) -> Option<&'a str> {
-    c.metadata
-        .get(key)
-        .and_then(|v| v.to_string().ok())
-        .map(String::as_str)
 }
 
 /// Builds the model config from `llama.*` metadata (and the tensor index, for what metadata omits).
@@ -488,13 +469,6 @@ pub struct HfSource {
     files: Vec<PathBuf>,
     device: Device,
     conversions: BTreeMap<(String, String), usize>,
-}
-
-/// The parsed JSON of a file, with errors naming it.
-pub fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-    serde_json::from_str(&text)
-        .map_err(|e| EngineError::bad_file(path, format!("invalid JSON: {e}")))
 }
 
 impl HfSource {

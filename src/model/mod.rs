@@ -1,6 +1,8 @@
-//! The Llama-family decoder on candle, its configuration, its weight loading and its attention.
+//! The Llama-family decoder on candle: the step batch it takes (`batch`), its configuration, its
+//! weight loading and its attention.
 
 pub mod attention;
+pub mod batch;
 pub mod config;
 pub mod kernels;
 pub mod linear;

@@ -3,6 +3,8 @@
 //! `session.rs` alone, so a move to actix-ws stays small.
 
 pub mod access;
+pub mod batcher;
+mod config;
 pub mod routes;
 pub mod session;
 pub mod stop;
@@ -16,11 +18,11 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix_web::{web, App, HttpServer};
 
-use crate::engine::batcher::{Batcher, BatcherConfig};
 use crate::engine::{Engine, EngineOptions};
 use crate::metrics::Metrics;
 use crate::protocol::Limits;
 use crate::sampler::SamplingParams;
+use crate::server::batcher::{Batcher, BatcherConfig};
 use crate::settings::Settings;
 use crate::tokenizer::TextTokenizer;
 
@@ -157,7 +159,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                         }
                     };
                     if pin_prompts {
-                        batcher.do_send(crate::engine::batcher::PinPrefix {
+                        batcher.do_send(crate::server::batcher::PinPrefix {
                             tokens: tokens.clone(),
                             tenant: *tenant,
                         });
@@ -209,11 +211,11 @@ pub async fn shutdown(state: &AppState, grace: Duration) {
     let Some(ready) = state.ready() else { return };
     let _ = ready
         .batcher
-        .send(crate::engine::batcher::Shutdown { deadline: grace })
+        .send(crate::server::batcher::Shutdown { deadline: grace })
         .await;
     let until = std::time::Instant::now() + grace + Duration::from_secs(2);
     while std::time::Instant::now() < until {
-        match ready.batcher.send(crate::engine::batcher::GetStatus).await {
+        match ready.batcher.send(crate::server::batcher::GetStatus).await {
             Ok(s) if s.running + s.waiting > 0 => {
                 actix_web::rt::time::sleep(Duration::from_millis(50)).await
             }

@@ -16,12 +16,12 @@ use actix_web_actors::ws;
 use super::stop::scan;
 use super::tenants::{ClientKind, Identity};
 use super::{AppState, Ready};
-use crate::engine::batcher::{
-    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
-};
 use crate::engine::scheduler::RequestId;
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
+use crate::server::batcher::{
+    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
+};
 use crate::tokenizer::{IncrementalDecoder, Message};
 
 /// The request in flight.

@@ -16,82 +16,13 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
 use super::access::{bearer, normalize_origin, sha256};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{CacheScope, Salt};
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WidgetSettings {
-    /// Public id, used as `?widget=ID` and in `data-widget`.
-    pub id: String,
-    /// Origins allowed to embed it, e.g. "https://shop.example.com".
-    pub origins: Vec<String>,
-    /// Prepended as the system message of every conversation through this widget.
-    #[serde(default)]
-    pub system_prompt: String,
-}
-
-/// A named system prompt that the tenant's API-key clients select with `/ws?prefix=NAME`;
-/// prefilled and pinned at start, shared by all the tenant's principals.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PrefixSettings {
-    pub name: String,
-    pub system_prompt: String,
-}
-
-/// Which message roles each kind of client of a tenant may send.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ClientRoles {
-    #[serde(default = "widget_roles")]
-    pub widget: Vec<String>,
-    #[serde(default = "all_roles")]
-    pub api_key: Vec<String>,
-}
-
-fn widget_roles() -> Vec<String> {
-    vec!["user".into()]
-}
-
-fn all_roles() -> Vec<String> {
-    ["system", "user", "assistant"].map(String::from).to_vec()
-}
-
-impl Default for ClientRoles {
-    fn default() -> Self {
-        ClientRoles {
-            widget: widget_roles(),
-            api_key: all_roles(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TenantSettings {
-    pub name: String,
-    /// Keys for server-side clients (`Authorization: Bearer KEY`), at least 16 characters.
-    #[serde(default)]
-    pub api_keys: Vec<String>,
-    /// The same as SHA-256 hex digests, so the config file need not hold the keys.
-    #[serde(default)]
-    pub api_key_sha256: Vec<String>,
-    #[serde(default)]
-    pub widgets: Vec<WidgetSettings>,
-    #[serde(default)]
-    pub prefixes: Vec<PrefixSettings>,
-    /// "key" (each API key its own cache partition) or "tenant" (the tenant's keys share one).
-    #[serde(default)]
-    pub cache_scope: Option<String>,
-    #[serde(default)]
-    pub client_roles: ClientRoles,
-}
+pub use crate::settings::{ClientRoles, PrefixSettings, TenantSettings, WidgetSettings};
 
 /// What kind of client a connection is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -700,7 +631,7 @@ mod tests {
             name: "x".into(),
             client_roles: ClientRoles {
                 widget: vec!["robot".into()],
-                api_key: all_roles(),
+                ..Default::default()
             },
             ..Default::default()
         });

@@ -68,7 +68,7 @@ fn split(pattern: &str) -> Result<PreTokenizerWrapper> {
 
 /// Builds the tokenizer. Errors name the metadata key or the unsupported value.
 pub fn tokenizer_from_gguf(c: &Content) -> Result<Tokenizer> {
-    let model = super::super::model::loader::md_str(c, "tokenizer.ggml.model").unwrap_or("");
+    let model = crate::files::md_str(c, "tokenizer.ggml.model").unwrap_or("");
     if model != "gpt2" {
         return Err(EngineError::Tokenizer(format!(
             "GGUF tokenizer model `{model}` is not supported (only byte-level BPE, `gpt2`); \
@@ -95,7 +95,7 @@ pub fn tokenizer_from_gguf(c: &Content) -> Result<Tokenizer> {
         .build()
         .map_err(|e| EngineError::Tokenizer(format!("cannot build BPE: {e}")))?;
     let mut tok = Tokenizer::new(bpe);
-    let pre = super::super::model::loader::md_str(c, "tokenizer.ggml.pre").unwrap_or("default");
+    let pre = crate::files::md_str(c, "tokenizer.ggml.pre").unwrap_or("default");
     let pre_tok: PreTokenizerWrapper = match pre {
         // smollm: llama.cpp splits `\p{N}` first, but no multi-character token of that vocabulary
         // holds a digit, and the split changes how whitespace before a digit groups ("\n\n3"):

@@ -21,7 +21,7 @@ pub use chat_template::{ChatTemplate, Message};
 pub use detokenizer::IncrementalDecoder;
 
 use crate::error::{EngineError, Result};
-use crate::model::loader::{md_str, read_json};
+use crate::files::{md_str, read_json};
 
 /// Token texts that end a turn in the chat formats we serve, looked up in GGUF vocabularies
 /// (llama.cpp does the same: a GGUF names one EOS id, Llama 3 ends turns on several).

@@ -6,6 +6,7 @@ mod common;
 mod detokenizer;
 mod gateway;
 mod kquants;
+mod layers;
 mod loading;
 mod prefix_cache;
 mod security;

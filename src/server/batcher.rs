@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use super::core::{Core, Event, Finish, Request, StepFailed};
-use super::scheduler::{AddError, RequestId, SchedulerConfig};
-use super::Engine;
+use crate::engine::core::{Core, Event, Finish, Request, StepFailed};
+use crate::engine::scheduler::{AddError, RequestId, SchedulerConfig};
+use crate::engine::Engine;
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
 use crate::protocol::{FinishReason, RequestError, Timings, Usage};

@@ -1,0 +1,141 @@
+//! The server's side of the settings: who may connect, the session and batcher configurations,
+//! and the checks of the `[server]` and `[[tenants]]` values. Here rather than in `settings` so
+//! that the settings module (plain values read from the config file) depends on nothing above it.
+
+use crate::error::{EngineError, Result};
+use crate::settings::Settings;
+
+fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
+    EngineError::InvalidSetting {
+        key: key.into(),
+        value: value.to_string(),
+        allowed: allowed.into(),
+    }
+}
+
+impl Settings {
+    /// The `[server]` keys that decide who may connect.
+    pub fn access(&self) -> crate::server::access::AccessSettings {
+        let s = &self.server;
+        crate::server::access::AccessSettings {
+            allow_anonymous: s.allow_anonymous,
+            public_origins: s.public_origins.clone(),
+            allowed_hosts: s.allowed_hosts.clone(),
+            metrics_token: s.metrics_token.clone(),
+        }
+    }
+
+    /// Checks the server-side values (the engine's are checked by `engine_options`).
+    pub fn validate_server(&self) -> Result<()> {
+        crate::server::tenants::Tenants::new(&self.tenants)?;
+        self.access().validate()?;
+        let s = &self.server;
+        if s.admin_host.parse::<std::net::IpAddr>().is_err() {
+            return Err(invalid(
+                "server.admin_host",
+                format!("{:?}", s.admin_host),
+                "an IP address such as \"127.0.0.1\"",
+            ));
+        }
+        if s.host.parse::<std::net::IpAddr>().is_err() && s.host != "localhost" {
+            return Err(invalid(
+                "server.host",
+                format!("{:?}", s.host),
+                "an IP address such as \"127.0.0.1\" or \"0.0.0.0\"",
+            ));
+        }
+        if s.workers == 0 || s.workers > 64 {
+            return Err(invalid("server.workers", s.workers, "1 to 64"));
+        }
+        if s.heartbeat_s == 0 || s.client_timeout_s <= s.heartbeat_s {
+            return Err(invalid(
+                "server.client_timeout_s",
+                s.client_timeout_s,
+                "more than server.heartbeat_s, which must be > 0",
+            ));
+        }
+        let c = &self.scheduler;
+        if c.max_running == 0 || c.max_running > 1024 {
+            return Err(invalid("scheduler.max_running", c.max_running, "1 to 1024"));
+        }
+        if c.step_tokens < c.max_running {
+            return Err(invalid(
+                "scheduler.step_tokens",
+                c.step_tokens,
+                "at least scheduler.max_running (every running sequence decodes one token a step)",
+            ));
+        }
+        if c.max_waiting > 100_000 {
+            return Err(invalid(
+                "scheduler.max_waiting",
+                c.max_waiting,
+                "0 to 100000",
+            ));
+        }
+        let sp = &self.sampling;
+        self.sampling_defaults()
+            .check()
+            .map_err(|e| invalid(&format!("sampling.{}", e.field), e.given, e.allowed))?;
+        if sp.max_tokens == 0 || sp.max_tokens > self.limits.max_tokens {
+            return Err(invalid(
+                "sampling.max_tokens",
+                sp.max_tokens,
+                "1 to limits.max_tokens",
+            ));
+        }
+        let l = &self.limits;
+        if l.max_frame_bytes < 1024 || l.max_frame_bytes > 64 << 20 {
+            return Err(invalid(
+                "limits.max_frame_bytes",
+                l.max_frame_bytes,
+                "1024 to 67108864",
+            ));
+        }
+        if l.max_stop_strings > 16 {
+            return Err(invalid(
+                "limits.max_stop_strings",
+                l.max_stop_strings,
+                "0 to 16",
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn session_config(&self) -> crate::server::SessionConfig {
+        let sp = &self.sampling;
+        crate::server::SessionConfig {
+            limits: crate::protocol::Limits {
+                max_context: self.engine.max_context,
+                max_tokens: self.limits.max_tokens,
+                max_frame_bytes: self.limits.max_frame_bytes,
+                max_messages: self.limits.max_messages,
+                max_message_chars: self.limits.max_message_chars,
+                max_stop_strings: self.limits.max_stop_strings,
+                max_stop_chars: self.limits.max_stop_chars,
+                max_id_chars: 128,
+            },
+            sampling: self.sampling_defaults(),
+            default_max_tokens: sp.max_tokens,
+            heartbeat: std::time::Duration::from_secs(self.server.heartbeat_s),
+            client_timeout: std::time::Duration::from_secs(self.server.client_timeout_s),
+        }
+    }
+
+    pub fn batcher_config(&self) -> crate::server::batcher::BatcherConfig {
+        crate::server::batcher::BatcherConfig {
+            scheduler: crate::engine::scheduler::SchedulerConfig {
+                max_running: self.scheduler.max_running,
+                max_waiting: self.scheduler.max_waiting,
+                step_tokens: self.scheduler.step_tokens,
+            },
+            kv: crate::kv_cache::manager::KvConfig {
+                block_size: self.engine.block_size,
+                prefix_caching: self.cache.prefix_caching,
+                lease_tokens_per_session: self.cache.lease_tokens_per_session,
+                lease_tokens_total: self.cache.lease_tokens_total,
+            },
+            lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
+            max_context: self.engine.max_context,
+        }
+    }
+}
