@@ -192,6 +192,23 @@ impl Limits {
                 format!("must be 1 to {} characters", self.max_id_chars),
             ));
         }
+        self.check_messages(&messages)?;
+        let sampling = sampling(&p, defaults)?;
+        let max_tokens = self.max_tokens(p.max_tokens, default_max_tokens)?;
+        self.check_stop(&p.stop)?;
+        check_cache_key(p.cache_key.as_deref())?;
+        Ok(ValidChat {
+            id,
+            messages,
+            sampling,
+            max_tokens,
+            stop: p.stop,
+            ignore_eos: p.ignore_eos,
+            cache_key: p.cache_key,
+        })
+    }
+
+    fn check_messages(&self, messages: &[Message]) -> Result<(), RequestError> {
         if messages.is_empty() {
             return Err(bad("messages", "must hold at least one message"));
         }
@@ -223,50 +240,32 @@ impl Limits {
                 ));
             }
         }
-        let sampling = SamplingParams {
-            temperature: p.temperature.unwrap_or(defaults.temperature),
-            top_k: p.top_k.unwrap_or(defaults.top_k),
-            top_p: p.top_p.unwrap_or(defaults.top_p),
-            min_p: p.min_p.unwrap_or(defaults.min_p),
-            repetition_penalty: p.repetition_penalty.unwrap_or(defaults.repetition_penalty),
-            presence_penalty: p.presence_penalty.unwrap_or(defaults.presence_penalty),
-            frequency_penalty: p.frequency_penalty.unwrap_or(defaults.frequency_penalty),
-            seed: p.seed.or(defaults.seed),
-        };
-        // The defaults were checked at start, so a value out of range is the client's.
-        sampling.check().map_err(|e| {
-            bad(
-                &format!("params.{}", e.field),
-                format!("must be {}. Given: {}", e.allowed, e.given),
-            )
-        })?;
-        let max_tokens = match p.max_tokens {
-            Some(0) => {
-                return Err(bad(
-                    "params.max_tokens",
-                    format!("must be between 1 and {}. Given: 0", self.max_tokens),
-                ))
-            }
-            Some(n) if n > self.max_tokens => {
-                return Err(bad(
-                    "params.max_tokens",
-                    format!("must be between 1 and {}. Given: {n}", self.max_tokens),
-                ))
-            }
-            Some(n) => n,
-            None => default_max_tokens.min(self.max_tokens),
-        };
-        if p.stop.len() > self.max_stop_strings {
+        Ok(())
+    }
+
+    fn max_tokens(&self, given: Option<usize>, default: usize) -> Result<usize, RequestError> {
+        match given {
+            Some(n) if n == 0 || n > self.max_tokens => Err(bad(
+                "params.max_tokens",
+                format!("must be between 1 and {}. Given: {n}", self.max_tokens),
+            )),
+            Some(n) => Ok(n),
+            None => Ok(default.min(self.max_tokens)),
+        }
+    }
+
+    fn check_stop(&self, stop: &[String]) -> Result<(), RequestError> {
+        if stop.len() > self.max_stop_strings {
             return Err(bad(
                 "params.stop",
                 format!(
                     "must hold at most {} strings. Given: {}",
                     self.max_stop_strings,
-                    p.stop.len()
+                    stop.len()
                 ),
             ));
         }
-        for (i, s) in p.stop.iter().enumerate() {
+        for (i, s) in stop.iter().enumerate() {
             let n = s.chars().count();
             if n == 0 || n > self.max_stop_chars {
                 return Err(bad(
@@ -278,27 +277,45 @@ impl Limits {
                 ));
             }
         }
-        if let Some(k) = &p.cache_key {
-            let n = k.chars().count();
-            if n == 0 || n > MAX_CACHE_KEY_CHARS || k.chars().any(char::is_control) {
-                return Err(bad(
-                    "params.cache_key",
-                    format!(
-                        "must be 1 to {MAX_CACHE_KEY_CHARS} characters, none of them control characters. Given: {n} characters"
-                    ),
-                ));
-            }
-        }
-        Ok(ValidChat {
-            id,
-            messages,
-            sampling,
-            max_tokens,
-            stop: p.stop,
-            ignore_eos: p.ignore_eos,
-            cache_key: p.cache_key,
-        })
+        Ok(())
     }
+}
+
+/// The request's sampling settings over the server's defaults, checked against the one
+/// definition of their ranges (the defaults were checked at start, so a value out of range is
+/// the client's).
+fn sampling(p: &ChatParams, defaults: &SamplingParams) -> Result<SamplingParams, RequestError> {
+    let sampling = SamplingParams {
+        temperature: p.temperature.unwrap_or(defaults.temperature),
+        top_k: p.top_k.unwrap_or(defaults.top_k),
+        top_p: p.top_p.unwrap_or(defaults.top_p),
+        min_p: p.min_p.unwrap_or(defaults.min_p),
+        repetition_penalty: p.repetition_penalty.unwrap_or(defaults.repetition_penalty),
+        presence_penalty: p.presence_penalty.unwrap_or(defaults.presence_penalty),
+        frequency_penalty: p.frequency_penalty.unwrap_or(defaults.frequency_penalty),
+        seed: p.seed.or(defaults.seed),
+    };
+    sampling.check().map_err(|e| {
+        bad(
+            &format!("params.{}", e.field),
+            format!("must be {}. Given: {}", e.allowed, e.given),
+        )
+    })?;
+    Ok(sampling)
+}
+
+fn check_cache_key(key: Option<&str>) -> Result<(), RequestError> {
+    let Some(k) = key else { return Ok(()) };
+    let n = k.chars().count();
+    if n == 0 || n > MAX_CACHE_KEY_CHARS || k.chars().any(char::is_control) {
+        return Err(bad(
+            "params.cache_key",
+            format!(
+                "must be 1 to {MAX_CACHE_KEY_CHARS} characters, none of them control characters. Given: {n} characters"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

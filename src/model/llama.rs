@@ -10,8 +10,8 @@
 //! the layers
 //! run on plain row buffers instead (`forward_cpu`): the same arithmetic without a tensor, an
 //! allocation and a parallel region per small op (norms, residual adds, SiLU, the QKV split, the
-//! cache-write copies). Each candle op woke the thread pool; at one decoding sequence that
-//! scheduling was ~18% of a step.
+//! cache-write copies): each candle op wakes the thread pool, which at one decoding sequence
+//! costs a large share of a step.
 
 /// Rows from which the row-wise ops of the CPU layer path run on the thread pool (below that,
 /// waking it costs more than the work).

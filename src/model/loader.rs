@@ -12,9 +12,8 @@
 //!   candle has only scalar loops for Q5_0 and Q5_1: those are requantized to Q8_0 at load (not to
 //!   a K-quant, whose rows must be multiples of 256, which SmolLM2's 576 is not). F16/BF16 become
 //!   F32. `weights = "keep"` keeps every type as stored.
-//!   The default model's Q4_1 used to be requantized to Q8_0 too; kept, it decodes 161 against
-//!   126 tok/s single-stream and 383 against 285 at 16 sequences (`cargo bench --bench engine --
-//!   --weights keep` against the Q8_0 build, same machine, same hour).
+//!   Q4_1 stays as stored: on its own kernel it reads fewer bytes a token than Q8_0 and decodes
+//!   faster (`cargo bench --bench engine -- --weights keep|auto` compares).
 
 use std::collections::BTreeMap;
 use std::fs::File;

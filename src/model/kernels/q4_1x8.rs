@@ -5,8 +5,8 @@
 //! (scale `da`, quants `qa`, `sa = da * sum(qa)`) is `d * da * sum(q * qa) + m * sa`. Per group of
 //! 8 rows and 32-value block: 8 f16 scales `d`, 8 f16 minimums `m` (as the file stores them; the
 //! kernel widens them with F16C), then 4 x 32 bytes of nibbles: 20 bytes a row and block, as in
-//! the file (with f32 scales it was 24, and single-stream decode reads every weight byte once a
-//! token). Byte `r * 4 + i` of the `s`-th 32 bytes holds row `r`'s value `8s + i` in its low
+//! the file (single-stream decode reads every weight byte once a token, so the layout keeps the
+//! file's size). Byte `r * 4 + i` of the `s`-th 32 bytes holds row `r`'s value `8s + i` in its low
 //! nibble and value `8s + 4 + i` in its high nibble, so one load and two masks give two 4-value
 //! steps of `q8_0x8`'s kernel for 8 rows. The nibbles are unsigned, so `maddubs` takes them as
 //! they are, and its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole

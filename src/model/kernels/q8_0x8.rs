@@ -188,9 +188,8 @@ impl<const S: usize> RowGroups for Rows8<S> {
 /// The driver the 8-row kernels share: output columns in tasks of `GROUPS_PER_TASK` groups (a
 /// task's weights stay in L1 while every tile of up to 4 activation rows passes over them), each
 /// tile's `nr x 8` results copied straight into the row-major `[m, n]` result (no per-task
-/// buffers to gather, and the result is not zeroed first: every element is written once; for the
-/// 49152-column output projection at 16 rows the zeroing and gathering were ~5% of a decode
-/// step). `group(g)` is group `g`'s bytes; `tile(w, a, r0, nr, out)` writes rows `r0..r0+nr` x 8
+/// buffers to gather, and the result is not zeroed first: every element is written once, which
+/// matters for the 49152-column output projection). `group(g)` is group `g`'s bytes; `tile(w, a, r0, nr, out)` writes rows `r0..r0+nr` x 8
 /// columns into `out`.
 pub(crate) fn grouped_matmul<'w>(
     n: usize,
