@@ -111,7 +111,8 @@ async fn user(
     Ok(out)
 }
 
-type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
+/// A client WebSocket.
+pub type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
 
 async fn connect(url: &str) -> Result<Socket, String> {
     connect_from(url, None).await
@@ -149,6 +150,30 @@ async fn next_frame(ws: &mut Socket) -> Result<Value, String> {
             Err(_) => return Err("no frame within 300 s".into()),
         }
     }
+}
+
+/// Opens `n` sessions that each finish one short request and stay connected, so that each holds
+/// a KV lease; returns their sockets (dropping them closes the sessions).
+pub async fn idle_sessions(url: &str, n: usize) -> Result<Vec<Socket>, String> {
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut ws = connect(url).await?;
+        let frame = json!({"type": "chat", "id": "idle", "messages": [{"role": "user", "content": prompt(10_000 + i, 0, 20)}],
+            "params": {"temperature": 0, "max_tokens": 1}});
+        ws.send(ws::Message::Text(frame.to_string().into()))
+            .await
+            .map_err(|e| e.to_string())?;
+        loop {
+            let f = next_frame(&mut ws).await?;
+            match f["type"].as_str() {
+                Some("done") => break,
+                Some("error") => return Err(format!("server error: {f}")),
+                _ => {}
+            }
+        }
+        out.push(ws);
+    }
+    Ok(out)
 }
 
 /// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s).

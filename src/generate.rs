@@ -46,6 +46,8 @@ pub struct GenerationStats {
     pub generated: Vec<u32>,
     pub prefill: Duration,
     pub decode: Duration,
+    /// Each decode step's time (the steps after the one that finished the prompt).
+    pub decode_steps: Vec<Duration>,
     pub stopped_at_eos: bool,
 }
 
@@ -126,9 +128,13 @@ fn run(
     let t0 = Instant::now();
     let mut first: Option<Instant> = None;
     loop {
+        let t = Instant::now();
         let Some(events) = core.step().map_err(|f| f.error)? else {
             break;
         };
+        if first.is_some() {
+            stats.decode_steps.push(t.elapsed());
+        }
         for ev in events {
             match ev {
                 Event::Token { token, .. } => {

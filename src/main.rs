@@ -69,8 +69,9 @@ struct BenchArgs {
     /// New tokens per request.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// `throughput` (independent requests) or `chat` (a shared system prompt, several turns each;
-    /// run with prefix caching on and off when the server is started here).
+    /// `throughput` (independent requests), `chat` (a shared system prompt, several turns each;
+    /// run with prefix caching on and off when the server is started here) or `overhead` (one
+    /// stream's gap through the server against the engine's own step).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -90,6 +91,10 @@ struct BenchArgs {
     /// connect as (the server's widget configuration must hold the system prompt).
     #[arg(long, num_args = 2, value_names = ["ID", "ORIGIN"])]
     widget: Option<Vec<String>>,
+    /// overhead: sessions that each finish one short request and stay connected, holding a KV
+    /// lease, while the stream is measured.
+    #[arg(long, default_value_t = 0)]
+    idle_sessions: usize,
 }
 
 /// The widget the in-process chat benchmark configures.
@@ -187,11 +192,14 @@ fn bench(
     opts: llama_relay::engine::EngineOptions,
     a: BenchArgs,
 ) -> anyhow::Result<()> {
-    if a.workload != "throughput" && a.workload != "chat" {
+    if !matches!(a.workload.as_str(), "throughput" | "chat" | "overhead") {
         anyhow::bail!(
-            "--workload must be `throughput` or `chat`, not `{}`",
+            "--workload must be `throughput`, `chat` or `overhead`, not `{}`",
             a.workload
         );
+    }
+    if a.workload == "overhead" {
+        return bench_overhead(settings, opts, a);
     }
     let server_prompt = match a.system_prompt.as_str() {
         "server" => true,
@@ -271,6 +279,67 @@ fn bench(
                 }
             }
         }
+        Ok(())
+    })
+}
+
+/// The gateway's overhead: one stream's inter-token gap through the server against the engine's
+/// own decode step for the same model, prompt and batch of one, with `--idle-sessions` sessions
+/// holding leases meanwhile.
+fn bench_overhead(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    let mut engine = Engine::load(&opts).context("loading the model")?;
+    let text = llama_relay::bench::prompt(0, 0, a.prompt_words);
+    let ids = engine
+        .tokenizer
+        .encode_chat(&[Message::new("user", &text)], true)?
+        .1;
+    let params = GenerateParams {
+        max_new_tokens: a.max_tokens,
+        stop_at_eos: false,
+        ..Default::default()
+    };
+    let mut steps = Vec::new();
+    for _ in 0..3 {
+        let st = generate(&mut engine, &ids, &params, |_, _| Ok(()))?;
+        steps.extend(st.decode_steps.iter().map(|d| d.as_secs_f64()));
+    }
+    drop(engine);
+    steps.sort_by(f64::total_cmp);
+    let engine_p50 = llama_relay::bench::percentile(&steps, 50.0);
+    settings.server.port = 0;
+    settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(a.idle_sessions);
+    let requests = if a.requests == 0 { 3 } else { a.requests };
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => start_in_process(&settings, opts.clone()).await?,
+        };
+        let idle = llama_relay::bench::idle_sessions(&url, a.idle_sessions)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let cfg = llama_relay::bench::BenchConfig {
+            url: url.clone(),
+            users: 1,
+            requests,
+            prompt_words: a.prompt_words,
+            max_tokens: a.max_tokens,
+        };
+        let r = llama_relay::bench::run(cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        println!(
+            "overhead | engine decode step p50 {:.2} ms | server gap p50 {:.2} ms, p99 {:.2} ms | gap - step {:+.2} ms | idle sessions with leases {}",
+            engine_p50 * 1e3,
+            r[2] * 1e3,
+            r[3] * 1e3,
+            (r[2] - engine_p50) * 1e3,
+            idle.len()
+        );
+        drop(idle);
         Ok(())
     })
 }

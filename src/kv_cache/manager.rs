@@ -18,7 +18,7 @@
 //!   next tokens are the pin's partial block, gets a fresh block with a copy of that block's slots
 //!   (vLLM v0's copy-on-write `blocks_to_copy`), so no principal recomputes the operator's text.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use super::block_pool::{prefix_hashes, BlockHash, BlockPool, CacheScope};
 use super::blocks_for;
@@ -124,8 +124,11 @@ pub struct KvManager {
     pin_tails: Vec<PinTail>,
     /// Copies recorded while requests took their computed blocks, handed out with the step.
     copies: Vec<BlockCopy>,
-    /// Changes whenever leases or pins change (so the held-block count is recounted only then).
-    holds_version: u64,
+    /// How many references leases and pins hold on each block they hold, and in all: kept on
+    /// every change, so that reading them costs nothing however many sessions hold leases
+    /// (`check()` recounts them).
+    holds: HashMap<u32, u32>,
+    held: HeldBlocks,
 }
 
 impl KvManager {
@@ -139,7 +142,8 @@ impl KvManager {
             pinned: Vec::new(),
             pin_tails: Vec::new(),
             copies: Vec::new(),
-            holds_version: 0,
+            holds: HashMap::new(),
+            held: HeldBlocks::default(),
         }
     }
 
@@ -225,7 +229,12 @@ impl KvManager {
         {
             let computed = start + tail.len();
             lease.tail = None;
-            blocks.table.extend(lease.table.pop());
+            let b = lease
+                .table
+                .pop()
+                .expect("a lease with a tail holds its block");
+            blocks.table.push(b);
+            self.unhold(&[b], false);
             return computed;
         }
         computed
@@ -340,6 +349,7 @@ impl KvManager {
         }
         let order = self.next_lease;
         self.next_lease += 1;
+        self.hold(&blocks.table[..held], false);
         self.leases.insert(
             order,
             Lease {
@@ -349,9 +359,8 @@ impl KvManager {
             },
         );
         self.lease_order.insert(key, order);
-        self.holds_version += 1;
         let cap = self.cfg.lease_tokens_total / bs;
-        while self.held_blocks().leased > cap && self.drop_oldest_lease() {}
+        while self.held.leased > cap && self.drop_oldest_lease() {}
     }
 
     /// Drops a session's lease (its blocks stay cached until evicted). Idempotent.
@@ -361,8 +370,8 @@ impl KvManager {
                 .leases
                 .remove(&order)
                 .expect("lease_order points at a lease");
+            self.unhold(&lease.table, false);
             self.pool.release_table(&lease.table);
-            self.holds_version += 1;
         }
     }
 
@@ -399,8 +408,36 @@ impl KvManager {
             keep += 1;
         }
         self.pool.release_table(&blocks.table[keep..]);
+        self.hold(&blocks.table[..keep], true);
         self.pinned.push(blocks.table[..keep].to_vec());
-        self.holds_version += 1;
+    }
+
+    /// Counts the references a new lease or pin takes.
+    fn hold(&mut self, blocks: &[u32], pinned: bool) {
+        for &b in blocks {
+            *self.holds.entry(b).or_default() += 1;
+        }
+        if pinned {
+            self.held.pinned += blocks.len();
+        } else {
+            self.held.leased += blocks.len();
+        }
+    }
+
+    /// Counts the references a lease gives up.
+    fn unhold(&mut self, blocks: &[u32], pinned: bool) {
+        for b in blocks {
+            let n = self.holds.get_mut(b).expect("a held block is counted");
+            *n -= 1;
+            if *n == 0 {
+                self.holds.remove(b);
+            }
+        }
+        if pinned {
+            self.held.pinned -= blocks.len();
+        } else {
+            self.held.leased -= blocks.len();
+        }
     }
 
     /// The copies the next step must make before it runs.
@@ -408,29 +445,19 @@ impl KvManager {
         std::mem::take(&mut self.copies)
     }
 
-    /// A number that changes whenever `held_distinct` may have.
-    pub fn holds_version(&self) -> u64 {
-        self.holds_version
-    }
-
-    /// Distinct blocks referenced only by leases and pins once nothing runs (the idle level).
+    /// Distinct blocks referenced by leases and pins (the idle level of the pool).
     pub fn held_distinct(&self) -> usize {
-        let mut all: HashSet<u32> = HashSet::new();
-        for l in self.leases.values() {
-            all.extend(&l.table);
-        }
-        for t in &self.pinned {
-            all.extend(t);
-        }
-        all.len()
+        self.holds.len()
     }
 
     /// Block references held by leases and by pinned prefixes.
     pub fn held_blocks(&self) -> HeldBlocks {
-        HeldBlocks {
-            leased: self.leases.values().map(|l| l.table.len()).sum(),
-            pinned: self.pinned.iter().map(Vec::len).sum(),
-        }
+        self.held
+    }
+
+    /// Sessions holding a lease.
+    pub fn leases(&self) -> usize {
+        self.leases.len()
     }
 
     /// Checks the manager's invariants and the pool's (tests and debug assertions).
@@ -460,7 +487,18 @@ impl KvManager {
                 ));
             }
         }
-        for (b, refs) in self.held_refs() {
+        let refs = self.held_refs();
+        if refs != self.holds {
+            return Err("the held-block counts differ from a recount".into());
+        }
+        let recount = HeldBlocks {
+            leased: self.leases.values().map(|l| l.table.len()).sum(),
+            pinned: self.pinned.iter().map(Vec::len).sum(),
+        };
+        if recount != self.held {
+            return Err(format!("held {:?}, recounted {recount:?}", self.held));
+        }
+        for (b, refs) in refs {
             if self.pool.refs(b) < refs {
                 return Err(format!(
                     "block {b} is held {refs} times but has {} references",
@@ -488,7 +526,7 @@ impl KvManager {
 }
 
 /// Block references held between requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HeldBlocks {
     pub leased: usize,
     pub pinned: usize,

@@ -158,11 +158,9 @@ pub struct Batcher {
     metrics: Arc<Metrics>,
     /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions.
     reported: [u64; 4],
-    /// The scheduler's `holds_version` when the held-blocks gauge was last counted.
-    held_counted: Option<u64>,
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
-    lease_expiry: HashMap<LeaseKey, Instant>,
+    lease_expiry: LeaseExpiry,
 }
 
 impl Batcher {
@@ -176,9 +174,8 @@ impl Batcher {
             max_context: cfg.max_context,
             metrics,
             reported: [0; 4],
-            held_counted: None,
             lease_grace: cfg.lease_grace,
-            lease_expiry: HashMap::new(),
+            lease_expiry: LeaseExpiry::default(),
         }
     }
 
@@ -197,12 +194,7 @@ impl Batcher {
         let kv = sched.kv();
         let st = kv.pool().stats();
         m.kv_blocks_used.set(st.used as i64);
-        // Counting held blocks walks every lease: only when leases or pins changed.
-        let version = kv.holds_version();
-        if self.held_counted != Some(version) {
-            self.held_counted = Some(version);
-            m.kv_blocks_held.set(kv.held_distinct() as i64);
-        }
+        m.kv_blocks_held.set(kv.held_distinct() as i64);
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.
@@ -275,15 +267,7 @@ impl Batcher {
     }
 
     fn expire_leases(&mut self) {
-        let now = Instant::now();
-        let gone: Vec<LeaseKey> = self
-            .lease_expiry
-            .iter()
-            .filter(|(_, t)| **t <= now)
-            .map(|(k, _)| *k)
-            .collect();
-        for k in gone {
-            self.lease_expiry.remove(&k);
+        for k in self.lease_expiry.due(Instant::now()) {
             self.core.scheduler_mut().drop_lease(k);
         }
     }
@@ -380,6 +364,41 @@ impl Batcher {
             request: id,
             kind: EventKind::Token(token),
         });
+    }
+}
+
+/// When the leases of closed sessions go, in time order: each step looks only at the ones due.
+#[derive(Default)]
+struct LeaseExpiry {
+    by_time: std::collections::BTreeSet<(Instant, LeaseKey)>,
+    at: HashMap<LeaseKey, Instant>,
+}
+
+impl LeaseExpiry {
+    fn set(&mut self, k: LeaseKey, t: Instant) {
+        self.remove(&k);
+        self.by_time.insert((t, k));
+        self.at.insert(k, t);
+    }
+
+    fn remove(&mut self, k: &LeaseKey) {
+        if let Some(t) = self.at.remove(k) {
+            self.by_time.remove(&(t, *k));
+        }
+    }
+
+    /// Removes and returns the leases due at `now`.
+    fn due(&mut self, now: Instant) -> Vec<LeaseKey> {
+        let mut out = Vec::new();
+        while let Some(&(t, k)) = self.by_time.first() {
+            if t > now {
+                break;
+            }
+            self.by_time.pop_first();
+            self.at.remove(&k);
+            out.push(k);
+        }
+        out
     }
 }
 
@@ -513,7 +532,7 @@ impl Handler<EndLease> for Batcher {
 
     fn handle(&mut self, m: EndLease, _: &mut Context<Self>) {
         self.lease_expiry
-            .insert(m.lease, Instant::now() + self.lease_grace);
+            .set(m.lease, Instant::now() + self.lease_grace);
         self.expire_leases();
     }
 }
@@ -526,5 +545,26 @@ impl Handler<PinPrefix> for Batcher {
             .scheduler_mut()
             .add_pinned(next_request_id(), m.tokens, m.tenant);
         self.wake(ctx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_expiries_come_due_in_time_order_and_a_return_cancels_one() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut e = LeaseExpiry::default();
+        e.set(LeaseKey(1), at(30));
+        e.set(LeaseKey(2), at(10));
+        e.set(LeaseKey(3), at(20));
+        e.set(LeaseKey(1), at(5)); // closed again: the later time replaces the earlier
+        e.remove(&LeaseKey(3)); // the session came back
+        assert_eq!(e.due(at(0)), vec![]);
+        assert_eq!(e.due(at(10)), vec![LeaseKey(1), LeaseKey(2)]);
+        assert_eq!(e.due(at(100)), vec![]);
+        assert!(e.at.is_empty() && e.by_time.is_empty());
     }
 }
