@@ -430,3 +430,175 @@ pub async fn run_chat(cfg: ChatBenchConfig, label: &str) -> Result<ChatSummary, 
     );
     Ok(s)
 }
+
+/// The mixed workload: streaming users, and long prompts arriving while they stream.
+#[derive(Debug, Clone)]
+pub struct MixedBenchConfig {
+    pub url: String,
+    /// Users streaming replies back to back.
+    pub users: usize,
+    /// Words in each long prompt (about one token each).
+    pub long_words: usize,
+    /// When each long prompt is sent, after the streams start.
+    pub long_at: Vec<Duration>,
+    /// Tokens per streamed reply.
+    pub max_tokens: usize,
+}
+
+/// Gaps between one stream's deltas, each with the instant its delta arrived.
+async fn stream_user(
+    url: String,
+    user: usize,
+    max_tokens: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<Vec<(Instant, f64)>, String> {
+    let mut ws = connect(&url).await?;
+    let mut gaps = Vec::new();
+    let mut n = 0;
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let frame = json!({"type": "chat", "id": format!("s{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
+            "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
+        n += 1;
+        ws.send(ws::Message::Text(
+            json!({"type": "reset"}).to_string().into(),
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
+        ws.send(ws::Message::Text(frame.to_string().into()))
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut last: Option<Instant> = None;
+        loop {
+            let f = next_frame(&mut ws).await?;
+            match f["type"].as_str() {
+                Some("delta") => {
+                    let now = Instant::now();
+                    if let Some(l) = last {
+                        gaps.push((now, (now - l).as_secs_f64()));
+                    }
+                    last = Some(now);
+                }
+                Some("done") => break,
+                Some("error") => return Err(format!("server error: {f}")),
+                _ => {}
+            }
+        }
+    }
+    Ok(gaps)
+}
+
+/// Sends one long prompt (`max_tokens` 1) and returns (sent, first token) instants.
+async fn long_prompt(url: &str, n: usize, words: usize) -> Result<(Instant, Instant), String> {
+    let mut ws = connect(url).await?;
+    let frame = json!({"type": "chat", "id": format!("long{n}"), "messages": [{"role": "user", "content": prompt(900 + n, n, words)}],
+        "params": {"temperature": 0, "max_tokens": 1}});
+    let sent = Instant::now();
+    ws.send(ws::Message::Text(frame.to_string().into()))
+        .await
+        .map_err(|e| e.to_string())?;
+    loop {
+        let f = next_frame(&mut ws).await?;
+        match f["type"].as_str() {
+            Some("delta") => return Ok((sent, Instant::now())),
+            Some("error") => return Err(format!("server error: {f}")),
+            _ => {}
+        }
+    }
+}
+
+fn gap_line(label: &str, gaps: &[f64]) -> String {
+    let mut g = gaps.to_vec();
+    g.sort_by(f64::total_cmp);
+    if g.is_empty() {
+        return format!("{label}: no deltas");
+    }
+    format!(
+        "{label}: gap p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} gaps)",
+        percentile(&g, 50.0) * 1e3,
+        percentile(&g, 99.0) * 1e3,
+        g[g.len() - 1] * 1e3,
+        g.len()
+    )
+}
+
+/// Runs the mixed workload and prints the streams' gaps before, during and after the long
+/// prefills, and each long prompt's TTFT against the same length alone (measured first, on the
+/// idle server). Returns (during-gap p99, worst TTFT ratio).
+pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
+    // Alone first: a long prompt of the same length on the idle server.
+    let (s, f) = long_prompt(&cfg.url, 99, cfg.long_words).await?;
+    let alone = (f - s).as_secs_f64();
+    println!("long prompt alone: TTFT {:.0} ms", alone * 1e3);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let t0 = Instant::now();
+    let streams: Vec<_> = (0..cfg.users)
+        .map(|u| {
+            actix_web::rt::spawn(stream_user(
+                cfg.url.clone(),
+                u,
+                cfg.max_tokens,
+                stop.clone(),
+            ))
+        })
+        .collect();
+    let longs: Vec<_> = cfg
+        .long_at
+        .iter()
+        .enumerate()
+        .map(|(i, at)| {
+            let (url, words, at) = (cfg.url.clone(), cfg.long_words, *at);
+            actix_web::rt::spawn(async move {
+                actix_web::rt::time::sleep(at).await;
+                long_prompt(&url, i, words).await
+            })
+        })
+        .collect();
+    let mut windows = Vec::new();
+    for l in longs {
+        windows.push(l.await.map_err(|e| e.to_string())??);
+    }
+    let first_sent = windows.iter().map(|w| w.0).min().unwrap_or(t0);
+    let last_ttft = windows.iter().map(|w| w.1).max().unwrap_or(t0);
+    // As long after the prefills as before them, then stop the streams.
+    let before = first_sent - t0;
+    actix_web::rt::time::sleep(before).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut gaps = Vec::new();
+    for s in streams {
+        gaps.extend(s.await.map_err(|e| e.to_string())??);
+    }
+    // A stream's first request starts with its prefill: skip the first second.
+    let warm = t0 + Duration::from_secs(1);
+    let pick = |from: Instant, to: Instant| -> Vec<f64> {
+        gaps.iter()
+            .filter(|(t, _)| *t > from && *t <= to)
+            .map(|(_, g)| *g)
+            .collect()
+    };
+    println!(
+        "{} streams | {}",
+        cfg.users,
+        gap_line("before", &pick(warm, first_sent))
+    );
+    let during = pick(first_sent, last_ttft);
+    println!("{} streams | {}", cfg.users, gap_line("during", &during));
+    println!(
+        "{} streams | {}",
+        cfg.users,
+        gap_line("after", &pick(last_ttft, last_ttft + before))
+    );
+    let mut worst = 0f64;
+    for (i, (s, f)) in windows.iter().enumerate() {
+        let ttft = (*f - *s).as_secs_f64();
+        worst = worst.max(ttft / alone);
+        println!(
+            "long prompt {i} ({} words): TTFT {:.0} ms, {:.2}x alone",
+            cfg.long_words,
+            ttft * 1e3,
+            ttft / alone
+        );
+    }
+    let mut d = during;
+    d.sort_by(f64::total_cmp);
+    Ok((percentile(&d, 99.0), worst))
+}

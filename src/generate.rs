@@ -87,6 +87,7 @@ pub fn generate(
         max_running: 1,
         max_waiting: 1,
         step_tokens: params.prefill_chunk.max(1),
+        itl_target: None,
     };
     let kv = KvConfig {
         block_size: engine.cache.block_size(),
@@ -114,6 +115,7 @@ fn run(
         sampling: params.sampling.clone(),
         max_tokens: params.max_new_tokens,
         ignore_eos: !params.stop_at_eos,
+        priority: Default::default(),
         scope: CacheScope::private(Salt(0)),
         lease: None,
     };

@@ -71,7 +71,8 @@ struct BenchArgs {
     max_tokens: usize,
     /// `throughput` (independent requests), `chat` (a shared system prompt, several turns each;
     /// run with prefix caching on and off when the server is started here) or `overhead` (one
-    /// stream's gap through the server against the engine's own step).
+    /// stream's gap through the server against the engine's own step) or `mixed` (`--users`
+    /// streams and long prompts arriving while they stream).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -95,6 +96,12 @@ struct BenchArgs {
     /// lease, while the stream is measured.
     #[arg(long, default_value_t = 0)]
     idle_sessions: usize,
+    /// mixed: words in each long prompt (about one token each).
+    #[arg(long, default_value_t = 6000)]
+    long_words: usize,
+    /// mixed: when each long prompt is sent, in seconds after the streams start (one per value).
+    #[arg(long, value_delimiter = ',', default_value = "5")]
+    long_at: Vec<f64>,
 }
 
 /// The widget the in-process chat benchmark configures.
@@ -192,14 +199,20 @@ fn bench(
     opts: llama_relay::engine::EngineOptions,
     a: BenchArgs,
 ) -> anyhow::Result<()> {
-    if !matches!(a.workload.as_str(), "throughput" | "chat" | "overhead") {
+    if !matches!(
+        a.workload.as_str(),
+        "throughput" | "chat" | "overhead" | "mixed"
+    ) {
         anyhow::bail!(
-            "--workload must be `throughput`, `chat` or `overhead`, not `{}`",
+            "--workload must be `throughput`, `chat`, `overhead` or `mixed`, not `{}`",
             a.workload
         );
     }
     if a.workload == "overhead" {
         return bench_overhead(settings, opts, a);
+    }
+    if a.workload == "mixed" {
+        return bench_mixed(settings, opts, a);
     }
     let server_prompt = match a.system_prompt.as_str() {
         "server" => true,
@@ -340,6 +353,43 @@ fn bench_overhead(
             idle.len()
         );
         drop(idle);
+        Ok(())
+    })
+}
+
+/// Streams and long prompts: each stream's gaps before, during and after the long prefills.
+fn bench_mixed(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    if a.long_at.iter().any(|t| !t.is_finite() || *t < 0.0) {
+        anyhow::bail!("--long-at takes seconds from 0 up");
+    }
+    settings.server.port = 0;
+    // The long prompts are bigger than a chat message may be by default.
+    settings.limits.max_message_chars = settings.limits.max_message_chars.max(16 * a.long_words);
+    settings.limits.max_frame_bytes = settings.limits.max_frame_bytes.max(32 * a.long_words);
+    let users = a.users.iter().copied().max().unwrap_or(8);
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => start_in_process(&settings, opts.clone()).await?,
+        };
+        let cfg = llama_relay::bench::MixedBenchConfig {
+            url,
+            users,
+            long_words: a.long_words,
+            long_at: a
+                .long_at
+                .iter()
+                .map(|s| std::time::Duration::from_secs_f64(*s))
+                .collect(),
+            max_tokens: a.max_tokens,
+        };
+        llama_relay::bench::run_mixed(cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
         Ok(())
     })
 }

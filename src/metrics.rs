@@ -17,6 +17,7 @@ pub struct Metrics {
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
     pub preemptions: IntCounter,
+    pub itl_target_misses: IntCounter,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
@@ -105,6 +106,10 @@ impl Metrics {
             preemptions: counter(
                 "vllm:num_preemptions_total",
                 "Sequences preempted for lack of KV blocks",
+            ),
+            itl_target_misses: counter(
+                "llama_relay_itl_target_misses_total",
+                "Steps with streaming replies predicted over scheduler.itl_target_ms even with the smallest prefill chunk",
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),

@@ -44,6 +44,17 @@ pub struct ChatParams {
     /// A prefix-cache partition inside the API key's principal (OpenAI's `prompt_cache_key`):
     /// requests share cached blocks only with requests of the same key. API-key clients only.
     pub cache_key: Option<String>,
+    /// `interactive` (default) or `batch`: batch requests are admitted and prefilled only with
+    /// what interactive ones leave.
+    pub priority: Option<String>,
+}
+
+/// A request's priority on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Priority {
+    #[default]
+    Interactive,
+    Batch,
 }
 
 /// Longest `params.cache_key`.
@@ -170,6 +181,7 @@ pub struct ValidChat {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub cache_key: Option<String>,
+    pub priority: Priority,
 }
 
 fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
@@ -197,6 +209,16 @@ impl Limits {
         let max_tokens = self.max_tokens(p.max_tokens, default_max_tokens)?;
         self.check_stop(&p.stop)?;
         check_cache_key(p.cache_key.as_deref())?;
+        let priority = match p.priority.as_deref() {
+            None | Some("interactive") => Priority::Interactive,
+            Some("batch") => Priority::Batch,
+            Some(other) => {
+                return Err(bad(
+                    "params.priority",
+                    format!("must be interactive or batch. Given: {other:?}"),
+                ))
+            }
+        };
         Ok(ValidChat {
             id,
             messages,
@@ -205,6 +227,7 @@ impl Limits {
             stop: p.stop,
             ignore_eos: p.ignore_eos,
             cache_key: p.cache_key,
+            priority,
         })
     }
 
@@ -389,6 +412,14 @@ mod tests {
         });
         assert!(
             s.contains("`params.stop`") && s.contains("at most 4"),
+            "{s}"
+        );
+        let s = e(ChatParams {
+            priority: Some("urgent".into()),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.priority`") && s.contains("interactive or batch"),
             "{s}"
         );
         let s = l

@@ -85,6 +85,8 @@ pub struct SchedulerSettings {
     pub max_running: usize,
     pub max_waiting: usize,
     pub step_tokens: usize,
+    /// Step-time target while replies decode, in ms (0 = off: the token budget alone).
+    pub itl_target_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -3,12 +3,13 @@
 //! owns the engine (model, KV cache tensors, tokenizer), the scheduler (and through it the KV
 //! manager) and each request's sampler, so the server's batcher actor, the `generate` command and
 //! the tests all run the same scheduling, block bookkeeping and sampling (vLLM v1's `EngineCore`
-//! in shape). No actors and no clocks: the batcher adds messages, timings and metrics.
+//! in shape). No actors: the batcher adds messages, request timings and metrics; the core times
+//! each forward pass only to teach the scheduler's cost model.
 
 use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
-use super::scheduler::{AddError, RequestId, Scheduler, SchedulerConfig};
+use super::scheduler::{AddError, Priority, RequestId, Scheduler, SchedulerConfig};
 use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
@@ -24,6 +25,7 @@ pub struct Request {
     pub max_tokens: usize,
     /// Keep generating past the model's end-of-turn ids.
     pub ignore_eos: bool,
+    pub priority: Priority,
     /// Which cached blocks the request may share.
     pub scope: CacheScope,
     /// The session lease it continues and leaves its blocks to.
@@ -131,6 +133,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
         if let Some(k) = r.lease {
             self.sched.set_lease(r.id, k);
         }
+        self.sched.set_priority(r.id, r.priority);
         self.live.insert(
             r.id,
             Decoding {
@@ -183,12 +186,15 @@ impl<E: BorrowMut<Engine>> Core<E> {
                     .transpose()
                     .map_err(Into::into)
             });
+        let seconds = t.elapsed().as_secs_f64();
         tracing::debug!(
             seqs = sch.batch.seqs.len(),
             tokens = sch.batch.num_tokens(),
-            forward_ms = t.elapsed().as_secs_f64() * 1e3,
+            forward_ms = seconds * 1e3,
+            predicted_ms = self.sched.predict_ms(&sch.shape),
             "step"
         );
+        self.sched.observe_step(&sch.shape, seconds);
         let rows = match result {
             Ok(rows) => rows.unwrap_or_default(),
             Err(error) => {

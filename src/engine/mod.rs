@@ -4,6 +4,7 @@
 //! events to frames; `generate` drives one for a single prompt.
 
 pub mod core;
+pub mod cost;
 pub mod loaded;
 pub mod scheduler;
 

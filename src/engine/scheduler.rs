@@ -13,6 +13,7 @@
 
 use std::collections::VecDeque;
 
+use super::cost::{CostModel, LinearCost, StepShape};
 use crate::kv_cache::manager::{BlockCopy, KvManager, LeaseKey, SeqBlocks};
 use crate::kv_cache::{CacheScope, Salt};
 use crate::model::batch::{SeqChunk, StepBatch};
@@ -35,7 +36,30 @@ pub struct SchedulerConfig {
     pub max_waiting: usize,
     /// Tokens per step (decodes count one each); prefill chunks fill what decodes leave.
     pub step_tokens: usize,
+    /// The step time to stay under while replies are decoding (`None`: token budget only).
+    pub itl_target: Option<std::time::Duration>,
 }
+
+/// Whose prefill goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Priority {
+    /// A person is waiting (the default).
+    #[default]
+    Interactive,
+    /// Jobs: admitted and prefilled only with what interactive requests leave.
+    Batch,
+}
+
+/// Steps are planned to this share of the target: step times on a busy machine spread ~25%
+/// around the prediction, and the target bounds the slow ones too.
+const PLAN_FRACTION: f64 = 0.8;
+
+/// Steps whose prediction errors set the planning margin.
+const ERROR_WINDOW: usize = 64;
+
+/// The smallest prefill chunk a step takes when the time target cannot be met (so a long prompt
+/// always progresses).
+pub const MIN_CHUNK: usize = 16;
 
 /// One request's tokens and progress.
 #[derive(Debug, Clone)]
@@ -55,6 +79,7 @@ pub struct Sequence {
     pub cached_tokens: usize,
     /// The session lease this request continues (handed over at admission).
     pub lease: Option<LeaseKey>,
+    pub priority: Priority,
     /// A prefix to prefill and keep (no sampling).
     pin: bool,
 }
@@ -70,6 +95,7 @@ impl Sequence {
             started: pin,
             cached_tokens: 0,
             lease: None,
+            priority: Priority::Interactive,
             pin,
         }
     }
@@ -112,6 +138,8 @@ pub struct Scheduled {
     pub preempted: Vec<RequestId>,
     /// Slots to copy between blocks before the step runs.
     pub copies: Vec<BlockCopy>,
+    /// The step's shape, for the cost model (`Scheduler::observe_step` with its measured time).
+    pub shape: StepShape,
 }
 
 /// Prompt tokens looked up in the prefix cache at first admission, and found.
@@ -124,6 +152,12 @@ pub struct PrefixStats {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     kv: KvManager,
+    cost: Box<dyn CostModel>,
+    /// Recent steps' measured time over predicted time: steps are planned to the target divided
+    /// by a high percentile of it, so that most steps, not the average one, stay under.
+    errors: VecDeque<f64>,
+    /// Steps with decodes whose predicted time went over the target.
+    itl_misses: u64,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     next_admission: u64,
@@ -133,9 +167,17 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig, kv: KvManager) -> Self {
+        Self::with_cost(cfg, kv, Box::new(LinearCost::default()))
+    }
+
+    /// With a given cost model (tests use a fixed one).
+    pub fn with_cost(cfg: SchedulerConfig, kv: KvManager, cost: Box<dyn CostModel>) -> Self {
         Scheduler {
             cfg,
             kv,
+            cost,
+            errors: VecDeque::new(),
+            itl_misses: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_admission: 0,
@@ -168,6 +210,39 @@ impl Scheduler {
 
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix
+    }
+
+    /// Steps carrying decodes that were predicted to take longer than the target (the target
+    /// could not be met even with the smallest chunk, or the decodes alone exceed it).
+    pub fn itl_misses(&self) -> u64 {
+        self.itl_misses
+    }
+
+    /// The cost model's prediction for a step, in milliseconds (for the step log).
+    pub fn predict_ms(&self, shape: &StepShape) -> f64 {
+        self.cost.predict(shape) * 1e3
+    }
+
+    /// Teaches the cost model a step's measured time.
+    pub fn observe_step(&mut self, shape: &StepShape, seconds: f64) {
+        let predicted = self.cost.predict(shape);
+        if predicted > 0.0 && seconds.is_finite() {
+            if self.errors.len() == ERROR_WINDOW {
+                self.errors.pop_front();
+            }
+            self.errors.push_back(seconds / predicted);
+        }
+        self.cost.observe(shape, seconds);
+    }
+
+    /// What recent steps took over their prediction, at the 90th percentile (1 to 3).
+    fn safety(&self) -> f64 {
+        if self.errors.len() < 8 {
+            return 1.0;
+        }
+        let mut e: Vec<f64> = self.errors.iter().copied().collect();
+        e.sort_by(f64::total_cmp);
+        e[e.len() * 9 / 10].clamp(1.0, 3.0)
     }
 
     pub fn is_idle(&self) -> bool {
@@ -204,6 +279,13 @@ impl Scheduler {
         self.waiting
             .push_back(Sequence::new(id, prompt, scope, false));
         Ok(self.waiting.len() - 1)
+    }
+
+    /// Sets a queued request's priority.
+    pub fn set_priority(&mut self, id: RequestId, priority: Priority) {
+        if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
+            s.priority = priority;
+        }
     }
 
     /// Sets the session lease a queued request continues.
@@ -278,7 +360,10 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Option<Scheduled> {
         let mut out = Scheduled::default();
         self.cache_written_blocks();
-        let mut budget = self.cfg.step_tokens;
+        let mut b = StepBudget {
+            tokens: self.cfg.step_tokens,
+            ..StepBudget::default()
+        };
         let decoding = self.schedule_decodes(&mut out);
         for id in &decoding {
             let s = self
@@ -296,13 +381,57 @@ impl Scheduler {
                 id: s.id,
                 sample: true,
             });
+            b.shape.add_run(s.computed, 1);
             s.computed += 1;
-            budget = budget.saturating_sub(1);
+            b.tokens = b.tokens.saturating_sub(1);
         }
-        self.schedule_running_prefills(&decoding, &mut budget, &mut out);
-        self.admit(&mut budget, &mut out);
+        if !decoding.is_empty() {
+            let safety = self.safety();
+            b.limit = self
+                .cfg
+                .itl_target
+                .map(|t| t.as_secs_f64() * PLAN_FRACTION / safety);
+        }
+        for priority in [Priority::Interactive, Priority::Batch] {
+            self.schedule_running_prefills(&decoding, priority, &mut b, &mut out);
+            self.admit(priority, &mut b, &mut out);
+        }
+        if b.limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
+            self.itl_misses += 1;
+        }
+        out.shape = b.shape;
         out.copies = self.kv.take_copies();
         (!out.batch.seqs.is_empty()).then_some(out)
+    }
+
+    /// How many of `pending` tokens from position `start` the next chunk takes (0: none this
+    /// step): what the token budget leaves and, while replies are decoding, what keeps the
+    /// predicted step time under the target, at least `MIN_CHUNK` for the step's first chunk.
+    fn chunk_len(&self, b: &StepBudget, start: usize, pending: usize) -> usize {
+        let max = pending.min(b.tokens);
+        if max == 0 || b.full {
+            return 0;
+        }
+        let Some(limit) = b.limit else { return max };
+        let fits = |n: usize| self.cost.predict(&b.shape.with_run(start, n)) <= limit;
+        if fits(max) {
+            return max;
+        }
+        // The predicted time grows with n: the largest n that fits, by bisection.
+        let (mut lo, mut hi) = (0, max);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        if lo == 0 && !b.prefilled {
+            MIN_CHUNK.min(max)
+        } else {
+            lo
+        }
     }
 
     /// Hands the blocks the previous step filled to the manager, and moves prefilled pinned
@@ -357,31 +486,40 @@ impl Scheduler {
         ids
     }
 
-    /// Next chunks of running requests that are still prefilling, in admission order.
+    /// Next chunks of running requests of `priority` that are still prefilling, in admission
+    /// order.
     fn schedule_running_prefills(
         &mut self,
         decoding: &[RequestId],
-        budget: &mut usize,
+        priority: Priority,
+        b: &mut StepBudget,
         out: &mut Scheduled,
     ) {
         let mut prefilling: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].pending() > 0 && !decoding.contains(&self.running[i].id))
+            .filter(|&i| {
+                let r = &self.running[i];
+                r.priority == priority && r.pending() > 0 && !decoding.contains(&r.id)
+            })
             .collect();
         prefilling.sort_by_key(|&i| self.running[i].admitted);
         for i in prefilling {
-            if *budget == 0 || !push_chunk(&mut self.kv, &mut self.running[i], budget, out) {
+            let r = &self.running[i];
+            let n = self.chunk_len(b, r.computed, r.pending());
+            if n == 0 || !push_chunk(&mut self.kv, &mut self.running[i], n, b, out) {
                 break;
             }
         }
     }
 
-    /// Admits queued requests, in order, while the budget and the running cap allow: each starts
-    /// from the blocks the manager finds computed, then runs its first chunk.
-    fn admit(&mut self, budget: &mut usize, out: &mut Scheduled) {
-        while *budget > 0 && self.running.len() < self.cfg.max_running {
-            let Some(mut s) = self.waiting.pop_front() else {
+    /// Admits queued requests of `priority`, in queue order, while the budget and the running
+    /// cap allow: each starts from the blocks the manager finds computed, then runs its first
+    /// chunk.
+    fn admit(&mut self, priority: Priority, b: &mut StepBudget, out: &mut Scheduled) {
+        while self.running.len() < self.cfg.max_running {
+            let Some(i) = self.waiting.iter().position(|s| s.priority == priority) else {
                 break;
             };
+            let mut s = self.waiting.remove(i).expect("index from position");
             if s.blocks.is_empty() {
                 let c = self
                     .kv
@@ -394,7 +532,8 @@ impl Scheduler {
                     s.cached_tokens = c.tokens;
                 }
             }
-            if push_chunk(&mut self.kv, &mut s, budget, out) {
+            let n = self.chunk_len(b, s.computed, s.pending());
+            if n > 0 && push_chunk(&mut self.kv, &mut s, n, b, out) {
                 s.admitted = self.next_admission;
                 self.next_admission += 1;
                 self.running.push(s);
@@ -402,22 +541,35 @@ impl Scheduler {
                 // Give the computed blocks back until there is room.
                 self.kv.free(s.blocks.take());
                 s.computed = 0;
-                self.waiting.push_front(s);
+                self.waiting.insert(i, s);
                 break;
             }
         }
     }
 }
 
-/// Adds the next prefill chunk of `s` within `budget`; false if no block is free for it.
+/// What is left of a step while it is filled.
+#[derive(Debug, Default)]
+struct StepBudget {
+    tokens: usize,
+    shape: StepShape,
+    /// The step-time target, in seconds, when the step carries decodes.
+    limit: Option<f64>,
+    /// A prefill chunk is in the step.
+    prefilled: bool,
+    /// A chunk was cut to the time target: no more prefill this step.
+    full: bool,
+}
+
+/// Adds the next `n` prompt tokens of `s` to the step; false if no block is free for them.
 fn push_chunk(
     kv: &mut KvManager,
     s: &mut Sequence,
-    budget: &mut usize,
+    n: usize,
+    b: &mut StepBudget,
     out: &mut Scheduled,
 ) -> bool {
-    let chunk = s.pending().min(*budget);
-    let end = s.computed + chunk;
+    let end = s.computed + n;
     if !kv.allocate_slots(&mut s.blocks, end) {
         return false;
     }
@@ -436,8 +588,11 @@ fn push_chunk(
             cached_tokens: s.cached_tokens,
         });
     }
+    b.shape.add_run(s.computed, n);
+    b.full |= n < s.pending().min(b.tokens);
+    b.prefilled = true;
+    b.tokens -= n;
     s.computed = end;
-    *budget -= chunk;
     true
 }
 
@@ -475,6 +630,7 @@ mod tests {
             max_running: 4,
             max_waiting: 4,
             step_tokens: 64,
+            itl_target: None,
         };
         new_sched(blocks, cfg, true, (lease_per_session, lease_total))
     }
@@ -484,6 +640,7 @@ mod tests {
             max_running,
             max_waiting: 4,
             step_tokens,
+            itl_target: None,
         };
         new_sched(blocks, cfg, false, (0, 0))
     }
@@ -819,13 +976,118 @@ mod tests {
         assert_eq!(s.kv().pool().used_count(), s.kv().held_blocks().pinned);
     }
 
+    /// A cost model that knows the machine: 1 ms a token, 1 us per attended position.
+    struct FixedCost;
+
+    impl CostModel for FixedCost {
+        fn predict(&self, s: &StepShape) -> f64 {
+            0.001 * s.tokens as f64 + 1e-6 * s.attention
+        }
+        fn observe(&mut self, _: &StepShape, _: f64) {}
+    }
+
+    fn timed(blocks: usize, step_tokens: usize, target_ms: u64, max_running: usize) -> Scheduler {
+        let cfg = SchedulerConfig {
+            max_running,
+            max_waiting: 64,
+            step_tokens,
+            itl_target: Some(std::time::Duration::from_millis(target_ms)),
+        };
+        let kv = KvConfig {
+            block_size: 4,
+            prefix_caching: false,
+            lease_tokens_per_session: 0,
+            lease_tokens_total: 0,
+        };
+        Scheduler::with_cost(
+            cfg,
+            KvManager::new(kv, BlockPool::new(blocks)),
+            Box::new(FixedCost),
+        )
+    }
+
+    #[test]
+    fn while_a_reply_streams_a_long_prompt_takes_chunks_that_shrink_as_its_context_grows() {
+        let mut s = timed(2048, 512, 50, 4);
+        s.add(id(1), vec![1; 8], 4000, scope(0)).unwrap();
+        step(&mut s); // request 1 prefills, then decodes every step
+        s.add(id(2), vec![2; 3000], 3001, scope(0)).unwrap();
+        let mut chunks = Vec::new();
+        while s.get(id(2)).is_some_and(|r| r.computed < 3000) {
+            let out = step(&mut s);
+            assert_eq!(
+                out.entries[0],
+                Entry {
+                    id: id(1),
+                    sample: true
+                },
+                "the decode comes first"
+            );
+            assert!(
+                FixedCost.predict(&out.shape) <= 0.050 + 1e-9,
+                "{:?}",
+                out.shape
+            );
+            chunks.push(out.batch.seqs[1].tokens.len());
+        }
+        assert!(chunks.windows(2).all(|w| w[1] <= w[0]), "{chunks:?}");
+        assert!(chunks[0] > 3 * chunks[chunks.len() - 2], "{chunks:?}");
+        assert_eq!(s.itl_misses(), 0);
+    }
+
+    #[test]
+    fn with_nothing_decoding_a_prompt_takes_the_whole_token_budget() {
+        let mut s = timed(2048, 512, 50, 4);
+        s.add(id(1), vec![1; 3000], 3001, scope(0)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.batch.num_tokens(), 512);
+        assert_eq!(s.itl_misses(), 0);
+    }
+
+    #[test]
+    fn decodes_always_run_and_a_missed_target_is_counted() {
+        // 60 decodes alone are predicted at 60 ms, over the 50 ms target.
+        let mut s = timed(4096, 512, 50, 64);
+        for i in 0..60 {
+            s.add(id(i), vec![1; 4], 100, scope(0)).unwrap();
+        }
+        step(&mut s);
+        s.add(id(99), vec![2; 500], 501, scope(0)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.entries.iter().filter(|e| e.sample).count(), 60);
+        assert_eq!(
+            out.batch.seqs[60].tokens.len(),
+            MIN_CHUNK,
+            "the prompt still progresses"
+        );
+        assert_eq!(s.itl_misses(), 1);
+    }
+
+    #[test]
+    fn batch_requests_take_what_interactive_ones_leave() {
+        let mut s = sched(64, 1, 64);
+        s.add(id(1), vec![1; 8], 16, scope(0)).unwrap();
+        s.set_priority(id(1), Priority::Batch);
+        s.add(id(2), vec![2; 8], 16, scope(0)).unwrap();
+        // One may run: the interactive one, though it came second.
+        assert_eq!(started(&step(&mut s)), vec![(2, 0)]);
+        s.finish(id(2), None);
+        assert_eq!(started(&step(&mut s)), vec![(1, 0)]);
+        // With room for both, the batch prompt is prefilled after the interactive one.
+        let mut s = sched(64, 2, 64);
+        s.add(id(1), vec![1; 8], 16, scope(0)).unwrap();
+        s.set_priority(id(1), Priority::Batch);
+        s.add(id(2), vec![2; 8], 16, scope(0)).unwrap();
+        assert_eq!(entries(&step(&mut s)), vec![(2, true), (1, true)]);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// Random adds, steps and cancels never hand out a block twice, never exceed the budget,
         /// and always end with the pool idle.
         #[test]
         fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
-            let cfg = SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6 };
+            let cfg = SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, itl_target: None };
             let mut s = new_sched(12, cfg, caching, (16, 24));
             let mut next = 0u64;
             let mut gen: std::collections::HashMap<u64, (usize, usize)> = Default::default();

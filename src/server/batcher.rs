@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use crate::engine::core::{Core, Event, Finish, Request, StepFailed};
-use crate::engine::scheduler::{AddError, RequestId, SchedulerConfig};
+use crate::engine::scheduler::{AddError, Priority, RequestId, SchedulerConfig};
 use crate::engine::Engine;
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
@@ -62,6 +62,7 @@ pub struct Submit {
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     pub ignore_eos: bool,
+    pub priority: Priority,
     /// Which cached blocks the request may share (from its server-side identity).
     pub scope: crate::kv_cache::CacheScope,
     /// The session's lease key: its conversation's blocks stay cached for its next turn.
@@ -156,8 +157,9 @@ pub struct Batcher {
     drain_deadline: Option<Instant>,
     max_context: usize,
     metrics: Arc<Metrics>,
-    /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions.
-    reported: [u64; 4],
+    /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions, steps
+    /// over the inter-token target.
+    reported: [u64; 5],
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
@@ -173,7 +175,7 @@ impl Batcher {
             drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
-            reported: [0; 4],
+            reported: [0; 5],
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
         }
@@ -199,12 +201,19 @@ impl Batcher {
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.
         let p = sched.prefix_stats();
-        let now = [p.queried, p.hits, st.evictions, sched.preemptions()];
+        let now = [
+            p.queried,
+            p.hits,
+            st.evictions,
+            sched.preemptions(),
+            sched.itl_misses(),
+        ];
         let last = std::mem::replace(&mut self.reported, now);
         m.prefix_queries.inc_by(now[0] - last[0]);
         m.prefix_hits.inc_by(now[1] - last[1]);
         m.kv_evictions.inc_by(now[2] - last[2]);
         m.preemptions.inc_by(now[3] - last[3]);
+        m.itl_target_misses.inc_by(now[4] - last[4]);
     }
 
     /// Removes a request and tells its session how it ended.
@@ -441,6 +450,7 @@ impl Handler<Submit> for Batcher {
             sampling: m.sampling,
             max_tokens: m.max_tokens,
             ignore_eos: m.ignore_eos,
+            priority: m.priority,
             scope: m.scope,
             lease: m.lease,
         };

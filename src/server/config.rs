@@ -72,6 +72,13 @@ impl Settings {
                 "0 to 100000",
             ));
         }
+        if c.itl_target_ms > 60_000 {
+            return Err(invalid(
+                "scheduler.itl_target_ms",
+                c.itl_target_ms,
+                "0 (off) to 60000",
+            ));
+        }
         let sp = &self.sampling;
         self.sampling_defaults()
             .check()
@@ -127,6 +134,8 @@ impl Settings {
                 max_running: self.scheduler.max_running,
                 max_waiting: self.scheduler.max_waiting,
                 step_tokens: self.scheduler.step_tokens,
+                itl_target: (self.scheduler.itl_target_ms > 0)
+                    .then(|| std::time::Duration::from_millis(self.scheduler.itl_target_ms)),
             },
             kv: crate::kv_cache::manager::KvConfig {
                 block_size: self.engine.block_size,

@@ -16,7 +16,7 @@ use actix_web_actors::ws;
 use super::stop::scan;
 use super::tenants::{ClientKind, Identity};
 use super::{AppState, Ready};
-use crate::engine::scheduler::RequestId;
+use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
@@ -221,6 +221,10 @@ impl Session {
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
+            priority: match chat.priority {
+                crate::protocol::Priority::Interactive => Priority::Interactive,
+                crate::protocol::Priority::Batch => Priority::Batch,
+            },
             scope,
             lease: Some(self.lease_key()),
             reply_to: ctx.address().recipient(),

@@ -688,3 +688,63 @@ fn a_client_that_never_answers_pings_is_closed() {
         );
     });
 }
+
+/// With a step-time target, a long prompt is prefilled over many steps and a streaming reply
+/// gets a token in each of them (with the target off, the whole prompt would be one step and the
+/// stream would wait for it).
+#[test]
+fn a_stream_keeps_receiving_deltas_while_a_long_prompt_prefills() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.scheduler.itl_target_ms = 2;
+        s.scheduler.step_tokens = 4096;
+        s.limits.max_message_chars = 100_000;
+        s.limits.max_frame_bytes = 1 << 20;
+    });
+    run(async {
+        let mut stream = app.connect().await;
+        stream
+            .chat(
+                "s",
+                "Tell me a long story.",
+                json!({"temperature": 0, "max_tokens": 1500, "ignore_eos": true}),
+            )
+            .await;
+        // The stream's deltas, with their arrival, read by a task of their own.
+        let reader = actix_web::rt::spawn(async move {
+            let mut at = Vec::new();
+            loop {
+                let f = stream.recv().await;
+                match f["type"].as_str().unwrap() {
+                    "delta" => at.push(Instant::now()),
+                    "done" | "error" => return (at, f),
+                    _ => {}
+                }
+            }
+        });
+        actix_web::rt::time::sleep(Duration::from_millis(200)).await;
+        let mut long = app.connect().await;
+        let sent = Instant::now();
+        long.chat("l", &"word ".repeat(1500), json!({"max_tokens": 1}))
+            .await;
+        let r = long.reply("l").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        let first = r
+            .frames
+            .iter()
+            .position(|f| f["type"] == "delta")
+            .expect("the long prompt's token");
+        assert_eq!(first, r.frames.len() - 2, "one delta, then done");
+        let prompt_tokens = r.done["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(prompt_tokens > 1500, "{prompt_tokens}");
+        let done_at = Instant::now();
+        let (at, end) = reader.await.unwrap();
+        assert_eq!(end["type"], "done", "{end}");
+        let during = at.iter().filter(|t| **t > sent && **t < done_at).count();
+        assert!(
+            during >= 20,
+            "the stream got {during} deltas while {prompt_tokens} prompt tokens prefilled"
+        );
+        app.wait_idle().await;
+    });
+}
