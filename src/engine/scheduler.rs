@@ -404,15 +404,23 @@ impl Scheduler {
         (!out.batch.seqs.is_empty()).then_some(out)
     }
 
-    /// How many of `pending` tokens from position `start` the next chunk takes (0: none this
-    /// step): what the token budget leaves and, while replies are decoding, what keeps the
-    /// predicted step time under the target, at least `MIN_CHUNK` for the step's first chunk.
-    fn chunk_len(&self, b: &StepBudget, start: usize, pending: usize) -> usize {
+    /// How many of `s`'s pending tokens the next chunk takes (0: none this step): what the token
+    /// budget leaves and, for a long prompt while replies are decoding, what keeps the predicted
+    /// step time under the target, at least `MIN_CHUNK` for the step's first chunk.
+    fn chunk_len(&self, b: &StepBudget, s: &Sequence) -> usize {
+        let (start, pending) = (s.computed, s.pending());
         let max = pending.min(b.tokens);
         if max == 0 || b.full {
             return 0;
         }
         let Some(limit) = b.limit else { return max };
+        if s.tokens.len() - s.cached_tokens <= self.cfg.step_tokens {
+            // A request whose whole prefill fits the token budget (a chat turn, an ordinary
+            // prompt) is not cut to the time target: that would delay its first token by steps
+            // to save the streams milliseconds. The target is for long prompts, which would
+            // otherwise fill many whole steps.
+            return max;
+        }
         let fits = |n: usize| self.cost.predict(&b.shape.with_run(start, n)) <= limit;
         if fits(max) {
             return max;
@@ -504,7 +512,7 @@ impl Scheduler {
         prefilling.sort_by_key(|&i| self.running[i].admitted);
         for i in prefilling {
             let r = &self.running[i];
-            let n = self.chunk_len(b, r.computed, r.pending());
+            let n = self.chunk_len(b, r);
             if n == 0 || !push_chunk(&mut self.kv, &mut self.running[i], n, b, out) {
                 break;
             }
@@ -532,7 +540,7 @@ impl Scheduler {
                     s.cached_tokens = c.tokens;
                 }
             }
-            let n = self.chunk_len(b, s.computed, s.pending());
+            let n = self.chunk_len(b, &s);
             if n > 0 && push_chunk(&mut self.kv, &mut s, n, b, out) {
                 s.admitted = self.next_admission;
                 self.next_admission += 1;
@@ -1052,7 +1060,7 @@ mod tests {
             s.add(id(i), vec![1; 4], 100, scope(0)).unwrap();
         }
         step(&mut s);
-        s.add(id(99), vec![2; 500], 501, scope(0)).unwrap();
+        s.add(id(99), vec![2; 1000], 1001, scope(0)).unwrap();
         let out = step(&mut s);
         assert_eq!(out.entries.iter().filter(|e| e.sample).count(), 60);
         assert_eq!(

@@ -697,7 +697,7 @@ fn a_stream_keeps_receiving_deltas_while_a_long_prompt_prefills() {
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |s| {
         s.scheduler.itl_target_ms = 2;
-        s.scheduler.step_tokens = 4096;
+        s.scheduler.step_tokens = 512;
         s.limits.max_message_chars = 100_000;
         s.limits.max_frame_bytes = 1 << 20;
     });
