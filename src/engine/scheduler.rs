@@ -523,7 +523,7 @@ impl Scheduler {
     /// cap allow: each starts from the blocks the manager finds computed, then runs its first
     /// chunk.
     fn admit(&mut self, priority: Priority, b: &mut StepBudget, out: &mut Scheduled) {
-        while self.running.len() < self.cfg.max_running {
+        while self.running.len() < self.cfg.max_running && b.tokens > 0 && !b.full {
             let Some(i) = self.waiting.iter().position(|s| s.priority == priority) else {
                 break;
             };
@@ -541,7 +541,13 @@ impl Scheduler {
                 }
             }
             let n = self.chunk_len(b, &s);
-            if n > 0 && push_chunk(&mut self.kv, &mut s, n, b, out) {
+            if n == 0 {
+                // No room left in this step: it keeps the blocks it found (its lease was handed
+                // over to it) and goes first next step.
+                self.waiting.insert(i, s);
+                break;
+            }
+            if push_chunk(&mut self.kv, &mut s, n, b, out) {
                 s.admitted = self.next_admission;
                 self.next_admission += 1;
                 self.running.push(s);
@@ -884,6 +890,35 @@ mod tests {
         s.drop_lease(LeaseKey(42));
         assert_eq!(s.kv().pool().used_count(), 0);
         s.kv().pool().check().unwrap();
+    }
+
+    #[test]
+    fn a_turn_that_waits_a_step_for_room_keeps_its_leased_partial_block() {
+        let cfg = SchedulerConfig {
+            max_running: 4,
+            max_waiting: 4,
+            step_tokens: 16,
+            itl_target: None,
+        };
+        let mut s = new_sched(32, cfg, true, (64, 64));
+        let turn1: Vec<u32> = (0..12).collect();
+        s.add(id(1), turn1.clone(), 15, scope(0)).unwrap();
+        step(&mut s);
+        step(&mut s);
+        step(&mut s); // 14 computed: 3 full blocks and 2 tokens
+        s.finish(id(1), lease(42));
+        // A prompt that fills the next step's budget, then turn 2.
+        s.add(id(2), (100..140).collect(), 41, scope(1)).unwrap();
+        let mut turn2 = s_tokens(&turn1, 3);
+        turn2.extend([50, 51, 52]);
+        s.add(id(3), turn2, 20, scope(0)).unwrap();
+        s.set_lease(id(3), LeaseKey(42));
+        assert_eq!(started(&step(&mut s)), vec![(2, 0)]);
+        assert_eq!(s.kv().held_blocks().leased, 4, "the lease is still whole");
+        // Request 2 prefills 16 more; then turn 2 starts from all 14 tokens.
+        step(&mut s);
+        assert_eq!(started(&step(&mut s)), vec![(3, 14)]);
+        s.kv().check().unwrap();
     }
 
     /// Turn 1's tokens as the scheduler generated them in the test above (7 sampled thrice).
