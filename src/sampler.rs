@@ -184,11 +184,13 @@ impl Sampler {
         }
     }
 
-    /// Picks the next token from `logits` (modified in place).
+    /// Picks the next token from `logits` (modified in place). Non-finite logits never break
+    /// it: NaN counts as impossible, +inf as the most likely value there is.
     pub fn sample(&mut self, logits: &mut [f32]) -> u32 {
         self.apply_penalties(logits);
+        sanitize(logits);
         let p = &self.params;
-        if p.temperature <= 0.0 {
+        if p.temperature < MIN_TEMPERATURE {
             return argmax(logits);
         }
         // Candidates sorted by logit, cut to top-k.
@@ -206,6 +208,10 @@ impl Sampler {
             .map(|&i| ((logits[i as usize] - max) * inv_t).exp())
             .collect();
         let sum: f32 = probs.iter().sum();
+        if !max.is_finite() || !sum.is_finite() || sum <= 0.0 {
+            // Nothing possible (every logit NaN or -inf): the first token, as greedy would.
+            return argmax(logits);
+        }
         probs.iter_mut().for_each(|x| *x /= sum);
         // top-p: smallest prefix whose mass reaches top_p (at least one token).
         let mut keep = probs.len();
@@ -236,6 +242,21 @@ impl Sampler {
     }
 }
 
+/// Temperatures below this sample greedily: dividing by them overflows the exponent (1e-45 made
+/// every probability NaN).
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
+/// NaN becomes -inf (never picked), +inf the largest finite value (so softmax stays finite).
+fn sanitize(logits: &mut [f32]) {
+    for l in logits.iter_mut() {
+        if l.is_nan() {
+            *l = f32::NEG_INFINITY;
+        } else if *l == f32::INFINITY {
+            *l = f32::MAX;
+        }
+    }
+}
+
 /// Index of the largest value (the first one on ties).
 pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
@@ -250,6 +271,44 @@ pub fn argmax(v: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// Logits with NaN and infinities, any temperature: the token is in range, never a NaN or
+        /// -inf position while another exists, a +inf position whenever there is one, and below
+        /// the smallest temperature the greedy choice.
+        #[test]
+        fn non_finite_logits_and_tiny_temperatures_are_safe(
+            raw in proptest::collection::vec(prop_oneof![
+                6 => -30.0f32..30.0,
+                1 => Just(f32::NAN),
+                1 => Just(f32::INFINITY),
+                1 => Just(f32::NEG_INFINITY),
+            ], 1..40),
+            temperature in prop_oneof![Just(0.0f32), Just(1e-45), Just(1e-6), 0.05f32..2.0],
+            top_k in 0usize..5,
+            seed in any::<u64>(),
+        ) {
+            let params = SamplingParams { temperature, top_k, seed: Some(seed), ..Default::default() };
+            let mut s = Sampler::new(params, &[]);
+            let mut logits = raw.clone();
+            let t = s.sample(&mut logits) as usize;
+            prop_assert!(t < raw.len());
+            let possible = raw.iter().any(|x| !x.is_nan() && *x != f32::NEG_INFINITY);
+            if possible {
+                prop_assert!(!raw[t].is_nan() && raw[t] != f32::NEG_INFINITY, "{t}: {raw:?}");
+            }
+            if raw.contains(&f32::INFINITY) && top_k != 1 {
+                prop_assert_eq!(raw[t], f32::INFINITY, "{:?}", raw);
+            }
+            if temperature < MIN_TEMPERATURE {
+                let mut clean = raw.clone();
+                sanitize(&mut clean);
+                prop_assert_eq!(t as u32, argmax(&clean));
+            }
+        }
+    }
 
     #[test]
     fn every_range_is_checked_and_named() {
