@@ -479,7 +479,6 @@ impl Handler<Submit> for Batcher {
                 generated: 0,
             },
         );
-        self.update_gauges();
         self.wake(ctx);
         Ok(position)
     }
@@ -488,7 +487,7 @@ impl Handler<Submit> for Batcher {
 impl Handler<Cancel> for Batcher {
     type Result = ();
 
-    fn handle(&mut self, m: Cancel, _: &mut Context<Self>) {
+    fn handle(&mut self, m: Cancel, ctx: &mut Context<Self>) {
         match m.reason {
             CancelReason::Disconnected => {
                 self.core.remove(m.request);
@@ -497,7 +496,8 @@ impl Handler<Cancel> for Batcher {
             CancelReason::Client => self.finish(m.request, FinishReason::Cancelled),
             CancelReason::StopString => self.finish(m.request, FinishReason::Stop),
         }
-        self.update_gauges();
+        // The gauges follow at the next step (at most once a step, however many cancels come).
+        self.wake(ctx);
     }
 }
 

@@ -114,11 +114,15 @@ impl Session {
             }
             ClientFrame::Cancel { id } => match &mut self.current {
                 Some(c) if c.client_id == id => {
-                    c.ending = true;
-                    self.ready.batcher.do_send(Cancel {
-                        request: c.request,
-                        reason: CancelReason::Client,
-                    });
+                    // Once is enough: repeats of a cancel (or a cancel of a reply already
+                    // ending) never reach the batcher.
+                    if !c.ending {
+                        c.ending = true;
+                        self.ready.batcher.do_send(Cancel {
+                            request: c.request,
+                            reason: CancelReason::Client,
+                        });
+                    }
                 }
                 _ => self.error(
                     ctx,
