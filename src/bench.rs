@@ -69,15 +69,9 @@ async fn user(
         let frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
         // Each request is a fresh conversation.
-        ws.send(ws::Message::Text(
-            json!({"type": "reset"}).to_string().into(),
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
+        send_json(&mut ws, &json!({"type": "reset"})).await?;
         let sent = Instant::now();
-        ws.send(ws::Message::Text(frame.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        send_json(&mut ws, &frame).await?;
         let mut s = Sample::default();
         let mut last: Option<Instant> = None;
         let mut pending_tokens = 0usize;
@@ -160,20 +154,29 @@ pub async fn idle_sessions(url: &str, n: usize) -> Result<Vec<Socket>, String> {
         let mut ws = connect(url).await?;
         let frame = json!({"type": "chat", "id": "idle", "messages": [{"role": "user", "content": prompt(10_000 + i, 0, 20)}],
             "params": {"temperature": 0, "max_tokens": 1}});
-        ws.send(ws::Message::Text(frame.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
-        loop {
-            let f = next_frame(&mut ws).await?;
-            match f["type"].as_str() {
-                Some("done") => break,
-                Some("error") => return Err(format!("server error: {f}")),
-                _ => {}
-            }
-        }
+        send_json(&mut ws, &frame).await?;
+        until(&mut ws, "done").await?;
         out.push(ws);
     }
     Ok(out)
+}
+
+async fn send_json(ws: &mut Socket, v: &Value) -> Result<(), String> {
+    ws.send(ws::Message::Text(v.to_string().into()))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Reads frames until one of type `kind`; an `error` frame ends it with the error.
+async fn until(ws: &mut Socket, kind: &str) -> Result<Value, String> {
+    loop {
+        let f = next_frame(ws).await?;
+        match f["type"].as_str() {
+            Some(k) if k == kind => return Ok(f),
+            Some("error") => return Err(format!("server error: {f}")),
+            _ => {}
+        }
+    }
 }
 
 /// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s).
@@ -314,9 +317,7 @@ async fn chat_user(
         let frame = json!({"type": "chat", "id": id, "messages": messages,
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens}});
         let sent = Instant::now();
-        ws.send(ws::Message::Text(frame.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        send_json(&mut ws, &frame).await?;
         let mut ttft = None;
         let (mut prompt, mut cached) = (0, 0);
         loop {
@@ -459,14 +460,8 @@ async fn stream_user(
         let frame = json!({"type": "chat", "id": format!("s{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
             "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
         n += 1;
-        ws.send(ws::Message::Text(
-            json!({"type": "reset"}).to_string().into(),
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
-        ws.send(ws::Message::Text(frame.to_string().into()))
-            .await
-            .map_err(|e| e.to_string())?;
+        send_json(&mut ws, &json!({"type": "reset"})).await?;
+        send_json(&mut ws, &frame).await?;
         let mut last: Option<Instant> = None;
         loop {
             let f = next_frame(&mut ws).await?;
@@ -493,17 +488,9 @@ async fn long_prompt(url: &str, n: usize, words: usize) -> Result<(Instant, Inst
     let frame = json!({"type": "chat", "id": format!("long{n}"), "messages": [{"role": "user", "content": prompt(900 + n, n, words)}],
         "params": {"temperature": 0, "max_tokens": 1}});
     let sent = Instant::now();
-    ws.send(ws::Message::Text(frame.to_string().into()))
-        .await
-        .map_err(|e| e.to_string())?;
-    loop {
-        let f = next_frame(&mut ws).await?;
-        match f["type"].as_str() {
-            Some("delta") => return Ok((sent, Instant::now())),
-            Some("error") => return Err(format!("server error: {f}")),
-            _ => {}
-        }
-    }
+    send_json(&mut ws, &frame).await?;
+    until(&mut ws, "delta").await?;
+    Ok((sent, Instant::now()))
 }
 
 fn gap_line(label: &str, gaps: &[f64]) -> String {

@@ -138,7 +138,8 @@ pub struct Settings {
     pub tenants: Vec<TenantSettings>,
 }
 
-fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
+/// The error for a setting outside what is allowed (one shape for every key).
+pub(crate) fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
     EngineError::InvalidSetting {
         key: key.into(),
         value: value.to_string(),

@@ -2,16 +2,8 @@
 //! and the checks of the `[server]` and `[[tenants]]` values. Here rather than in `settings` so
 //! that the settings module (plain values read from the config file) depends on nothing above it.
 
-use crate::error::{EngineError, Result};
-use crate::settings::Settings;
-
-fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
-    EngineError::InvalidSetting {
-        key: key.into(),
-        value: value.to_string(),
-        allowed: allowed.into(),
-    }
-}
+use crate::error::Result;
+use crate::settings::{invalid, Settings};
 
 impl Settings {
     /// The `[server]` keys that decide who may connect.

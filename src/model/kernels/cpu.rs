@@ -107,7 +107,8 @@ impl Isa {
 
     /// The levels above scalar that this CPU has; when there are none, says on stderr that the
     /// calling test compares nothing (so a run on such a CPU shows what it skipped).
-    pub fn simd_levels_for_test(test: &str) -> Vec<Isa> {
+    #[cfg(test)]
+    pub(crate) fn simd_levels_for_test(test: &str) -> Vec<Isa> {
         let v: Vec<Isa> = Isa::available()
             .into_iter()
             .filter(|i| *i != Isa::Scalar)
