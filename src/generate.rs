@@ -118,6 +118,8 @@ fn run(
         priority: Default::default(),
         scope: CacheScope::private(Salt(0)),
         lease: None,
+        logprobs: None,
+        forks: Vec::new(),
     };
     core.add(request).map_err(|e| {
         let free = core.scheduler().kv().pool().free_count();

@@ -268,6 +268,59 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// The most alternatives `log_probs` reports per token (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A sampled token's log-probability under the model's own distribution (the log-softmax of the
+/// raw logits, before penalties, temperature and truncation, as OpenAI and vLLM report it), and
+/// the `top` most likely tokens with theirs, most likely first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability and the `top` best under the log-softmax of `logits`. NaN counts as
+/// impossible (-inf), as in sampling.
+pub fn log_probs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let clean = |x: f32| {
+        if x.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            x.min(f32::MAX)
+        }
+    };
+    let max = logits
+        .iter()
+        .fold(f32::NEG_INFINITY, |m, &x| m.max(clean(x)));
+    let sum: f64 = logits
+        .iter()
+        .map(|&x| f64::from(clean(x) - max).exp())
+        .sum();
+    let log_z = max + sum.ln() as f32;
+    let lp = |i: u32| {
+        logits
+            .get(i as usize)
+            .map_or(f32::NEG_INFINITY, |&x| clean(x) - log_z)
+    };
+    let k = top.min(MAX_TOP_LOGPROBS).min(logits.len());
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let by = |a: &u32, b: &u32| {
+        clean(logits[*b as usize])
+            .total_cmp(&clean(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    if k > 0 && k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, by);
+    }
+    idx.truncate(k);
+    idx.sort_unstable_by(by);
+    TokenLogprobs {
+        logprob: lp(token),
+        top: idx.into_iter().map(|i| (i, lp(i))).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -308,6 +361,22 @@ mod tests {
                 prop_assert_eq!(t as u32, argmax(&clean));
             }
         }
+    }
+
+    #[test]
+    fn log_probs_are_the_log_softmax_with_the_best_first() {
+        let logits = [1.0f32, 3.0, f32::NAN, 2.0, -1.0];
+        let z: f64 = [1.0f64, 3.0, 2.0, -1.0].iter().map(|x| x.exp()).sum();
+        let want = |x: f64| (x - z.ln()) as f32;
+        let lp = log_probs(&logits, 0, 3);
+        assert!((lp.logprob - want(1.0)).abs() < 1e-6, "{lp:?}");
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, vec![1, 3, 0]);
+        assert!((lp.top[0].1 - want(3.0)).abs() < 1e-6);
+        assert_eq!(log_probs(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        assert!(log_probs(&logits, 1, 99).top.len() == 5);
+        let total: f32 = log_probs(&logits, 1, 5).top.iter().map(|t| t.1.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
     }
 
     #[test]

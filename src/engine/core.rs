@@ -14,7 +14,7 @@ use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
 use crate::kv_cache::{BlockPool, CacheScope};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{log_probs, Sampler, SamplingParams, TokenLogprobs};
 
 /// A request, validated by the caller: a non-empty prompt shorter than the context.
 #[derive(Debug, Clone)]
@@ -30,6 +30,18 @@ pub struct Request {
     pub scope: CacheScope,
     /// The session lease it continues and leaves its blocks to.
     pub lease: Option<LeaseKey>,
+    /// Report each token's log-probability and this many alternatives (`None`: none).
+    pub logprobs: Option<usize>,
+    /// More choices of the same prompt: each forks from this request's prefill (sharing its
+    /// blocks) and samples its first token from the same logits.
+    pub forks: Vec<Fork>,
+}
+
+/// Another choice of a request's prompt, with its own sampling (its own seed).
+#[derive(Debug, Clone)]
+pub struct Fork {
+    pub id: RequestId,
+    pub sampling: SamplingParams,
 }
 
 /// Why the core ended a request.
@@ -42,22 +54,18 @@ pub enum Finish {
 }
 
 /// What a step did, per request, in order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// The request's first chunk ran, `cached_tokens` of its prompt found in the cache.
-    Started {
-        id: RequestId,
-        cached_tokens: usize,
-    },
+    Started { id: RequestId, cached_tokens: usize },
     Token {
         id: RequestId,
         token: u32,
+        /// When the request asked for them.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request is over (its blocks freed or left to its lease); comes after its last token.
-    Finished {
-        id: RequestId,
-        reason: Finish,
-    },
+    Finished { id: RequestId, reason: Finish },
 }
 
 /// A step that failed: its requests are removed.
@@ -75,6 +83,24 @@ struct Decoding {
     prompt_tokens: usize,
     generated: usize,
     lease: Option<LeaseKey>,
+    logprobs: Option<usize>,
+    /// Choices still to fork from this request's first sampled step.
+    forks: Vec<(RequestId, Sampler)>,
+}
+
+impl Decoding {
+    /// Whether `token`, just sampled, ends the request.
+    fn finish_reason(&self, token: u32, eos: &[u32], max_context: usize) -> Option<Finish> {
+        if !self.ignore_eos && eos.contains(&token) {
+            Some(Finish::EndOfTurn)
+        } else if self.generated >= self.max_tokens
+            || self.prompt_tokens + self.generated >= max_context
+        {
+            Some(Finish::Length)
+        } else {
+            None
+        }
+    }
 }
 
 /// `E` is the engine, owned (the batcher) or borrowed (`generate`).
@@ -129,6 +155,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let n = r.prompt.len();
         let max_total = (n + r.max_tokens).min(self.max_context);
         let sampler = Sampler::new(r.sampling, &r.prompt);
+        let forks = (r.forks.iter())
+            .map(|f| (f.id, Sampler::new(f.sampling.clone(), &r.prompt)))
+            .collect();
         let position = self.sched.add(r.id, r.prompt, max_total, r.scope)?;
         if let Some(k) = r.lease {
             self.sched.set_lease(r.id, k);
@@ -143,22 +172,75 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 prompt_tokens: n,
                 generated: 0,
                 lease: r.lease,
+                logprobs: r.logprobs,
+                forks,
             },
         );
         Ok(position)
     }
 
     /// Ends a request now (cancelled, a stop string, shutdown): its conversation's blocks go to
-    /// its lease, the rest are freed. Idempotent.
-    pub fn finish(&mut self, id: RequestId) {
-        let lease = self.live.remove(&id).and_then(|d| d.lease);
-        self.sched.finish(id, lease);
+    /// its lease, the rest are freed. Returns the choices that were still to fork from it (they
+    /// end with it). Idempotent.
+    pub fn finish(&mut self, id: RequestId) -> Vec<RequestId> {
+        let d = self.live.remove(&id);
+        self.sched.finish(id, d.as_ref().and_then(|d| d.lease));
+        d.map(|d| d.forks.into_iter().map(|f| f.0).collect())
+            .unwrap_or_default()
     }
 
-    /// Drops a request and all its blocks (its client is gone). Idempotent.
-    pub fn remove(&mut self, id: RequestId) {
-        self.live.remove(&id);
+    /// Drops a request and all its blocks (its client is gone). Returns the choices that were
+    /// still to fork from it. Idempotent.
+    pub fn remove(&mut self, id: RequestId) -> Vec<RequestId> {
         self.sched.remove(id);
+        self.live
+            .remove(&id)
+            .map(|d| d.forks.into_iter().map(|f| f.0).collect())
+            .unwrap_or_default()
+    }
+
+    /// Starts choice `fork` of `parent` from the parent's prompt logits `raw` (its first step
+    /// with a sample): its first token, then its own sequence sharing the parent's blocks.
+    fn fork(
+        &mut self,
+        parent: RequestId,
+        fork: RequestId,
+        mut sampler: Sampler,
+        raw: &[f32],
+        events: &mut Vec<Event>,
+    ) {
+        let Some(p) = self.live.get(&parent) else {
+            return;
+        };
+        let mut row = raw.to_vec();
+        let token = sampler.sample(&mut row);
+        sampler.observe(token);
+        let d = Decoding {
+            sampler,
+            max_tokens: p.max_tokens,
+            ignore_eos: p.ignore_eos,
+            prompt_tokens: p.prompt_tokens,
+            generated: 1,
+            lease: None,
+            logprobs: p.logprobs,
+            forks: Vec::new(),
+        };
+        events.push(Event::Started {
+            id: fork,
+            cached_tokens: d.prompt_tokens,
+        });
+        events.push(Event::Token {
+            id: fork,
+            token,
+            logprobs: d.logprobs.map(|k| log_probs(raw, token, k)),
+        });
+        match d.finish_reason(token, &self.eos, self.max_context) {
+            Some(reason) => events.push(Event::Finished { id: fork, reason }),
+            None => {
+                self.sched.fork(parent, fork, token);
+                self.live.insert(fork, d);
+            }
+        }
     }
 
     /// Runs one step: `Ok(None)` when there is nothing to run.
@@ -198,9 +280,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let rows = match result {
             Ok(rows) => rows.unwrap_or_default(),
             Err(error) => {
-                let ids: Vec<RequestId> = sch.entries.iter().map(|e| e.id).collect();
-                for id in &ids {
-                    self.remove(*id);
+                let mut ids: Vec<RequestId> = sch.entries.iter().map(|e| e.id).collect();
+                for id in ids.clone() {
+                    ids.extend(self.remove(id));
                 }
                 return Err(StepFailed { ids, error });
             }
@@ -210,20 +292,25 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let Some(d) = self.live.get_mut(&id) else {
                 continue;
             };
+            let raw = (d.logprobs.is_some() || !d.forks.is_empty()).then(|| row.clone());
+            for (fork, sampler) in std::mem::take(&mut d.forks) {
+                let raw = raw.as_deref().expect("kept for forks");
+                self.fork(id, fork, sampler, raw, &mut events);
+            }
+            let Some(d) = self.live.get_mut(&id) else {
+                continue;
+            };
             let token = d.sampler.sample(&mut row);
             d.sampler.observe(token);
             d.generated += 1;
-            events.push(Event::Token { id, token });
-            let reason = if !d.ignore_eos && self.eos.contains(&token) {
-                Some(Finish::EndOfTurn)
-            } else if d.generated >= d.max_tokens
-                || d.prompt_tokens + d.generated >= self.max_context
-            {
-                Some(Finish::Length)
-            } else {
-                None
-            };
-            match reason {
+            let logprobs =
+                (d.logprobs.zip(raw.as_deref())).map(|(k, raw)| log_probs(raw, token, k));
+            events.push(Event::Token {
+                id,
+                token,
+                logprobs,
+            });
+            match d.finish_reason(token, &self.eos, self.max_context) {
                 Some(reason) => {
                     self.finish(id);
                     events.push(Event::Finished { id, reason });

@@ -345,6 +345,36 @@ impl Scheduler {
         }
     }
 
+    /// Adds `child`, another choice of running request `parent`'s prompt, in the step that
+    /// computed the parent's last prompt token (before the parent's own token is appended): it
+    /// shares the parent's blocks (`KvManager::fork`), holds `first` (sampled from the same
+    /// logits) and decodes from the next step, so `n` choices cost one prefill. With no block
+    /// free for the copy it queues first and prefills on its own; past `max_running` it queues
+    /// first holding its blocks.
+    pub fn fork(&mut self, parent: RequestId, child: RequestId, first: u32) {
+        let Some(p) = self.running.iter().find(|s| s.id == parent) else {
+            return;
+        };
+        let mut s = Sequence::new(child, p.tokens.clone(), *p.blocks.scope(), false);
+        s.tokens.push(first);
+        s.priority = p.priority;
+        s.started = true;
+        let Some(blocks) = self.kv.fork(&p.blocks, p.computed) else {
+            self.waiting.push_front(s);
+            return;
+        };
+        s.blocks = blocks;
+        s.computed = s.tokens.len() - 1;
+        s.cached_tokens = s.computed;
+        if self.running.len() < self.cfg.max_running {
+            s.admitted = self.next_admission;
+            self.next_admission += 1;
+            self.running.push(s);
+        } else {
+            self.waiting.push_front(s);
+        }
+    }
+
     fn preempt_latest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].admitted)?;
         let mut s = self.running.remove(i);

@@ -233,6 +233,19 @@ impl BlockPool {
         }
     }
 
+    /// Adds one reference to each block, every one of them already referenced (a fork sharing
+    /// its parent's full blocks).
+    pub fn retain(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            let m = &mut self.meta[b as usize];
+            assert!(
+                m.refs > 0,
+                "block {b} is free: only referenced blocks are shared"
+            );
+            m.refs += 1;
+        }
+    }
+
     /// Releases a sequence's block table, tail first.
     pub fn release_table(&mut self, table: &[u32]) {
         let rev: Vec<u32> = table.iter().rev().copied().collect();

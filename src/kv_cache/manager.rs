@@ -306,6 +306,32 @@ impl KvManager {
         }
     }
 
+    /// The blocks of a fork of a request whose first `computed` tokens are in `blocks` (another
+    /// choice of the same prompt, vLLM v0's `fork_seq`): the same full blocks, one more reference
+    /// each, and a fresh block taking a copy of the partly filled last block's slots (the parent
+    /// goes on writing its own). `None` when no block is free for that copy.
+    pub fn fork(&mut self, blocks: &SeqBlocks, computed: usize) -> Option<SeqBlocks> {
+        let bs = self.cfg.block_size;
+        let (full, partial) = (computed / bs, computed % bs);
+        let mut table = blocks.table[..full].to_vec();
+        if partial > 0 {
+            self.make_room(1);
+            let b = self.pool.allocate(1)?[0];
+            self.copies.push(BlockCopy {
+                src: blocks.table[full],
+                dst: b,
+                slots: partial,
+            });
+            table.push(b);
+        }
+        self.pool.retain(&blocks.table[..full]);
+        Some(SeqBlocks {
+            table,
+            hashes: blocks.hashes[..blocks.hashes.len().min(full)].to_vec(),
+            scope: blocks.scope,
+        })
+    }
+
     /// Frees a request's blocks, tail first (so its tail is evicted before its head), with any
     /// copy still pending into them.
     pub fn free(&mut self, blocks: SeqBlocks) {
@@ -554,6 +580,39 @@ mod tests {
         assert!(kv.allocate_slots(&mut b, tokens.len()));
         kv.cache_full_blocks(&mut b, tokens, tokens.len());
         b
+    }
+
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_partial_one() {
+        let mut kv = manager(6, 0);
+        let scope = CacheScope::private(Salt(1));
+        let tokens: Vec<u32> = (0..10).collect();
+        let parent = computed(&mut kv, &tokens, scope);
+        assert_eq!(parent.table().len(), 3);
+        let child = kv.fork(&parent, 10).unwrap();
+        assert_eq!(child.table()[..2], parent.table()[..2]);
+        assert_ne!(child.table()[2], parent.table()[2]);
+        assert_eq!(kv.pool().refs(parent.table()[0]), 2);
+        assert_eq!(
+            kv.take_copies(),
+            vec![BlockCopy {
+                src: parent.table()[2],
+                dst: child.table()[2],
+                slots: 2
+            }]
+        );
+        // A prompt that fills its blocks exactly copies nothing.
+        let even = computed(&mut kv, &(20..28).collect::<Vec<u32>>(), scope);
+        let c2 = kv.fork(&even, 8).unwrap();
+        assert_eq!(c2.table(), even.table());
+        assert!(kv.take_copies().is_empty());
+        // No block free for the copy: no fork.
+        assert!(kv.fork(&parent, 10).is_none());
+        for b in [parent, child, even, c2] {
+            kv.free(b);
+        }
+        kv.check().unwrap();
+        assert_eq!(kv.pool().free_count(), 6);
     }
 
     #[test]

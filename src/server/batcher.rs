@@ -15,13 +15,13 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use crate::engine::core::{Core, Event, Finish, Request, StepFailed};
+use crate::engine::core::{Core, Event, Finish, Fork, Request, StepFailed};
 use crate::engine::scheduler::{AddError, Priority, RequestId, SchedulerConfig};
 use crate::engine::Engine;
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
 use crate::protocol::{FinishReason, RequestError, Timings, Usage};
-use crate::sampler::SamplingParams;
+use crate::sampler::{SamplingParams, TokenLogprobs};
 
 /// A fresh request id, unique in the process (sessions allocate them so that events can never
 /// arrive for an id the session does not know yet).
@@ -44,13 +44,44 @@ pub enum EventKind {
         prompt_tokens: usize,
         cached_tokens: usize,
     },
-    Token(u32),
+    Token {
+        id: u32,
+        /// When the request asked for them.
+        logprobs: Option<TokenLogprobs>,
+    },
     Finished {
         reason: FinishReason,
         usage: Usage,
         timings: Timings,
     },
     Failed(RequestError),
+}
+
+/// Where a request's events go: a WebSocket session actor, or the stream of an HTTP response
+/// (the OpenAI API). Either way, one that no longer connects cancels the request.
+#[derive(Clone)]
+pub enum ReplyTo {
+    Session(Recipient<GenerationEvent>),
+    Stream(tokio::sync::mpsc::UnboundedSender<GenerationEvent>),
+}
+
+impl ReplyTo {
+    fn send(&self, ev: GenerationEvent) {
+        match self {
+            ReplyTo::Session(r) => r.do_send(ev),
+            ReplyTo::Stream(s) => {
+                // A closed stream is noticed at the next step (`connected`).
+                let _ = s.send(ev);
+            }
+        }
+    }
+
+    fn connected(&self) -> bool {
+        match self {
+            ReplyTo::Session(r) => r.connected(),
+            ReplyTo::Stream(s) => !s.is_closed(),
+        }
+    }
 }
 
 /// Queue a generation.
@@ -67,7 +98,11 @@ pub struct Submit {
     pub scope: crate::kv_cache::CacheScope,
     /// The session's lease key: its conversation's blocks stay cached for its next turn.
     pub lease: Option<LeaseKey>,
-    pub reply_to: Recipient<GenerationEvent>,
+    /// Report log-probabilities with this many alternatives.
+    pub logprobs: Option<usize>,
+    /// More choices of the same prompt (one prefill); their events go to `reply_to` too.
+    pub forks: Vec<Fork>,
+    pub reply_to: ReplyTo,
 }
 
 /// Stop a generation at the next step (idempotent).
@@ -131,7 +166,7 @@ struct Step;
 
 /// What the batcher keeps of a request: where its events go, and its timings.
 struct Active {
-    reply_to: Recipient<GenerationEvent>,
+    reply_to: ReplyTo,
     prompt_tokens: usize,
     cached_tokens: usize,
     submitted: Instant,
@@ -218,8 +253,18 @@ impl Batcher {
 
     /// Removes a request and tells its session how it ended.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
-        self.core.finish(id);
+        for fork in self.core.finish(id) {
+            self.report_finished(fork, reason);
+        }
         self.report_finished(id, reason);
+    }
+
+    /// Drops a request whose client is gone, with the choices still to fork from it.
+    fn remove(&mut self, id: RequestId) {
+        for fork in self.core.remove(id) {
+            self.active.remove(&fork);
+        }
+        self.active.remove(&id);
     }
 
     /// Tells a finished request's session how it ended.
@@ -251,7 +296,7 @@ impl Batcher {
                 completion_tokens: a.generated,
                 cached_tokens: a.cached_tokens,
             };
-            a.reply_to.do_send(GenerationEvent {
+            a.reply_to.send(GenerationEvent {
                 request: id,
                 kind: EventKind::Finished {
                     reason,
@@ -264,10 +309,13 @@ impl Batcher {
 
     fn fail_all(&mut self, ids: Vec<RequestId>, err: RequestError) {
         for id in ids {
-            self.core.remove(id);
-            if let Some(a) = self.active.remove(&id) {
+            let forks = self.core.remove(id);
+            for id in std::iter::once(id).chain(forks) {
+                let Some(a) = self.active.remove(&id) else {
+                    continue;
+                };
                 self.metrics.error(err.error_type());
-                a.reply_to.do_send(GenerationEvent {
+                a.reply_to.send(GenerationEvent {
                     request: id,
                     kind: EventKind::Failed(err.clone()),
                 });
@@ -297,8 +345,7 @@ impl Batcher {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            self.core.remove(id);
-            self.active.remove(&id);
+            self.remove(id);
         }
         let events = match self.core.step() {
             Ok(Some(events)) => events,
@@ -320,7 +367,11 @@ impl Batcher {
         for ev in events {
             match ev {
                 Event::Started { id, cached_tokens } => self.on_started(id, cached_tokens, now),
-                Event::Token { id, token } => self.on_token(id, token, now),
+                Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => self.on_token(id, token, logprobs, now),
                 Event::Finished { id, reason } => {
                     let reason = match reason {
                         Finish::EndOfTurn => FinishReason::Stop,
@@ -345,7 +396,7 @@ impl Batcher {
                 .queue_time
                 .observe((now - a.submitted).as_secs_f64());
             self.metrics.prompt_tokens.inc_by(a.prompt_tokens as u64);
-            a.reply_to.do_send(GenerationEvent {
+            a.reply_to.send(GenerationEvent {
                 request: id,
                 kind: EventKind::Started {
                     prompt_tokens: a.prompt_tokens,
@@ -355,7 +406,13 @@ impl Batcher {
         }
     }
 
-    fn on_token(&mut self, id: RequestId, token: u32, now: Instant) {
+    fn on_token(
+        &mut self,
+        id: RequestId,
+        token: u32,
+        logprobs: Option<TokenLogprobs>,
+        now: Instant,
+    ) {
         let Some(a) = self.active.get_mut(&id) else {
             return;
         };
@@ -369,9 +426,12 @@ impl Batcher {
         }
         a.last_token = Some(now);
         self.metrics.generation_tokens.inc();
-        a.reply_to.do_send(GenerationEvent {
+        a.reply_to.send(GenerationEvent {
             request: id,
-            kind: EventKind::Token(token),
+            kind: EventKind::Token {
+                id: token,
+                logprobs,
+            },
         });
     }
 }
@@ -453,6 +513,8 @@ impl Handler<Submit> for Batcher {
             priority: m.priority,
             scope: m.scope,
             lease: m.lease,
+            logprobs: m.logprobs,
+            forks: m.forks.clone(),
         };
         let position = match self.core.add(request) {
             Ok(p) => p,
@@ -466,19 +528,22 @@ impl Handler<Submit> for Batcher {
             )))
             }
         };
-        self.active.insert(
-            m.request,
-            Active {
-                reply_to: m.reply_to,
-                prompt_tokens: n,
-                cached_tokens: 0,
-                submitted: Instant::now(),
-                scheduled: None,
-                first_token: None,
-                last_token: None,
-                generated: 0,
-            },
-        );
+        let submitted = Instant::now();
+        for id in std::iter::once(m.request).chain(m.forks.iter().map(|f| f.id)) {
+            self.active.insert(
+                id,
+                Active {
+                    reply_to: m.reply_to.clone(),
+                    prompt_tokens: n,
+                    cached_tokens: 0,
+                    submitted,
+                    scheduled: None,
+                    first_token: None,
+                    last_token: None,
+                    generated: 0,
+                },
+            );
+        }
         self.wake(ctx);
         Ok(position)
     }
@@ -489,10 +554,7 @@ impl Handler<Cancel> for Batcher {
 
     fn handle(&mut self, m: Cancel, ctx: &mut Context<Self>) {
         match m.reason {
-            CancelReason::Disconnected => {
-                self.core.remove(m.request);
-                self.active.remove(&m.request);
-            }
+            CancelReason::Disconnected => self.remove(m.request),
             CancelReason::Client => self.finish(m.request, FinishReason::Cancelled),
             CancelReason::StopString => self.finish(m.request, FinishReason::Stop),
         }

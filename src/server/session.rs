@@ -20,7 +20,7 @@ use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
-    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Submit,
+    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, ReplyTo, Submit,
 };
 use crate::tokenizer::{IncrementalDecoder, Message};
 
@@ -231,7 +231,9 @@ impl Session {
             },
             scope,
             lease: Some(self.lease_key()),
-            reply_to: ctx.address().recipient(),
+            logprobs: None,
+            forks: Vec::new(),
+            reply_to: ReplyTo::Session(ctx.address().recipient()),
         };
         let id = chat.id;
         self.ready
@@ -400,7 +402,7 @@ impl Handler<GenerationEvent> for Session {
                 };
                 self.send(ctx, &f);
             }
-            EventKind::Token(t) => {
+            EventKind::Token { id: t, .. } => {
                 if c.ending {
                     return;
                 }

@@ -308,3 +308,107 @@ fn f16_kv_cache_matches_f32_within_rounding() {
         assert_eq!(fg, full_g, "prompt {i}: greedy ids");
     }
 }
+
+/// `n` choices from one prefill: three greedy forks of the chat prompt (not a whole number of
+/// blocks, so each fork copies the partly filled block) each produce the reference's greedy ids,
+/// the prompt is computed once (the forks start with every prompt token cached, and the pool
+/// holds one copy of its full blocks), and the reported log-probabilities are the log-softmax of
+/// the prompt's logits.
+#[test]
+fn forked_choices_share_one_prefill_and_report_logprobs() {
+    use llama_relay::engine::core::{Core, Event, Fork, Request};
+    use llama_relay::engine::scheduler::{RequestId, SchedulerConfig};
+    use llama_relay::kv_cache::manager::KvConfig;
+    use llama_relay::kv_cache::{CacheScope, Salt};
+    let _g = model_lock();
+    let exp = Tiny::Tied.expected();
+    let mut e = Tiny::Tied.load(16);
+    let msgs: Vec<llama_relay::tokenizer::Message> =
+        serde_json::from_value(exp["chat"]["messages"].clone()).unwrap();
+    let prompt = ids(&exp["chat"]["prompt_ids"]);
+    assert_eq!(e.tokenizer.encode_chat(&msgs, true).unwrap().1, prompt);
+    assert_ne!(prompt.len() % 16, 0);
+    let logits = prompt_logits(&mut e, &prompt, usize::MAX);
+    let want = ids(&exp["chat"]["greedy_new_ids"]);
+    let sched = SchedulerConfig {
+        max_running: 8,
+        max_waiting: 8,
+        step_tokens: 512,
+        itl_target: None,
+    };
+    let kv = KvConfig {
+        block_size: 16,
+        prefix_caching: false,
+        lease_tokens_per_session: 0,
+        lease_tokens_total: 0,
+    };
+    let mut core = Core::new(&mut e, sched, kv, 2048);
+    let greedy = llama_relay::sampler::SamplingParams::default();
+    core.add(Request {
+        id: RequestId(1),
+        prompt: prompt.clone(),
+        sampling: greedy.clone(),
+        max_tokens: want.len(),
+        ignore_eos: true,
+        priority: Default::default(),
+        scope: CacheScope::private(Salt(1)),
+        lease: None,
+        logprobs: Some(5),
+        forks: [2, 3]
+            .map(|i| Fork {
+                id: RequestId(i),
+                sampling: greedy.clone(),
+            })
+            .to_vec(),
+    })
+    .unwrap();
+    let mut out: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
+    let mut started = Vec::new();
+    let mut first_logprobs = Vec::new();
+    let mut step = 0;
+    while let Some(events) = core.step().unwrap() {
+        step += 1;
+        if step == 1 {
+            // One copy of the prompt's full blocks, plus each choice's own last block.
+            let full = prompt.len() / 16;
+            assert_eq!(core.scheduler().kv().pool().used_count(), full + 3);
+        }
+        for ev in events {
+            match ev {
+                Event::Started { id, cached_tokens } => started.push((id.0, cached_tokens)),
+                Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } => {
+                    let o = out.entry(id.0).or_default();
+                    if o.is_empty() {
+                        first_logprobs.push(logprobs.clone().unwrap());
+                    }
+                    assert_eq!(logprobs.unwrap().top.len(), 5);
+                    o.push(token);
+                }
+                Event::Finished { .. } => {}
+            }
+        }
+    }
+    assert_eq!(
+        started,
+        vec![(1, 0), (2, prompt.len()), (3, prompt.len())],
+        "the forks take every prompt token from the parent"
+    );
+    for (id, got) in &out {
+        assert_eq!(got, &want, "choice {id}");
+    }
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+    let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+    for lp in &first_logprobs {
+        assert!((lp.logprob - (logits[want[0] as usize] - lse)).abs() < 1e-4);
+        assert_eq!(lp.top[0].0, want[0]);
+        for &(t, l) in &lp.top {
+            assert!((l - (logits[t as usize] - lse)).abs() < 1e-4, "token {t}");
+        }
+    }
+    core.scheduler().kv().check().unwrap();
+    assert_eq!(core.scheduler().kv().pool().used_count(), 0);
+}
