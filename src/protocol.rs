@@ -138,6 +138,9 @@ pub struct Timings {
 pub enum RequestError {
     #[error("{0}")]
     InvalidRequest(String),
+    /// A field's value: `param` names it as the WebSocket protocol does (`params.max_tokens`).
+    #[error("`{param}` {reason}")]
+    InvalidParam { param: String, reason: String },
     #[error("{0}")]
     PromptTooLong(String),
     #[error("the server is at capacity ({0} requests waiting); try again shortly")]
@@ -153,7 +156,9 @@ pub enum RequestError {
 impl RequestError {
     pub fn error_type(&self) -> &'static str {
         match self {
-            RequestError::InvalidRequest(_) => "invalid_request",
+            RequestError::InvalidRequest(_) | RequestError::InvalidParam { .. } => {
+                "invalid_request"
+            }
             RequestError::PromptTooLong(_) => "prompt_too_long",
             RequestError::Overloaded(_) => "overloaded",
             RequestError::Busy(_) => "busy",
@@ -185,7 +190,10 @@ pub struct ValidChat {
 }
 
 fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
-    RequestError::InvalidRequest(format!("`{field}` {msg}"))
+    RequestError::InvalidParam {
+        param: field.into(),
+        reason: msg.to_string(),
+    }
 }
 
 impl Limits {

@@ -213,21 +213,28 @@ impl Access {
                     .into(),
             ));
         }
-        let Some(o) = origin else { return Ok(()) };
-        let n = normalize_origin(o);
+        match origin {
+            Some(o) if !self.browser_origin_allowed(o) => Err(Refusal::Forbidden(format!(
+                "cross-site WebSocket from {o} refused (not one of server.public_origins)"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a browser page on `origin` may call this server without a widget: one of
+    /// `server.public_origins`, or on loopback an http origin of this very port.
+    pub fn browser_origin_allowed(&self, origin: &str) -> bool {
+        let n = normalize_origin(origin);
         if n.as_ref().is_some_and(|n| self.public_origins.contains(n)) {
-            return Ok(());
+            return true;
         }
         if let (Some(port), Some(n)) = (self.loopback_port, &n) {
             if let Some(rest) = n.strip_prefix("http://") {
-                if split_host(rest).is_some_and(|(h, p)| is_loopback_host(&h) && p == Some(port)) {
-                    return Ok(());
-                }
+                return split_host(rest)
+                    .is_some_and(|(h, p)| is_loopback_host(&h) && p == Some(port));
             }
         }
-        Err(Refusal::Forbidden(format!(
-            "cross-site WebSocket from {o} refused (not one of server.public_origins)"
-        )))
+        false
     }
 
     /// `/metrics` with `server.metrics_token` set needs `Authorization: Bearer TOKEN`.

@@ -5,6 +5,9 @@
 pub mod access;
 pub mod batcher;
 mod config;
+pub mod openai;
+pub mod prompt;
+pub mod reply;
 pub mod routes;
 pub mod session;
 pub mod stop;
@@ -62,6 +65,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub session: SessionConfig,
     pub static_dir: std::path::PathBuf,
+    /// When the process started (seconds since the epoch): the model's `created` in `/v1/models`.
+    pub started_unix: u64,
 }
 
 impl AppState {
@@ -74,6 +79,49 @@ impl AppState {
 
     fn set(&self, s: Status) {
         *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+}
+
+/// A connection's socket, kept with the connection (`HttpRequest::conn_data`) so that a handler
+/// waiting on the batcher can tell that its client has gone: actix-web drops a handler only when
+/// it next writes (actix-web issue #1313), and an answer that is not streamed writes nothing
+/// until it is complete. The descriptor stays open as long as the connection, which outlives the
+/// handler.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(std::os::fd::RawFd);
+
+impl Peer {
+    fn record(conn: &dyn std::any::Any, ext: &mut actix_web::dev::Extensions) {
+        use std::os::fd::AsRawFd;
+        if let Some(s) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
+            ext.insert(Peer(s.as_raw_fd()));
+        }
+    }
+
+    /// The client closed or reset the connection (a peek finds end of stream or an error; a
+    /// pipelined request waiting to be read is data, so the client is still there).
+    pub fn gone(&self) -> bool {
+        let mut b = [0u8; 1];
+        // SAFETY: a peek into a one-byte buffer on a descriptor the connection keeps open.
+        let n = unsafe {
+            libc::recv(
+                self.0,
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        match n {
+            0 => true,
+            n if n > 0 => false,
+            _ => {
+                let e = std::io::Error::last_os_error();
+                !matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                )
+            }
+        }
     }
 }
 
@@ -129,6 +177,10 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         metrics: metrics.clone(),
         session: settings.session_config(),
         static_dir: settings.server.static_dir.clone().into(),
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
     });
     let batcher_cfg = settings.batcher_config();
     let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
@@ -185,8 +237,10 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         App::new()
             .app_data(data.clone())
             .wrap(actix_web::middleware::from_fn(routes::gate))
+            .configure(openai::configure)
             .configure(routes::configure)
     })
+    .on_connect(Peer::record)
     .workers(settings.server.workers)
     .disable_signals()
     .shutdown_timeout(settings.server.shutdown_grace_s)

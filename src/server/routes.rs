@@ -135,7 +135,7 @@ async fn ws(
 /// (`Authorization`, any scheme case; `prefix` selects one of its tenant's named prefixes), a
 /// widget (`?widget=ID` from one of its origins), or an anonymous client where the server allows
 /// them (a browser only from the server's own origin).
-fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
+pub(super) fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
     let query =
         web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
             .map_err(|e| Refusal::BadRequest(format!("malformed query: {e}")))?;

@@ -13,7 +13,8 @@ use std::time::Instant;
 use actix::prelude::*;
 use actix_web_actors::ws;
 
-use super::stop::scan;
+use super::prompt::chat_prompt;
+use super::reply::ReplyText;
 use super::tenants::{ClientKind, Identity};
 use super::{AppState, Ready};
 use crate::engine::scheduler::{Priority, RequestId};
@@ -22,19 +23,14 @@ use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
     next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, ReplyTo, Submit,
 };
-use crate::tokenizer::{IncrementalDecoder, Message};
+use crate::tokenizer::Message;
 
 /// The request in flight.
 struct Current {
     client_id: String,
     request: RequestId,
     new_messages: Vec<Message>,
-    detok: IncrementalDecoder,
-    stop: Vec<String>,
-    /// Text decoded and not yet sent (held back for stop strings).
-    tail: String,
-    /// Text sent so far.
-    sent: String,
+    text: ReplyText,
     deltas: usize,
     /// A stop string matched or a cancel was sent: ignore further tokens.
     ending: bool,
@@ -143,39 +139,14 @@ impl Session {
         }
     }
 
-    /// What this client may send beyond what `validate_chat` checks: its roles, and
-    /// `cache_key` for API-key clients only.
+    /// `cache_key` is for API-key clients only (a browser session is its own partition).
     fn authorize(&self, chat: &ValidChat) -> Result<(), RequestError> {
-        let id = &self.identity;
-        if let Some((i, m)) = chat
-            .messages
-            .iter()
-            .enumerate()
-            .find(|(_, m)| !id.roles.allows(&m.role))
-        {
-            return Err(RequestError::InvalidRequest(format!(
-                "`messages[{i}].role` {:?} is not allowed for this client (allowed: {})",
-                m.role,
-                id.roles.names()
-            )));
-        }
-        if chat.cache_key.is_some() && id.kind != ClientKind::ApiKey {
+        if chat.cache_key.is_some() && self.identity.kind != ClientKind::ApiKey {
             return Err(RequestError::InvalidRequest(
                 "`params.cache_key` is for API-key clients; a browser session is its own cache partition".into(),
             ));
         }
         Ok(())
-    }
-
-    /// The leading prompt tokens that are operator text (shared within the tenant): those equal
-    /// to the operator prompt rendered alone.
-    fn shared_tokens(&self, prompt: &[u32]) -> usize {
-        let Some(op) = (self.identity.system_prompt.as_ref())
-            .and_then(|sys| self.ready.operator_tokens.get(sys))
-        else {
-            return 0;
-        };
-        op.iter().zip(prompt).take_while(|(a, b)| a == b).count()
     }
 
     fn start_chat(&mut self, chat: ValidChat, ctx: &mut ws::WebsocketContext<Self>) {
@@ -186,42 +157,30 @@ impl Session {
         if let Err(e) = self.authorize(&chat) {
             return self.error(ctx, Some(chat.id), e);
         }
-        let mut all = Vec::with_capacity(self.conversation.len() + chat.messages.len() + 1);
-        if let Some(sys) = &self.identity.system_prompt {
-            all.push(Message::new("system", sys));
-        }
-        all.extend(self.conversation.iter().cloned());
-        all.extend(chat.messages.iter().cloned());
-        let prompt = match self.ready.tokenizer.encode_chat(&all, true) {
-            Ok((_, ids)) => ids,
-            Err(e) => {
-                return self.error(
-                    ctx,
-                    Some(chat.id),
-                    RequestError::InvalidRequest(e.to_string()),
-                )
-            }
+        let prompt = match chat_prompt(
+            &self.ready,
+            &self.state.tenants,
+            &self.identity,
+            &self.id,
+            &self.conversation,
+            &chat.messages,
+            chat.cache_key.as_deref(),
+        ) {
+            Ok(p) => p,
+            Err(e) => return self.error(ctx, Some(chat.id), e),
         };
-        let shared = self.shared_tokens(&prompt);
-        let scope =
-            self.state
-                .tenants
-                .scope(&self.identity, &self.id, chat.cache_key.as_deref(), shared);
         let request = next_request_id();
         self.current = Some(Current {
             client_id: chat.id.clone(),
             request,
             new_messages: chat.messages,
-            detok: IncrementalDecoder::new(true),
-            stop: chat.stop,
-            tail: String::new(),
-            sent: String::new(),
+            text: ReplyText::new(chat.stop),
             deltas: 0,
             ending: false,
         });
         let submit = Submit {
             request,
-            prompt,
+            prompt: prompt.ids,
             sampling: chat.sampling,
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
@@ -229,7 +188,7 @@ impl Session {
                 crate::protocol::Priority::Interactive => Priority::Interactive,
                 crate::protocol::Priority::Batch => Priority::Batch,
             },
-            scope,
+            scope: prompt.scope,
             lease: Some(self.lease_key()),
             logprobs: None,
             forks: Vec::new(),
@@ -266,26 +225,17 @@ impl Session {
             .wait(ctx);
     }
 
-    /// Sends what the stop strings allow of the unsent text; on a match, ends the request.
-    fn flush(&mut self, ctx: &mut ws::WebsocketContext<Self>, at_end: bool) {
+    /// Sends `text` as the next delta; when a stop string matched, ends the request.
+    fn forward(&mut self, ctx: &mut ws::WebsocketContext<Self>, text: String) {
         let Some(c) = &mut self.current else { return };
-        let s = scan(&c.tail, &c.stop);
-        let send = if at_end && !s.stopped {
-            c.tail.len()
-        } else {
-            s.send
-        };
-        let text: String = c.tail.drain(..send).collect();
-        if s.stopped && !c.ending {
+        if c.text.stopped() && !c.ending {
             c.ending = true;
-            c.tail.clear();
             self.ready.batcher.do_send(Cancel {
                 request: c.request,
                 reason: CancelReason::StopString,
             });
         }
         if !text.is_empty() {
-            c.sent.push_str(&text);
             let frame = ServerFrame::Delta {
                 id: c.client_id.clone(),
                 index: c.deltas,
@@ -406,14 +356,8 @@ impl Handler<GenerationEvent> for Session {
                 if c.ending {
                     return;
                 }
-                match c.detok.push(&self.ready.tokenizer, t) {
-                    Ok(Some(text)) => {
-                        c.tail.push_str(&text);
-                        self.flush(ctx, false);
-                    }
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!(error = %e, "detokenizer"),
-                }
+                let text = c.text.push(&self.ready.tokenizer, t);
+                self.forward(ctx, text);
             }
             EventKind::Finished {
                 reason,
@@ -421,13 +365,11 @@ impl Handler<GenerationEvent> for Session {
                 timings,
             } => {
                 if !c.ending {
-                    if let Ok(Some(rest)) = c.detok.finish(&self.ready.tokenizer) {
-                        c.tail.push_str(&rest);
-                    }
-                    self.flush(ctx, true);
+                    let rest = c.text.finish(&self.ready.tokenizer);
+                    self.forward(ctx, rest);
                 }
                 let Some(c) = self.current.take() else { return };
-                usage.completion_tokens = usage.completion_tokens.max(c.detok.ids().len());
+                usage.completion_tokens = usage.completion_tokens.max(c.text.tokens());
                 tracing::info!(
                     session = %self.id, request = %c.client_id, ?reason,
                     prompt_tokens = usage.prompt_tokens, cached_tokens = usage.cached_tokens,
@@ -435,7 +377,8 @@ impl Handler<GenerationEvent> for Session {
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"
                 );
                 self.conversation.extend(c.new_messages);
-                self.conversation.push(Message::new("assistant", &c.sent));
+                self.conversation
+                    .push(Message::new("assistant", c.text.sent()));
                 self.send(
                     ctx,
                     &ServerFrame::Done {

@@ -225,6 +225,28 @@ impl TextTokenizer {
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
+    /// The bytes token `id` stands for (OpenAI's logprobs `bytes`): a byte-level BPE token's
+    /// characters mapped back to bytes (one token can hold part of a character), an added token's
+    /// own text, otherwise the token decoded alone.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        let added = self.inner.get_added_tokens_decoder().contains_key(&id);
+        if let Some(t) = self.inner.id_to_token(id) {
+            if added {
+                return t.into_bytes();
+            }
+            if byte_level {
+                if let Some(b) = t.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
+                    return b;
+                }
+            }
+        }
+        self.decode(&[id], false).unwrap_or_default().into_bytes()
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
@@ -246,4 +268,19 @@ fn text_only(inner: &tokenizers::Tokenizer) -> tokenizers::Tokenizer {
     t.with_pre_tokenizer(inner.get_pre_tokenizer().cloned());
     t.with_decoder(inner.get_decoder().cloned());
     t
+}
+
+/// The byte a GPT-2 byte-level character stands for: printable Latin-1 bytes are themselves,
+/// the other 68 are the characters from U+0100 on, in byte order.
+fn byte_level_byte(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || b >= 0xae;
+    let c = c as u32;
+    if c < 0x100 {
+        return (printable(c)).then_some(c as u8);
+    }
+    let n = (c - 0x100) as usize;
+    (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(n)
+        .map(|b| b as u8)
 }

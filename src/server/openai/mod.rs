@@ -1,0 +1,984 @@
+//! OpenAI's HTTP API on the same batcher as the WebSocket sessions: `POST /v1/chat/completions`
+//! and `POST /v1/completions` (streamed as Server-Sent Events or answered whole), `GET
+//! /v1/models`. A request is validated into the WebSocket protocol's `ValidChat` (`wire`), its
+//! prompt built by the same code (`prompt`), submitted with a channel as its reply address
+//! (`ReplyTo::Stream`), and its tokens turned into text by the same `ReplyText`; so tenants,
+//! principals, limits, prefix sharing and stop strings are the WebSocket path's. `n` choices fork
+//! from one prefill. A client that goes away drops the channel, and the batcher drops the request
+//! at its next step.
+//!
+//! Who may call: an API key (`Authorization: Bearer KEY`, as on `/ws`), or anyone where the
+//! server serves keyless clients. Anonymous requests are each their own principal (no cache is
+//! shared between them); `prompt_cache_key` and `user` partition an API key's cache. A browser
+//! (a request with `Origin`) may call only from `server.public_origins` or, on loopback, the
+//! server's own origin: those get CORS headers, other origins 403.
+
+pub mod wire;
+
+use std::collections::HashMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use actix_web::body::{BoxBody, MessageBody};
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::{Method, StatusCode};
+use actix_web::middleware::Next;
+use actix_web::web::Bytes;
+use actix_web::{web, HttpRequest, HttpResponse};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use self::wire::{
+    error_body, ApiUsage, ChatLogprob, ChatRequest, CompletionLogprobs, CompletionRequest,
+    PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
+};
+use super::batcher::{
+    next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
+};
+use super::prompt::{chat_prompt, Prompt};
+use super::reply::ReplyText;
+use super::tenants::{ClientKind, Identity, Refusal, Roles};
+use super::{AppState, Peer, Ready};
+use crate::engine::core::Fork;
+use crate::engine::scheduler::{Priority, RequestId};
+use crate::protocol::{FinishReason, RequestError};
+use crate::sampler::{SamplingParams, TokenLogprobs};
+
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    cfg.service(
+        web::scope("/v1")
+            .wrap(actix_web::middleware::from_fn(cors))
+            .route("/chat/completions", web::post().to(chat_completions))
+            .route("/completions", web::post().to(completions))
+            .route("/models", web::get().to(models))
+            .route("/models/{id}", web::get().to(model))
+            .default_service(web::to(not_found)),
+    );
+}
+
+/// An error in OpenAI's shape, with its status.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    code: Option<&'static str>,
+    param: Option<String>,
+    message: String,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, code: Option<&'static str>, m: String) -> Self {
+        ApiError {
+            status,
+            kind,
+            code,
+            param: None,
+            message: m,
+        }
+    }
+
+    fn invalid(param: &str, message: String) -> Self {
+        ApiError {
+            param: Some(param.into()),
+            ..Self::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                None,
+                message,
+            )
+        }
+    }
+
+    fn body(&self) -> Value {
+        error_body(&self.message, self.kind, self.param.as_deref(), self.code)
+    }
+
+    fn response(&self, state: &AppState) -> HttpResponse {
+        state.metrics.error(self.code.unwrap_or(self.kind));
+        let mut r = HttpResponse::build(self.status);
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.insert_header(("Retry-After", "1"));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.insert_header(("WWW-Authenticate", "Bearer"));
+        }
+        r.json(self.body())
+    }
+}
+
+impl From<RequestError> for ApiError {
+    fn from(e: RequestError) -> Self {
+        let m = e.to_string();
+        match e {
+            RequestError::InvalidParam { param, .. } => ApiError::invalid(&param, m),
+            RequestError::InvalidRequest(_) | RequestError::Busy(_) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
+            }
+            RequestError::PromptTooLong(_) => ApiError {
+                param: Some("messages".into()),
+                ..Self::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    Some("context_length_exceeded"),
+                    m,
+                )
+            },
+            RequestError::Overloaded(_) => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("overloaded"),
+                m,
+            ),
+            RequestError::NotReady(_) => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "service_unavailable",
+                Some("not_ready"),
+                m,
+            ),
+            RequestError::Internal(_) => {
+                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, m)
+            }
+        }
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::BadRequest(m) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
+            }
+            Refusal::Unauthorized(m) => Self::new(
+                StatusCode::UNAUTHORIZED,
+                "authentication_error",
+                Some("invalid_api_key"),
+                m,
+            ),
+            Refusal::Forbidden(m) => Self::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                Some("forbidden"),
+                m,
+            ),
+        }
+    }
+}
+
+fn state_of(req: &HttpRequest) -> web::Data<AppState> {
+    req.app_data::<web::Data<AppState>>()
+        .expect("state is registered")
+        .clone()
+}
+
+/// Browsers: only allowed origins get through, with CORS headers (preflights answered here).
+async fn cors(
+    req: ServiceRequest,
+    next: Next<impl MessageBody + 'static>,
+) -> Result<ServiceResponse<BoxBody>, actix_web::Error> {
+    let Some(origin) = (req.headers().get("origin"))
+        .and_then(|o| o.to_str().ok())
+        .map(String::from)
+    else {
+        return Ok(next.call(req).await?.map_into_boxed_body());
+    };
+    let state = state_of(req.request());
+    if !state.access.browser_origin_allowed(&origin) {
+        let e = ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            Some("forbidden"),
+            format!("cross-site request from {origin} refused (not one of server.public_origins)"),
+        );
+        let resp = e.response(&state);
+        return Ok(req.into_response(resp));
+    }
+    if req.method() == Method::OPTIONS {
+        let asked = (req.headers().get("access-control-request-headers"))
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or("authorization, content-type")
+            .to_string();
+        let resp = HttpResponse::NoContent()
+            .insert_header(("Access-Control-Allow-Origin", origin.as_str()))
+            .insert_header(("Access-Control-Allow-Methods", "GET, POST, OPTIONS"))
+            .insert_header(("Access-Control-Allow-Headers", asked))
+            .insert_header(("Access-Control-Max-Age", "600"))
+            .insert_header(("Vary", "Origin"))
+            .finish();
+        return Ok(req.into_response(resp));
+    }
+    let mut res = next.call(req).await?.map_into_boxed_body();
+    let h = res.headers_mut();
+    if let Ok(v) = origin.parse() {
+        h.insert(actix_web::http::header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    h.insert(
+        actix_web::http::header::VARY,
+        actix_web::http::header::HeaderValue::from_static("Origin"),
+    );
+    Ok(res)
+}
+
+async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        Some("unknown_url"),
+        format!("no route {} {}", req.method(), req.path()),
+    )
+    .response(&state)
+}
+
+/// Who is calling (an API key, or an anonymous client where the server serves them), and the
+/// loaded model.
+fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiError> {
+    if req
+        .query_string()
+        .split('&')
+        .any(|p| p.starts_with("widget="))
+    {
+        return Err(
+            Refusal::BadRequest("widgets talk to /ws; the API takes API keys".into()).into(),
+        );
+    }
+    let identity = super::routes::identify(req, state)?;
+    let ready = state.ready().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("model_loading"),
+            "the model is not loaded yet".into(),
+        )
+    })?;
+    Ok((identity, ready))
+}
+
+fn check_model(given: Option<&str>, ready: &Ready) -> Result<(), ApiError> {
+    match given {
+        None => Err(ApiError::invalid("model", "`model` is required".into())),
+        Some(m) if m == ready.model => Ok(()),
+        Some(m) => Err(ApiError {
+            param: Some("model".into()),
+            ..ApiError::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                Some("model_not_found"),
+                format!(
+                    "the model `{m}` does not exist; this server serves `{}`",
+                    ready.model
+                ),
+            )
+        }),
+    }
+}
+
+fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            None,
+            format!("the body is not a valid request: {e}"),
+        )
+    })
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Names this build and model (OpenAI's `system_fingerprint`): replies with equal seeds and
+/// equal fingerprints are reproducible.
+fn fingerprint(ready: &Ready) -> String {
+    let d =
+        super::access::sha256(format!("{}/{}", env!("CARGO_PKG_VERSION"), ready.model).as_bytes());
+    let hex: String = d[..6].iter().map(|b| format!("{b:02x}")).collect();
+    format!("fp_{hex}")
+}
+
+async fn models(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
+    match caller(&req, &state) {
+        Ok((_, ready)) => HttpResponse::Ok().json(json!({
+            "object": "list",
+            "data": [model_object(&ready, &state)],
+        })),
+        Err(e) => e.response(&state),
+    }
+}
+
+async fn model(
+    req: HttpRequest,
+    id: web::Path<String>,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let r = caller(&req, &state).and_then(|(_, ready)| {
+        check_model(Some(&id), &ready)?;
+        Ok(ready)
+    });
+    match r {
+        Ok(ready) => HttpResponse::Ok().json(model_object(&ready, &state)),
+        Err(e) => e.response(&state),
+    }
+}
+
+fn model_object(ready: &Ready, state: &AppState) -> Value {
+    json!({
+        "id": ready.model,
+        "object": "model",
+        "created": state.started_unix,
+        "owned_by": "llama-relay",
+        "max_model_len": state.session.limits.max_context,
+    })
+}
+
+/// A validated request, its prompt and where it came from, ready to run.
+struct Job {
+    api: ValidApi,
+    prompt: Prompt,
+    identity: Identity,
+    ready: Ready,
+}
+
+async fn chat_completions(
+    req: HttpRequest,
+    body: web::Bytes,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let job = (|| {
+        let (identity, ready) = caller(&req, &state)?;
+        let r: ChatRequest = parse(&body)?;
+        check_model(r.common.model.as_deref(), &ready)?;
+        let cfg = &state.session;
+        let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+        let mut api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
+        if identity.kind != ClientKind::ApiKey {
+            // Each keyless request is its own principal: a partition key has nothing to split.
+            api.chat.cache_key = None;
+        }
+        let prompt = chat_prompt(
+            &ready,
+            &state.tenants,
+            &identity,
+            &uuid::Uuid::new_v4(),
+            &[],
+            &api.chat.messages,
+            api.chat.cache_key.as_deref(),
+        )?;
+        Ok::<_, ApiError>(Job {
+            api,
+            prompt,
+            identity,
+            ready,
+        })
+    })();
+    match job {
+        Ok(job) => run(req, job, Shape::Chat, state).await,
+        Err(e) => e.response(&state),
+    }
+}
+
+async fn completions(
+    req: HttpRequest,
+    body: web::Bytes,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let job = (|| {
+        let (identity, ready) = caller(&req, &state)?;
+        let r: CompletionRequest = parse(&body)?;
+        check_model(r.common.model.as_deref(), &ready)?;
+        if identity.roles != Roles::ALL || identity.system_prompt.is_some() {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                Some("forbidden"),
+                "raw prompts skip the chat template and its roles: this client may use /v1/chat/completions only".into(),
+            ));
+        }
+        let cfg = &state.session;
+        let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+        let (mut api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
+        if identity.kind != ClientKind::ApiKey {
+            api.chat.cache_key = None;
+        }
+        let ids = match raw {
+            RawPrompt::Text(t) => ready
+                .tokenizer
+                .encode_prompt(&t)
+                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+            RawPrompt::Ids(ids) => {
+                let vocab = ready.tokenizer.vocab_size();
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!("`prompt` holds token id {bad}; the vocabulary has {vocab}"),
+                    ));
+                }
+                ids
+            }
+        };
+        let scope = state.tenants.scope(
+            &identity,
+            &uuid::Uuid::new_v4(),
+            api.chat.cache_key.as_deref(),
+            0,
+        );
+        Ok(Job {
+            api,
+            prompt: Prompt { ids, scope },
+            identity,
+            ready,
+        })
+    })();
+    match job {
+        Ok(job) => run(req, job, Shape::Completion, state).await,
+        Err(e) => e.response(&state),
+    }
+}
+
+/// Which of OpenAI's two response shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Chat,
+    Completion,
+}
+
+/// Submits the job and answers with its stream or its whole result.
+async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState>) -> HttpResponse {
+    let Job {
+        api,
+        prompt,
+        identity,
+        ready,
+    } = job;
+    let (tx, rx) = unbounded_channel();
+    let ids: Vec<RequestId> = (0..api.n).map(|_| next_request_id()).collect();
+    let forks = ids[1..]
+        .iter()
+        .enumerate()
+        .map(|(i, &id)| Fork {
+            id,
+            sampling: SamplingParams {
+                // Each choice its own seed, all following from the request's.
+                seed: api.chat.sampling.seed.map(|s| s.wrapping_add(i as u64 + 1)),
+                ..api.chat.sampling.clone()
+            },
+        })
+        .collect();
+    let prompt_tokens = prompt.ids.len();
+    let submit = Submit {
+        request: ids[0],
+        prompt: prompt.ids,
+        sampling: api.chat.sampling.clone(),
+        max_tokens: api.chat.max_tokens,
+        ignore_eos: api.chat.ignore_eos,
+        priority: match api.chat.priority {
+            crate::protocol::Priority::Interactive => Priority::Interactive,
+            crate::protocol::Priority::Batch => Priority::Batch,
+        },
+        scope: prompt.scope,
+        lease: None,
+        logprobs: api.logprobs,
+        forks,
+        reply_to: ReplyTo::Stream(tx),
+    };
+    let admitted = ready
+        .batcher
+        .send(submit)
+        .await
+        .unwrap_or_else(|e| Err(RequestError::Internal(format!("the batcher is gone: {e}"))));
+    if let Err(e) = admitted {
+        return ApiError::from(e).response(&state);
+    }
+    tracing::debug!(id = %api.chat.id, tenant = %identity.tenant, n = api.n, "API request queued");
+    let gen = Generation {
+        rx,
+        ready: ready.clone(),
+        choices: ids
+            .iter()
+            .map(|&id| Choice::new(id, api.chat.stop.clone()))
+            .collect(),
+        index: ids.iter().enumerate().map(|(i, &id)| (id, i)).collect(),
+        logprobs: api.logprobs.is_some(),
+        prompt_tokens,
+        cached_tokens: 0,
+        failed: None,
+        peer: req.conn_data::<Peer>().copied(),
+        checked: std::time::Instant::now(),
+    };
+    let meta = Meta {
+        id: api.chat.id.clone(),
+        created: unix_now(),
+        model: ready.model.clone(),
+        fingerprint: fingerprint(&ready),
+        shape,
+        include_usage: api.include_usage,
+    };
+    if api.stream {
+        let stream = futures_util::stream::unfold(
+            Some(SseState {
+                gen,
+                meta,
+                opened: false,
+            }),
+            |st| async move {
+                let mut st = st?;
+                let bytes = st.next().await?;
+                Some((Ok::<_, actix_web::Error>(bytes), st.more().then_some(st)))
+            },
+        );
+        return HttpResponse::Ok()
+            .insert_header(("Content-Type", "text/event-stream"))
+            .insert_header(("Cache-Control", "no-cache"))
+            .insert_header(("X-Accel-Buffering", "no"))
+            .streaming(stream);
+    }
+    whole(gen, meta, &state).await
+}
+
+/// Response fields every chunk and body carries.
+struct Meta {
+    id: String,
+    created: u64,
+    model: String,
+    fingerprint: String,
+    shape: Shape,
+    include_usage: bool,
+}
+
+/// One choice's progress.
+struct Choice {
+    request: RequestId,
+    text: ReplyText,
+    /// Log-probabilities of tokens whose text has not been sent yet.
+    pending: Vec<(u32, TokenLogprobs)>,
+    finish: Option<FinishReason>,
+    completion_tokens: usize,
+    /// A stop string matched and the batcher was told.
+    ending: bool,
+}
+
+impl Choice {
+    fn new(request: RequestId, stop: Vec<String>) -> Self {
+        Choice {
+            request,
+            text: ReplyText::new(stop),
+            pending: Vec::new(),
+            finish: None,
+            completion_tokens: 0,
+            ending: false,
+        }
+    }
+}
+
+/// What a generation event means for the response.
+enum Out {
+    Delta {
+        index: usize,
+        text: String,
+        logprobs: Vec<(u32, TokenLogprobs)>,
+    },
+    Finished {
+        index: usize,
+        reason: FinishReason,
+    },
+}
+
+/// Events of a request's choices, turned into text.
+struct Generation {
+    rx: UnboundedReceiver<GenerationEvent>,
+    ready: Ready,
+    choices: Vec<Choice>,
+    index: HashMap<RequestId, usize>,
+    logprobs: bool,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    failed: Option<RequestError>,
+    /// The client's connection, and when it was last checked.
+    peer: Option<Peer>,
+    checked: std::time::Instant,
+}
+
+/// How often a request waiting for events checks that its client is still connected.
+const PEER_CHECK: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl Generation {
+    /// The next event, or `None` when the channel closed or the client went away (checked every
+    /// `PEER_CHECK`, whether events come or not).
+    async fn recv(&mut self) -> Option<GenerationEvent> {
+        let Some(peer) = self.peer else {
+            return self.rx.recv().await;
+        };
+        loop {
+            if self.checked.elapsed() >= PEER_CHECK {
+                self.checked = std::time::Instant::now();
+                if peer.gone() {
+                    return None;
+                }
+            }
+            let tick = actix_web::rt::time::sleep(PEER_CHECK);
+            tokio::pin!(tick);
+            tokio::select! {
+                ev = self.rx.recv() => return ev,
+                _ = &mut tick => {}
+            }
+        }
+    }
+
+    fn done(&self) -> bool {
+        self.failed.is_some() || self.choices.iter().all(|c| c.finish.is_some())
+    }
+
+    /// The next event's output; `None` when every choice has finished or failed.
+    async fn next(&mut self) -> Option<Vec<Out>> {
+        if self.done() {
+            return None;
+        }
+        let Some(ev) = self.recv().await else {
+            self.failed = Some(RequestError::Internal(
+                "the request ended without an answer (client gone or batcher stopped)".into(),
+            ));
+            return None;
+        };
+        let i = *self.index.get(&ev.request)?;
+        let tok = &self.ready.tokenizer;
+        let c = &mut self.choices[i];
+        let mut out = Vec::new();
+        match ev.kind {
+            EventKind::Started { cached_tokens, .. } => {
+                if i == 0 {
+                    self.cached_tokens = cached_tokens;
+                }
+            }
+            EventKind::Token { id, logprobs } => {
+                if c.ending {
+                    return Some(out);
+                }
+                if let Some(lp) = logprobs {
+                    c.pending.push((id, lp));
+                }
+                let text = c.text.push(tok, id);
+                if c.text.stopped() {
+                    c.ending = true;
+                    self.ready.batcher.do_send(Cancel {
+                        request: c.request,
+                        reason: CancelReason::StopString,
+                    });
+                }
+                if !text.is_empty() {
+                    out.push(Out::Delta {
+                        index: i,
+                        text,
+                        logprobs: std::mem::take(&mut c.pending),
+                    });
+                }
+            }
+            EventKind::Finished { reason, usage, .. } => {
+                let rest = if c.ending {
+                    String::new()
+                } else {
+                    c.text.finish(tok)
+                };
+                if !rest.is_empty() || !c.pending.is_empty() {
+                    out.push(Out::Delta {
+                        index: i,
+                        text: rest,
+                        logprobs: std::mem::take(&mut c.pending),
+                    });
+                }
+                c.completion_tokens = usage.completion_tokens.max(c.text.tokens());
+                if reason == FinishReason::Shutdown {
+                    self.failed =
+                        Some(RequestError::NotReady("the server is shutting down".into()));
+                } else {
+                    c.finish = Some(reason);
+                    out.push(Out::Finished { index: i, reason });
+                }
+            }
+            EventKind::Failed(e) => self.failed = Some(e),
+        }
+        if self.done() {
+            let u = self.usage();
+            tracing::info!(
+                choices = self.choices.len(), prompt_tokens = u.prompt_tokens,
+                cached_tokens = u.prompt_tokens_details.cached_tokens,
+                generated = u.completion_tokens, failed = ?self.failed, "API request done"
+            );
+        }
+        Some(out)
+    }
+
+    fn usage(&self) -> ApiUsage {
+        let completion: usize = self.choices.iter().map(|c| c.completion_tokens).sum();
+        ApiUsage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: completion,
+            total_tokens: self.prompt_tokens + completion,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: self.cached_tokens,
+            },
+        }
+    }
+
+    fn token_text(&self, id: u32) -> (String, Vec<u8>) {
+        let b = self.ready.tokenizer.token_bytes(id);
+        (String::from_utf8_lossy(&b).into_owned(), b)
+    }
+
+    fn chat_logprobs(&self, lps: &[(u32, TokenLogprobs)]) -> Vec<ChatLogprob> {
+        lps.iter()
+            .map(|(id, lp)| {
+                let (token, bytes) = self.token_text(*id);
+                ChatLogprob {
+                    token,
+                    logprob: lp.logprob,
+                    bytes,
+                    top_logprobs: lp
+                        .top
+                        .iter()
+                        .map(|&(t, l)| {
+                            let (token, bytes) = self.token_text(t);
+                            TopLogprob {
+                                token,
+                                logprob: l,
+                                bytes,
+                            }
+                        })
+                        .collect(),
+                }
+            })
+            .collect()
+    }
+
+    /// The legacy completion shape; `offset` is the choice's text length before these tokens.
+    fn completion_logprobs(
+        &self,
+        lps: &[(u32, TokenLogprobs)],
+        offset: usize,
+    ) -> CompletionLogprobs {
+        let mut out = CompletionLogprobs::default();
+        let mut at = offset;
+        for (id, lp) in lps {
+            let (token, _) = self.token_text(*id);
+            out.text_offset.push(at);
+            at += token.len();
+            out.tokens.push(token);
+            out.token_logprobs.push(lp.logprob);
+            let mut top = Map::new();
+            for &(t, l) in &lp.top {
+                top.insert(self.token_text(t).0, json!(l));
+            }
+            out.top_logprobs.push(top);
+        }
+        out
+    }
+}
+
+fn finish_reason(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Length => "length",
+        FinishReason::Stop | FinishReason::Cancelled | FinishReason::Shutdown => "stop",
+    }
+}
+
+/// The streamed response: role chunks first, then one write per event that has something to say.
+struct SseState {
+    gen: Generation,
+    meta: Meta,
+    opened: bool,
+}
+
+fn sse(v: &Value) -> String {
+    format!("data: {v}\n\n")
+}
+
+impl SseState {
+    fn more(&self) -> bool {
+        !self.gen.done() || !self.opened
+    }
+
+    fn chunk(&self, choices: Vec<Value>) -> Value {
+        let object = match self.meta.shape {
+            Shape::Chat => "chat.completion.chunk",
+            Shape::Completion => "text_completion",
+        };
+        let mut v = json!({
+            "id": self.meta.id,
+            "object": object,
+            "created": self.meta.created,
+            "model": self.meta.model,
+            "system_fingerprint": self.meta.fingerprint,
+            "choices": choices,
+        });
+        if self.meta.include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The next write: `None` once the stream has ended.
+    async fn next(&mut self) -> Option<Bytes> {
+        if !self.opened {
+            self.opened = true;
+            if self.meta.shape == Shape::Chat {
+                let mut s = String::new();
+                for i in 0..self.gen.choices.len() {
+                    s += &sse(&self.chunk(vec![json!({
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": null,
+                        "finish_reason": null,
+                    })]));
+                }
+                return Some(Bytes::from(s));
+            }
+        }
+        loop {
+            let Some(outs) = self.gen.next().await else {
+                return Some(Bytes::from(self.end()));
+            };
+            let mut s = String::new();
+            for o in outs {
+                let c = self.choice_chunk(o);
+                s += &sse(&self.chunk(vec![c]));
+            }
+            if self.gen.done() {
+                s += &self.end();
+            }
+            if !s.is_empty() {
+                return Some(Bytes::from(s));
+            }
+        }
+    }
+
+    fn choice_chunk(&self, o: Out) -> Value {
+        let g = &self.gen;
+        match (o, self.meta.shape) {
+            (
+                Out::Delta {
+                    index,
+                    text,
+                    logprobs,
+                },
+                Shape::Chat,
+            ) => json!({
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": g.logprobs.then(|| json!({"content": g.chat_logprobs(&logprobs)})),
+                "finish_reason": null,
+            }),
+            (
+                Out::Delta {
+                    index,
+                    text,
+                    logprobs,
+                },
+                Shape::Completion,
+            ) => {
+                let offset = g.choices[index].text.sent().len() - text.len();
+                json!({
+                    "index": index,
+                    "text": text,
+                    "logprobs": g.logprobs.then(|| g.completion_logprobs(&logprobs, offset)),
+                    "finish_reason": null,
+                })
+            }
+            (Out::Finished { index, reason }, Shape::Chat) => json!({
+                "index": index,
+                "delta": {},
+                "logprobs": null,
+                "finish_reason": finish_reason(reason),
+            }),
+            (Out::Finished { index, reason }, Shape::Completion) => json!({
+                "index": index,
+                "text": "",
+                "logprobs": null,
+                "finish_reason": finish_reason(reason),
+            }),
+        }
+    }
+
+    /// The usage chunk (when asked for), or the error, then `[DONE]`.
+    fn end(&mut self) -> String {
+        let mut s = String::new();
+        if let Some(e) = &self.gen.failed {
+            s += &sse(&ApiError::from(e.clone()).body());
+        } else if self.meta.include_usage {
+            let mut v = self.chunk(Vec::new());
+            v["usage"] = json!(self.gen.usage());
+            s += &sse(&v);
+        }
+        s + "data: [DONE]\n\n"
+    }
+}
+
+/// The non-streamed response: every choice's whole text.
+async fn whole(mut gen: Generation, meta: Meta, state: &AppState) -> HttpResponse {
+    let n = gen.choices.len();
+    let mut chat_lps: Vec<Vec<ChatLogprob>> = vec![Vec::new(); n];
+    let mut cmpl_lps: Vec<CompletionLogprobs> = vec![CompletionLogprobs::default(); n];
+    while let Some(outs) = gen.next().await {
+        for o in outs {
+            if let Out::Delta {
+                index,
+                text,
+                logprobs,
+            } = o
+            {
+                if !gen.logprobs {
+                    continue;
+                }
+                match meta.shape {
+                    Shape::Chat => chat_lps[index].extend(gen.chat_logprobs(&logprobs)),
+                    Shape::Completion => {
+                        let offset = gen.choices[index].text.sent().len() - text.len();
+                        let l = gen.completion_logprobs(&logprobs, offset);
+                        let c = &mut cmpl_lps[index];
+                        c.tokens.extend(l.tokens);
+                        c.token_logprobs.extend(l.token_logprobs);
+                        c.top_logprobs.extend(l.top_logprobs);
+                        c.text_offset.extend(l.text_offset);
+                    }
+                }
+            }
+        }
+    }
+    if let Some(e) = gen.failed.take() {
+        return ApiError::from(e).response(state);
+    }
+    let choices: Vec<Value> = gen
+        .choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let reason = c.finish.map(finish_reason);
+            match meta.shape {
+                Shape::Chat => json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text.sent()},
+                    "logprobs": gen.logprobs.then(|| json!({"content": chat_lps[i]})),
+                    "finish_reason": reason,
+                }),
+                Shape::Completion => json!({
+                    "index": i,
+                    "text": c.text.sent(),
+                    "logprobs": gen.logprobs.then(|| &cmpl_lps[i]),
+                    "finish_reason": reason,
+                }),
+            }
+        })
+        .collect();
+    let object = match meta.shape {
+        Shape::Chat => "chat.completion",
+        Shape::Completion => "text_completion",
+    };
+    HttpResponse::Ok().json(json!({
+        "id": meta.id,
+        "object": object,
+        "created": meta.created,
+        "model": meta.model,
+        "system_fingerprint": meta.fingerprint,
+        "choices": choices,
+        "usage": gen.usage(),
+    }))
+}

@@ -1,0 +1,685 @@
+//! OpenAI's request and response bodies, and their validation into the same typed request the
+//! WebSocket protocol makes (`ValidChat`, checked by the same `Limits` and sampling ranges), so
+//! one definition of every limit serves both. Pure: no actix, no engine.
+//!
+//! Fields follow OpenAI's API reference. Fields that would change what a reply means and that
+//! this server does not do (tools, JSON response formats, audio, logit bias, several prompts in
+//! one completion request) are refused with 400 naming the field; unknown fields are ignored, as
+//! OpenAI's server does.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::protocol::{ChatParams, Limits, RequestError, ValidChat};
+use crate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::tokenizer::Message;
+
+/// Most choices (`n`) one request may ask for: each is a running sequence.
+pub const MAX_CHOICES: usize = 8;
+
+/// `max_tokens` of a completion request that gives none (OpenAI's default for `/v1/completions`).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: usize = 16;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Sampling and limit fields both endpoints take.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CommonFields {
+    pub model: Option<String>,
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub n: Option<i64>,
+    pub stop: Option<OneOrMany>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    pub prompt_cache_key: Option<String>,
+    pub logit_bias: Option<Map<String, Value>>,
+    // This server's extras.
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub ignore_eos: Option<bool>,
+    pub priority: Option<String>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ApiMessage>,
+    pub max_completion_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub response_format: Option<Value>,
+    pub modalities: Option<Vec<String>>,
+    #[serde(flatten)]
+    pub common: CommonFields,
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ApiMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Option<PromptField>,
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+    #[serde(flatten)]
+    pub common: CommonFields,
+    #[serde(flatten)]
+    pub other: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// A completion's prompt: text to tokenize, or token ids as given.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RawPrompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// What both endpoints validate to.
+#[derive(Debug, Clone)]
+pub struct ValidApi {
+    /// The request as the WebSocket protocol would have it (`id` is the response id).
+    pub chat: ValidChat,
+    /// Choices; the first is the request, the rest fork from its prefill.
+    pub n: usize,
+    /// Alternatives per token when log-probabilities are asked for.
+    pub logprobs: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn bad(param: &str, reason: impl std::fmt::Display) -> RequestError {
+    RequestError::InvalidParam {
+        param: param.into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The field name OpenAI uses for a `ValidChat` field named as the WebSocket protocol does.
+pub fn api_param(ws_param: &str) -> String {
+    let p = ws_param.strip_prefix("params.").unwrap_or(ws_param);
+    match p {
+        "cache_key" => "prompt_cache_key".into(),
+        _ => p.into(),
+    }
+}
+
+/// Refuses fields whose meaning this server does not serve (present and not null).
+fn refuse_unsupported(other: &Map<String, Value>, fields: &[&str]) -> Result<(), RequestError> {
+    for f in fields {
+        match other.get(*f) {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(Value::String(s)) if *f == "tool_choice" && s == "none" => {}
+            Some(_) => {
+                return Err(bad(
+                    f,
+                    "is not supported by this server (text generation only: no tools, functions, audio or predicted outputs)",
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
+fn non_negative(param: &str, v: Option<i64>) -> Result<Option<usize>, RequestError> {
+    match v {
+        Some(x) if x < 0 => Err(bad(param, format!("must be 0 or more. Given: {x}"))),
+        Some(x) => Ok(Some(x as usize)),
+        None => Ok(None),
+    }
+}
+
+impl CommonFields {
+    /// The partition within an API key's principal: `prompt_cache_key`, then `user`, each
+    /// checked as the WebSocket `cache_key` is; both given partition by both.
+    fn cache_key(&self) -> Option<String> {
+        match (&self.prompt_cache_key, &self.user) {
+            (Some(k), Some(u)) => Some(format!("{k}\u{1f}{u}")),
+            (Some(k), None) => Some(k.clone()),
+            (None, Some(u)) => Some(u.clone()),
+            (None, None) => None,
+        }
+    }
+
+    /// The fields every endpoint checks the same way, as a `ValidChat` over `messages`.
+    #[allow(clippy::too_many_arguments)]
+    fn validate(
+        &self,
+        id: String,
+        messages: Vec<Message>,
+        max_tokens: Option<i64>,
+        logprobs: Option<usize>,
+        limits: &Limits,
+        defaults: &SamplingParams,
+        default_max_tokens: usize,
+    ) -> Result<ValidApi, RequestError> {
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(bad("logit_bias", "is not supported by this server"));
+        }
+        let n = non_negative("n", self.n)?.unwrap_or(1);
+        if n == 0 || n > MAX_CHOICES {
+            return Err(bad(
+                "n",
+                format!("must be between 1 and {MAX_CHOICES}. Given: {n}"),
+            ));
+        }
+        let stream = self.stream.unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(bad(
+                "stream_options",
+                "is only allowed when `stream` is true",
+            ));
+        }
+        let max_tokens = match max_tokens {
+            Some(x) if x <= 0 => {
+                return Err(bad(
+                    "max_tokens",
+                    format!("must be between 1 and {}. Given: {x}", limits.max_tokens),
+                ))
+            }
+            Some(x) => Some(x as usize),
+            None => None,
+        };
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(OneOrMany::One(s)) => vec![s.clone()],
+            Some(OneOrMany::Many(v)) => v.clone(),
+        };
+        let params = ChatParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            // OpenAI's seed is any 64-bit integer.
+            seed: self.seed.map(|s| s as u64),
+            max_tokens,
+            stop,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+            cache_key: self.cache_key(),
+            priority: self.priority.clone(),
+        };
+        let chat = limits
+            .validate_chat(id, messages, params, defaults, default_max_tokens)
+            .map_err(|e| match e {
+                RequestError::InvalidParam { param, reason } => RequestError::InvalidParam {
+                    param: api_param(&param),
+                    reason,
+                },
+                e => e,
+            })?;
+        Ok(ValidApi {
+            chat,
+            n,
+            logprobs,
+            stream,
+            include_usage: (self.stream_options.as_ref())
+                .and_then(|o| o.include_usage)
+                .unwrap_or(false),
+        })
+    }
+}
+
+impl ChatRequest {
+    /// Checks the request; `id` becomes the response's id.
+    pub fn validate(
+        self,
+        id: String,
+        limits: &Limits,
+        defaults: &SamplingParams,
+        default_max_tokens: usize,
+    ) -> Result<ValidApi, RequestError> {
+        refuse_unsupported(
+            &self.other,
+            &[
+                "tools",
+                "tool_choice",
+                "functions",
+                "function_call",
+                "audio",
+                "prediction",
+                "web_search_options",
+            ],
+        )?;
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str) != Some("text") {
+                return Err(bad(
+                    "response_format",
+                    "may only be {\"type\": \"text\"}: this server does not constrain output to JSON",
+                ));
+            }
+        }
+        if let Some(m) = self.modalities.iter().flatten().find(|m| *m != "text") {
+            return Err(bad(
+                "modalities",
+                format!("may only hold \"text\". Given: {m:?}"),
+            ));
+        }
+        let messages = self
+            .messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| m.into_message(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (true, k) => Some(non_negative("top_logprobs", k)?.unwrap_or(0)),
+            (false, None | Some(0)) => None,
+            (false, Some(_)) => {
+                return Err(bad("top_logprobs", "needs `logprobs` set to true"));
+            }
+        };
+        check_alternatives("top_logprobs", logprobs)?;
+        let max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
+        self.common.validate(
+            id,
+            messages,
+            max_tokens,
+            logprobs,
+            limits,
+            defaults,
+            default_max_tokens,
+        )
+    }
+}
+
+impl ApiMessage {
+    /// One of OpenAI's message forms as a chat template message: `developer` is the system role
+    /// by its newer name; content is a string or text parts, joined.
+    fn into_message(self, i: usize) -> Result<Message, RequestError> {
+        let role = match self.role.as_str() {
+            "developer" => "system".to_string(),
+            "tool" | "function" => {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!("{:?} is not supported by this server (no tools)", self.role),
+                ))
+            }
+            _ => self.role,
+        };
+        if self
+            .other
+            .get("tool_calls")
+            .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
+        {
+            return Err(bad(
+                &format!("messages[{i}].tool_calls"),
+                "is not supported by this server (no tools)",
+            ));
+        }
+        let content = match self.content {
+            None => String::new(),
+            Some(Content::Text(s)) => s,
+            Some(Content::Parts(parts)) => {
+                let mut s = String::new();
+                for (j, p) in parts.into_iter().enumerate() {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => s.push_str(&t),
+                        ("text", None) => {
+                            return Err(bad(
+                                &format!("messages[{i}].content[{j}].text"),
+                                "is required for a text part",
+                            ))
+                        }
+                        (kind, _) => return Err(bad(
+                            &format!("messages[{i}].content[{j}].type"),
+                            format!(
+                                "must be \"text\": this server reads text only. Given: {kind:?}"
+                            ),
+                        )),
+                    }
+                }
+                s
+            }
+        };
+        Ok(Message { role, content })
+    }
+}
+
+impl CompletionRequest {
+    /// Checks the request; the prompt comes back apart (it is tokenized raw, not through the
+    /// chat template). The prompt's length is checked as one message's.
+    pub fn validate(
+        self,
+        id: String,
+        limits: &Limits,
+        defaults: &SamplingParams,
+    ) -> Result<(ValidApi, RawPrompt), RequestError> {
+        if self.echo.unwrap_or(false) {
+            return Err(bad("echo", "is not supported by this server"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(bad("suffix", "is not supported by this server"));
+        }
+        let n = self.common.n.unwrap_or(1);
+        if self.best_of.is_some_and(|b| b != n) {
+            return Err(bad(
+                "best_of",
+                "is not supported by this server (it may only equal `n`)",
+            ));
+        }
+        let prompt = match self.prompt {
+            None => return Err(bad("prompt", "is required")),
+            Some(PromptField::Text(s)) => RawPrompt::Text(s),
+            Some(PromptField::Ids(v)) => RawPrompt::Ids(v),
+            Some(PromptField::Texts(mut v)) if v.len() == 1 => RawPrompt::Text(v.remove(0)),
+            Some(PromptField::IdLists(mut v)) if v.len() == 1 => RawPrompt::Ids(v.remove(0)),
+            Some(PromptField::Texts(v)) => return Err(several(v.len())),
+            Some(PromptField::IdLists(v)) => return Err(several(v.len())),
+        };
+        let chars = match &prompt {
+            RawPrompt::Text(s) => s.chars().count(),
+            RawPrompt::Ids(v) => v.len(),
+        };
+        if chars == 0 {
+            return Err(bad("prompt", "must not be empty"));
+        }
+        if chars > limits.max_message_chars {
+            return Err(bad(
+                "prompt",
+                format!(
+                    "must be at most {} characters. Given: {chars}",
+                    limits.max_message_chars
+                ),
+            ));
+        }
+        let logprobs = non_negative("logprobs", self.logprobs)?;
+        check_alternatives("logprobs", logprobs)?;
+        // The prompt stands in as one user message for the shared checks.
+        let stand_in = vec![Message::new("user", "")];
+        let v = self.common.validate(
+            id,
+            stand_in,
+            self.common.max_tokens,
+            logprobs,
+            limits,
+            defaults,
+            COMPLETIONS_DEFAULT_MAX_TOKENS,
+        )?;
+        Ok((v, prompt))
+    }
+}
+
+/// Alternatives per token: at most `MAX_TOP_LOGPROBS`.
+fn check_alternatives(param: &str, k: Option<usize>) -> Result<(), RequestError> {
+    match k {
+        Some(k) if k > MAX_TOP_LOGPROBS => Err(bad(
+            param,
+            format!("must be between 0 and {MAX_TOP_LOGPROBS}. Given: {k}"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn several(n: usize) -> RequestError {
+    bad(
+        "prompt",
+        format!("holds {n} prompts; this server takes one prompt per request"),
+    )
+}
+
+// ---- responses ----
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct ApiUsage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
+}
+
+/// One token's entry in a chat choice's `logprobs.content`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// A completion choice's `logprobs` (the legacy shape).
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<Map<String, Value>>,
+    pub text_offset: Vec<usize>,
+}
+
+/// OpenAI's error body.
+pub fn error_body(
+    message: &str,
+    kind: &str,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> serde_json::Value {
+    serde_json::json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits {
+            max_context: 2048,
+            max_tokens: 512,
+            max_frame_bytes: 65536,
+            max_messages: 8,
+            max_message_chars: 100,
+            max_stop_strings: 4,
+            max_stop_chars: 16,
+            max_id_chars: 64,
+        }
+    }
+
+    fn chat(body: Value) -> Result<ValidApi, RequestError> {
+        let r: ChatRequest = serde_json::from_value(body).unwrap();
+        r.validate(
+            "chatcmpl-1".into(),
+            &limits(),
+            &SamplingParams::default(),
+            64,
+        )
+    }
+
+    fn err(body: Value) -> (String, String) {
+        match chat(body).unwrap_err() {
+            RequestError::InvalidParam { param, reason } => (param, reason),
+            e => panic!("{e:?}"),
+        }
+    }
+
+    #[test]
+    fn chat_requests_validate_into_the_websocket_request() {
+        let v = chat(serde_json::json!({
+            "model": "m", "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]}
+            ],
+            "max_completion_tokens": 9, "max_tokens": 99, "stop": "x", "n": 3, "seed": -1,
+            "logprobs": true, "top_logprobs": 2, "stream": true,
+            "stream_options": {"include_usage": true}, "store": false, "metadata": {"a": "b"},
+            "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"
+        }))
+        .unwrap();
+        assert_eq!(v.chat.messages[0], Message::new("system", "be brief"));
+        assert_eq!(v.chat.messages[1].content, "hi there");
+        assert_eq!(v.chat.max_tokens, 9);
+        assert_eq!(v.chat.stop, vec!["x".to_string()]);
+        assert_eq!(v.chat.sampling.seed, Some(u64::MAX));
+        assert_eq!(
+            (v.n, v.logprobs, v.stream, v.include_usage),
+            (3, Some(2), true, true)
+        );
+    }
+
+    #[test]
+    fn refusals_name_the_openai_field() {
+        let m = serde_json::json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (
+                serde_json::json!({"messages": m, "tools": [{"type": "function"}]}),
+                "tools",
+            ),
+            (
+                serde_json::json!({"messages": m, "response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+            (serde_json::json!({"messages": m, "n": 9}), "n"),
+            (
+                serde_json::json!({"messages": m, "logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"messages": m, "top_logprobs": 2}),
+                "top_logprobs",
+            ),
+            (
+                serde_json::json!({"messages": m, "max_tokens": 9000}),
+                "max_tokens",
+            ),
+            (
+                serde_json::json!({"messages": m, "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                serde_json::json!({"messages": m, "temperature": 3}),
+                "temperature",
+            ),
+            (
+                serde_json::json!({"messages": m, "stop": ["a", "b", "c", "d", "e"]}),
+                "stop",
+            ),
+            (
+                serde_json::json!({"messages": m, "stream_options": {"include_usage": true}}),
+                "stream_options",
+            ),
+            (
+                serde_json::json!({"messages": m, "logit_bias": {"1": 5}}),
+                "logit_bias",
+            ),
+            (
+                serde_json::json!({"messages": m, "modalities": ["text", "audio"]}),
+                "modalities",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+                "messages[0].content[0].type",
+            ),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": "x".repeat(101)}]}),
+                "messages[0].content",
+            ),
+            (
+                serde_json::json!({"messages": m, "prompt_cache_key": "k".repeat(65)}),
+                "prompt_cache_key",
+            ),
+        ];
+        for (body, want) in cases {
+            let (param, reason) = err(body.clone());
+            assert_eq!(param, want, "{body}: {reason}");
+        }
+    }
+
+    #[test]
+    fn completions_take_one_prompt() {
+        let v = |b: Value| {
+            let r: CompletionRequest = serde_json::from_value(b).unwrap();
+            r.validate("cmpl-1".into(), &limits(), &SamplingParams::default())
+        };
+        let (ok, p) =
+            v(serde_json::json!({"model": "m", "prompt": ["Once"], "logprobs": 3})).unwrap();
+        assert_eq!(p, RawPrompt::Text("Once".into()));
+        assert_eq!(
+            (ok.chat.max_tokens, ok.logprobs),
+            (COMPLETIONS_DEFAULT_MAX_TOKENS, Some(3))
+        );
+        let (_, p) = v(serde_json::json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(p, RawPrompt::Ids(vec![1, 2, 3]));
+        for (body, want) in [
+            (serde_json::json!({"prompt": ["a", "b"]}), "prompt"),
+            (serde_json::json!({"prompt": ""}), "prompt"),
+            (serde_json::json!({}), "prompt"),
+            (serde_json::json!({"prompt": "a", "echo": true}), "echo"),
+            (serde_json::json!({"prompt": "a", "best_of": 3}), "best_of"),
+            (
+                serde_json::json!({"prompt": "a", "logprobs": 21}),
+                "logprobs",
+            ),
+        ] {
+            match v(body.clone()).unwrap_err() {
+                RequestError::InvalidParam { param, .. } => assert_eq!(param, want, "{body}"),
+                e => panic!("{body}: {e:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! A request's prompt and cache partition from who sent it: the roles its identity may send, the
+//! operator's text first (a widget's system prompt or a tenant's named prefix), the chat
+//! template, and how many leading tokens are that operator text (shared within the tenant; the
+//! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
+
+use super::tenants::{Identity, Tenants};
+use super::Ready;
+use crate::kv_cache::CacheScope;
+use crate::protocol::RequestError;
+use crate::tokenizer::Message;
+
+/// The token ids to run and the blocks they may share.
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    pub scope: CacheScope,
+}
+
+/// Checks that `identity` may send the roles of `new`, renders operator text, `history` and
+/// `new` with the chat template (generation prompt added), and derives the cache scope:
+/// `principal` names the principal for clients without an API key (a session's id, or a fresh
+/// id per HTTP request), `cache_key` a partition inside an API key's principal.
+pub fn chat_prompt(
+    ready: &Ready,
+    tenants: &Tenants,
+    identity: &Identity,
+    principal: &uuid::Uuid,
+    history: &[Message],
+    new: &[Message],
+    cache_key: Option<&str>,
+) -> Result<Prompt, RequestError> {
+    if let Some((i, m)) = new
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !identity.roles.allows(&m.role))
+    {
+        return Err(RequestError::InvalidParam {
+            param: format!("messages[{i}].role"),
+            reason: format!(
+                "{:?} is not allowed for this client (allowed: {})",
+                m.role,
+                identity.roles.names()
+            ),
+        });
+    }
+    let mut all = Vec::with_capacity(history.len() + new.len() + 1);
+    if let Some(sys) = &identity.system_prompt {
+        all.push(Message::new("system", sys));
+    }
+    all.extend(history.iter().cloned());
+    all.extend(new.iter().cloned());
+    let ids = ready
+        .tokenizer
+        .encode_chat(&all, true)
+        .map_err(|e| RequestError::InvalidRequest(e.to_string()))?
+        .1;
+    let shared = shared_tokens(ready, identity, &ids);
+    let scope = tenants.scope(identity, principal, cache_key, shared);
+    Ok(Prompt { ids, scope })
+}
+
+/// The leading prompt tokens that are operator text: those equal to the operator prompt rendered
+/// alone.
+fn shared_tokens(ready: &Ready, identity: &Identity, prompt: &[u32]) -> usize {
+    let Some(op) = (identity.system_prompt.as_ref()).and_then(|sys| ready.operator_tokens.get(sys))
+    else {
+        return 0;
+    };
+    op.iter().zip(prompt).take_while(|(a, b)| a == b).count()
+}
