@@ -16,6 +16,7 @@ pub struct Metrics {
     pub queue_time: Histogram,
     pub prompt_tokens: IntCounter,
     pub generation_tokens: IntCounter,
+    pub prefill_tokens: IntCounter,
     pub preemptions: IntCounter,
     pub itl_target_misses: IntCounter,
     pub kv_blocks_used: IntGauge,
@@ -103,6 +104,10 @@ impl Metrics {
             ),
             prompt_tokens: counter("vllm:prompt_tokens_total", "Prompt tokens processed"),
             generation_tokens: counter("vllm:generation_tokens_total", "Tokens generated"),
+            prefill_tokens: counter(
+                "llama_relay_prefill_tokens_total",
+                "Prompt tokens computed by forward passes (those not found in the KV cache)",
+            ),
             preemptions: counter(
                 "vllm:num_preemptions_total",
                 "Sequences preempted for lack of KV blocks",

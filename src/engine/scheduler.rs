@@ -163,6 +163,8 @@ pub struct Scheduler {
     next_admission: u64,
     preemptions: u64,
     prefix: PrefixStats,
+    /// Tokens scheduled in prefill chunks (not decodes), in all.
+    prefill_tokens: u64,
 }
 
 impl Scheduler {
@@ -183,6 +185,7 @@ impl Scheduler {
             next_admission: 0,
             preemptions: 0,
             prefix: PrefixStats::default(),
+            prefill_tokens: 0,
         }
     }
 
@@ -210,6 +213,12 @@ impl Scheduler {
 
     pub fn prefix_stats(&self) -> PrefixStats {
         self.prefix
+    }
+
+    /// Tokens scheduled in prefill chunks so far (prompt tokens not found in the cache, and
+    /// recomputation after preemption).
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
     }
 
     /// Steps carrying decodes that were predicted to take longer than the target (the target
@@ -429,6 +438,7 @@ impl Scheduler {
         if b.limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
             self.itl_misses += 1;
         }
+        self.prefill_tokens += (out.batch.num_tokens() - decoding.len()) as u64;
         out.shape = b.shape;
         out.copies = self.kv.take_copies();
         (!out.batch.seqs.is_empty()).then_some(out)

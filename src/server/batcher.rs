@@ -193,8 +193,8 @@ pub struct Batcher {
     max_context: usize,
     metrics: Arc<Metrics>,
     /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions, steps
-    /// over the inter-token target.
-    reported: [u64; 5],
+    /// over the inter-token target, prefill tokens.
+    reported: [u64; 6],
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
@@ -210,7 +210,7 @@ impl Batcher {
             drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
-            reported: [0; 5],
+            reported: [0; 6],
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
         }
@@ -242,6 +242,7 @@ impl Batcher {
             st.evictions,
             sched.preemptions(),
             sched.itl_misses(),
+            sched.prefill_tokens(),
         ];
         let last = std::mem::replace(&mut self.reported, now);
         m.prefix_queries.inc_by(now[0] - last[0]);
@@ -249,6 +250,7 @@ impl Batcher {
         m.kv_evictions.inc_by(now[2] - last[2]);
         m.preemptions.inc_by(now[3] - last[3]);
         m.itl_target_misses.inc_by(now[4] - last[4]);
+        m.prefill_tokens.inc_by(now[5] - last[5]);
     }
 
     /// Removes a request and tells its session how it ended.

@@ -287,6 +287,11 @@ impl Tenants {
         Ok(t)
     }
 
+    /// Whether any API key is configured.
+    pub fn has_keys(&self) -> bool {
+        !self.keys.is_empty()
+    }
+
     /// Whether any tenant is configured.
     pub fn is_empty(&self) -> bool {
         self.tenants.is_empty()

@@ -8,6 +8,7 @@ mod gateway;
 mod kquants;
 mod layers;
 mod loading;
+mod openai;
 mod prefix_cache;
 mod security;
 mod smollm2;

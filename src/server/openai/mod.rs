@@ -8,7 +8,8 @@
 //! at its next step.
 //!
 //! Who may call: an API key (`Authorization: Bearer KEY`, as on `/ws`), or anyone where the
-//! server serves keyless clients. Anonymous requests are each their own principal (no cache is
+//! server serves keyless clients (on a server with no API key configured, whatever key an SDK
+//! sends is ignored). Anonymous requests are each their own principal (no cache is
 //! shared between them); `prompt_cache_key` and `user` partition an API key's cache. A browser
 //! (a request with `Origin`) may call only from `server.public_origins` or, on loopback, the
 //! server's own origin: those get CORS headers, other origins 403.
@@ -239,7 +240,16 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
             Refusal::BadRequest("widgets talk to /ws; the API takes API keys".into()).into(),
         );
     }
-    let identity = super::routes::identify(req, state)?;
+    let keyless_server = !state.tenants.has_keys() && state.access.allow_anonymous;
+    let identity = if keyless_server && !req.query_string().contains("prefix=") {
+        // SDKs always send a key; a server with none configured serves everyone alike (vLLM
+        // without --api-key does the same).
+        let origin = req.headers().get("origin").and_then(|o| o.to_str().ok());
+        state.access.keyless(origin)?;
+        state.tenants.anonymous()
+    } else {
+        super::routes::identify(req, state)?
+    };
     let ready = state.ready().ok_or_else(|| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

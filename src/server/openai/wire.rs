@@ -373,12 +373,14 @@ impl ApiMessage {
                                 "is required for a text part",
                             ))
                         }
-                        (kind, _) => return Err(bad(
-                            &format!("messages[{i}].content[{j}].type"),
-                            format!(
+                        (kind, _) => {
+                            return Err(bad(
+                                &format!("messages[{i}].content[{j}].type"),
+                                format!(
                                 "must be \"text\": this server reads text only. Given: {kind:?}"
                             ),
-                        )),
+                            ))
+                        }
                     }
                 }
                 s
