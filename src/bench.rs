@@ -1,7 +1,8 @@
-//! `llama-relay bench`: a load generator that speaks the WebSocket protocol.
+//! `llama-relay bench`: a load generator that speaks the WebSocket protocol (and, for the
+//! throughput workload, OpenAI's streamed chat completions, `--api openai`).
 //!
-//! N concurrent users (one WebSocket each) send chat requests one after another until a fixed
-//! number of requests is done: prompts of about 100 tokens with unique starts (so no two share a
+//! N concurrent users (one WebSocket or one HTTP client each) send chat requests one after another
+//! until a fixed number of requests is done: prompts of about 100 tokens with unique starts (so no two share a
 //! prefix), 64 new tokens (`ignore_eos`), greedy. It measures on the client side: time to first
 //! token (send to first `delta`), inter-token latency (gaps between deltas, each spread over the
 //! tokens it carried) and aggregate generated tokens per second, and prints p50/p99.
@@ -21,8 +22,36 @@ pub struct Sample {
     pub tokens: usize,
 }
 
+/// Which protocol the throughput workload speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// The WebSocket protocol (`/ws`).
+    WebSocket,
+    /// `POST /v1/chat/completions` with `stream: true` (Server-Sent Events).
+    OpenAi,
+}
+
+impl Api {
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::WebSocket => "websocket",
+            Api::OpenAi => "openai",
+        }
+    }
+}
+
+/// The HTTP address of the chat completions endpoint of the server at WebSocket `url`.
+pub fn completions_url(ws_url: &str) -> String {
+    let http = ws_url
+        .replacen("wss://", "https://", 1)
+        .replacen("ws://", "http://", 1);
+    let base = http.split("/ws").next().unwrap_or(&http);
+    format!("{}/v1/chat/completions", base.trim_end_matches('/'))
+}
+
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
+    pub api: Api,
     pub url: String,
     pub users: usize,
     pub requests: usize,
@@ -68,9 +97,15 @@ async fn user(
         let id = format!("u{user}r{n}");
         let frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
-        // Each request is a fresh conversation.
-        send_json(&mut ws, &json!({"type": "reset"})).await?;
+        // Each request is a fresh conversation: `reset`, then `chat`, in one write (as two
+        // writes, Nagle's algorithm would hold the chat until the server's delayed ACK of the
+        // reset, up to 40 ms).
         let sent = Instant::now();
+        ws.feed(ws::Message::Text(
+            json!({"type": "reset"}).to_string().into(),
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
         send_json(&mut ws, &frame).await?;
         let mut s = Sample::default();
         let mut last: Option<Instant> = None;
@@ -103,6 +138,116 @@ async fn user(
         out.push(s);
     }
     Ok(out)
+}
+
+/// A throughput user over OpenAI's API: the same requests as `user`, streamed as Server-Sent
+/// Events; a content chunk counts as a delta.
+async fn sse_user(
+    cfg: BenchConfig,
+    user: usize,
+    next: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    model: String,
+) -> Result<Vec<Sample>, String> {
+    let url = completions_url(&cfg.url);
+    let client = awc::Client::builder()
+        .timeout(Duration::from_secs(300))
+        .finish();
+    let mut out = Vec::new();
+    loop {
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n >= cfg.requests {
+            break;
+        }
+        let body = json!({"model": model, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
+            "temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true, "stream": true,
+            "stream_options": {"include_usage": true}});
+        let sent = Instant::now();
+        let mut res = client
+            .post(&url)
+            .send_json(&body)
+            .await
+            .map_err(|e| format!("POST {url}: {e}"))?;
+        if !res.status().is_success() {
+            let b = res.body().await.unwrap_or_default();
+            return Err(format!("{}: {}", res.status(), String::from_utf8_lossy(&b)));
+        }
+        let mut s = Sample::default();
+        let mut last: Option<Instant> = None;
+        let mut buf = String::new();
+        'read: while let Some(chunk) = res.next().await {
+            let chunk = chunk.map_err(|e| e.to_string())?;
+            buf.push_str(&String::from_utf8_lossy(&chunk));
+            while let Some(end) = buf.find("\n\n") {
+                let event: String = buf.drain(..end + 2).collect();
+                let Some(data) = event.trim().strip_prefix("data: ") else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    break 'read;
+                }
+                let c: SseChunk = serde_json::from_str(data).map_err(|e| format!("{e}: {data}"))?;
+                if let Some(e) = c.error {
+                    return Err(format!("server error: {e}"));
+                }
+                if let Some(u) = c.usage {
+                    s.tokens = u.completion_tokens;
+                }
+                let text = (c.choices.first())
+                    .and_then(|c| c.delta.content.as_deref())
+                    .unwrap_or("");
+                if text.is_empty() {
+                    continue;
+                }
+                let now = Instant::now();
+                match last {
+                    None => s.ttft = (now - sent).as_secs_f64(),
+                    Some(l) => s.itl.push((now - l).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+        }
+        out.push(s);
+    }
+    Ok(out)
+}
+
+/// What the benchmark reads of a streamed chunk (as an SDK's typed client would).
+#[derive(serde::Deserialize)]
+struct SseChunk {
+    #[serde(default)]
+    choices: Vec<SseChoice>,
+    usage: Option<SseUsage>,
+    error: Option<Value>,
+}
+
+#[derive(serde::Deserialize)]
+struct SseChoice {
+    delta: SseDelta,
+}
+
+#[derive(serde::Deserialize)]
+struct SseDelta {
+    content: Option<String>,
+}
+
+#[derive(serde::Deserialize)]
+struct SseUsage {
+    completion_tokens: usize,
+}
+
+/// The id of the model a server serves (`GET /v1/models`).
+async fn served_model(ws_url: &str) -> Result<String, String> {
+    let url = completions_url(ws_url).replace("/chat/completions", "/models");
+    let mut res = awc::Client::new()
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("GET {url}: {e}"))?;
+    let v: Value = res.json().await.map_err(|e| e.to_string())?;
+    v["data"][0]["id"]
+        .as_str()
+        .map(String::from)
+        .ok_or_else(|| format!("no model in {v}"))
 }
 
 /// A client WebSocket.
@@ -182,9 +327,21 @@ async fn until(ws: &mut Socket, kind: &str) -> Result<Value, String> {
 /// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s).
 pub async fn run(cfg: BenchConfig) -> Result<[f64; 5], String> {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let model = match cfg.api {
+        Api::OpenAi => served_model(&cfg.url).await?,
+        Api::WebSocket => String::new(),
+    };
     let t0 = Instant::now();
     let tasks: Vec<_> = (0..cfg.users)
-        .map(|u| user(cfg.clone(), u, next.clone()))
+        .map(|u| {
+            let (cfg, next, model) = (cfg.clone(), next.clone(), model.clone());
+            async move {
+                match cfg.api {
+                    Api::WebSocket => user(cfg, u, next).await,
+                    Api::OpenAi => sse_user(cfg, u, next, model).await,
+                }
+            }
+        })
         .collect();
     let results = futures_util::future::join_all(tasks).await;
     let wall = t0.elapsed().as_secs_f64();
@@ -205,8 +362,8 @@ pub async fn run(cfg: BenchConfig) -> Result<[f64; 5], String> {
         tokens as f64 / wall,
     ];
     println!(
-        "users {:>3} | requests {:>4} | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>6.1} ms p99 {:>7.1} ms | {:>6.1} tok/s aggregate ({} tokens in {:.1} s)",
-        cfg.users, samples.len(), r[0] * 1e3, r[1] * 1e3, r[2] * 1e3, r[3] * 1e3, r[4], tokens, wall
+        "{:<9} | users {:>3} | requests {:>4} | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>6.1} ms p99 {:>7.1} ms | {:>6.1} tok/s aggregate ({} tokens in {:.1} s)",
+        cfg.api.name(), cfg.users, samples.len(), r[0] * 1e3, r[1] * 1e3, r[2] * 1e3, r[3] * 1e3, r[4], tokens, wall
     );
     Ok(r)
 }
@@ -221,6 +378,18 @@ mod tests {
         assert_eq!(percentile(&v, 50.0), 50.0);
         assert_eq!(percentile(&v, 99.0), 99.0);
         assert_eq!(percentile(&[3.0], 99.0), 3.0);
+    }
+
+    #[test]
+    fn the_api_lives_beside_the_socket() {
+        assert_eq!(
+            completions_url("ws://127.0.0.1:8080/ws"),
+            "http://127.0.0.1:8080/v1/chat/completions"
+        );
+        assert_eq!(
+            completions_url("wss://chat.example.com/ws?x=1"),
+            "https://chat.example.com/v1/chat/completions"
+        );
     }
 
     #[test]

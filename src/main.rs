@@ -46,7 +46,7 @@ struct Common {
 enum Command {
     /// Serve the chat page and the WebSocket API (the default).
     Serve,
-    /// Load generator: concurrent chat users over the WebSocket protocol.
+    /// Load generator: concurrent chat users over the WebSocket protocol (or OpenAI's API).
     Bench(BenchArgs),
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
@@ -96,6 +96,10 @@ struct BenchArgs {
     /// lease, while the stream is measured.
     #[arg(long, default_value_t = 0)]
     idle_sessions: usize,
+    /// throughput: `websocket`, `openai` (streamed chat completions over SSE) or `both` (each
+    /// user count over both against the same server, the order alternating).
+    #[arg(long, default_value = "websocket")]
+    api: String,
     /// mixed: words in each long prompt (about one token each).
     #[arg(long, default_value_t = 6000)]
     long_words: usize,
@@ -208,6 +212,18 @@ fn bench(
             a.workload
         );
     }
+    let apis = match a.api.as_str() {
+        "websocket" => vec![llama_relay::bench::Api::WebSocket],
+        "openai" => vec![llama_relay::bench::Api::OpenAi],
+        "both" => vec![
+            llama_relay::bench::Api::WebSocket,
+            llama_relay::bench::Api::OpenAi,
+        ],
+        other => anyhow::bail!("--api must be `websocket`, `openai` or `both`, not `{other}`"),
+    };
+    if a.workload != "throughput" && a.api != "websocket" {
+        anyhow::bail!("--api applies to --workload throughput only");
+    }
     if a.workload == "overhead" {
         return bench_overhead(settings, opts, a);
     }
@@ -260,7 +276,7 @@ fn bench(
                     start_in_process(&settings, opts.clone()).await?
                 }
             };
-            for &users in &a.users {
+            for (run, &users) in a.users.iter().enumerate() {
                 if a.workload == "chat" {
                     let cfg = llama_relay::bench::ChatBenchConfig {
                         url: url.clone(),
@@ -275,20 +291,29 @@ fn bench(
                         .await
                         .map_err(|e| anyhow::anyhow!(e))?;
                 } else {
-                    let cfg = llama_relay::bench::BenchConfig {
-                        url: url.clone(),
-                        users,
-                        requests: if a.requests == 0 {
-                            4 * users
-                        } else {
-                            a.requests
-                        },
-                        prompt_words: a.prompt_words,
-                        max_tokens: a.max_tokens,
-                    };
-                    llama_relay::bench::run(cfg)
-                        .await
-                        .map_err(|e| anyhow::anyhow!(e))?;
+                    // With both protocols, the order alternates from one user count to the next
+                    // (whichever runs second finds the machine warmer).
+                    let mut order = apis.clone();
+                    if run % 2 == 1 {
+                        order.reverse();
+                    }
+                    for api in order {
+                        let cfg = llama_relay::bench::BenchConfig {
+                            api,
+                            url: url.clone(),
+                            users,
+                            requests: if a.requests == 0 {
+                                4 * users
+                            } else {
+                                a.requests
+                            },
+                            prompt_words: a.prompt_words,
+                            max_tokens: a.max_tokens,
+                        };
+                        llama_relay::bench::run(cfg)
+                            .await
+                            .map_err(|e| anyhow::anyhow!(e))?;
+                    }
                 }
             }
         }
@@ -335,6 +360,7 @@ fn bench_overhead(
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         let cfg = llama_relay::bench::BenchConfig {
+            api: llama_relay::bench::Api::WebSocket,
             url: url.clone(),
             users: 1,
             requests,

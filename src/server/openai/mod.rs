@@ -514,7 +514,11 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         cached_tokens: 0,
         failed: None,
         peer: req.conn_data::<Peer>().copied(),
-        checked: std::time::Instant::now(),
+        ticker: {
+            let mut t = tokio::time::interval(PEER_CHECK);
+            t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            t
+        },
     };
     let meta = Meta {
         id: api.chat.id.clone(),
@@ -525,18 +529,12 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         include_usage: api.include_usage,
     };
     if api.stream {
-        let stream = futures_util::stream::unfold(
-            Some(SseState {
-                gen,
-                meta,
-                opened: false,
-            }),
-            |st| async move {
+        let stream =
+            futures_util::stream::unfold(Some(SseState::new(gen, meta)), |st| async move {
                 let mut st = st?;
                 let bytes = st.next().await?;
                 Some((Ok::<_, actix_web::Error>(bytes), st.more().then_some(st)))
-            },
-        );
+            });
         return HttpResponse::Ok()
             .insert_header(("Content-Type", "text/event-stream"))
             .insert_header(("Cache-Control", "no-cache"))
@@ -604,9 +602,9 @@ struct Generation {
     prompt_tokens: usize,
     cached_tokens: usize,
     failed: Option<RequestError>,
-    /// The client's connection, and when it was last checked.
+    /// The client's connection, checked at each tick.
     peer: Option<Peer>,
-    checked: std::time::Instant,
+    ticker: tokio::time::Interval,
 }
 
 /// How often a request waiting for events checks that its client is still connected.
@@ -620,17 +618,11 @@ impl Generation {
             return self.rx.recv().await;
         };
         loop {
-            if self.checked.elapsed() >= PEER_CHECK {
-                self.checked = std::time::Instant::now();
-                if peer.gone() {
-                    return None;
-                }
-            }
-            let tick = actix_web::rt::time::sleep(PEER_CHECK);
-            tokio::pin!(tick);
             tokio::select! {
                 ev = self.rx.recv() => return ev,
-                _ = &mut tick => {}
+                _ = self.ticker.tick() => if peer.gone() {
+                    return None;
+                },
             }
         }
     }
@@ -796,6 +788,10 @@ struct SseState {
     gen: Generation,
     meta: Meta,
     opened: bool,
+    /// Every chunk's fields before its choice, and after it, serialized once: a token's chunk
+    /// serializes only its text.
+    head: String,
+    tail: &'static str,
 }
 
 fn sse(v: &Value) -> String {
@@ -803,6 +799,46 @@ fn sse(v: &Value) -> String {
 }
 
 impl SseState {
+    fn new(gen: Generation, meta: Meta) -> Self {
+        let object = match meta.shape {
+            Shape::Chat => "chat.completion.chunk",
+            Shape::Completion => "text_completion",
+        };
+        let head = format!(
+            "data: {{\"id\":{},\"object\":\"{object}\",\"created\":{},\"model\":{},\"system_fingerprint\":{},\"choices\":[",
+            json!(meta.id),
+            meta.created,
+            json!(meta.model),
+            json!(meta.fingerprint)
+        );
+        let tail = if meta.include_usage {
+            "],\"usage\":null}\n\n"
+        } else {
+            "]}\n\n"
+        };
+        SseState {
+            gen,
+            meta,
+            opened: false,
+            head,
+            tail,
+        }
+    }
+
+    /// A text delta without log-probabilities, the chunk nearly every token makes.
+    fn plain_delta(&self, index: usize, text: &str) -> String {
+        let text = json!(text);
+        let choice = match self.meta.shape {
+            Shape::Chat => format!(
+                "{{\"index\":{index},\"delta\":{{\"content\":{text}}},\"logprobs\":null,\"finish_reason\":null}}"
+            ),
+            Shape::Completion => format!(
+                "{{\"index\":{index},\"text\":{text},\"logprobs\":null,\"finish_reason\":null}}"
+            ),
+        };
+        format!("{}{choice}{}", self.head, self.tail)
+    }
+
     fn more(&self) -> bool {
         !self.gen.done() || !self.opened
     }
@@ -849,8 +885,20 @@ impl SseState {
             };
             let mut s = String::new();
             for o in outs {
-                let c = self.choice_chunk(o);
-                s += &sse(&self.chunk(vec![c]));
+                match o {
+                    Out::Delta {
+                        index,
+                        text,
+                        logprobs,
+                    } if !self.gen.logprobs => {
+                        debug_assert!(logprobs.is_empty());
+                        s += &self.plain_delta(index, &text);
+                    }
+                    o => {
+                        let c = self.choice_chunk(o);
+                        s += &sse(&self.chunk(vec![c]));
+                    }
+                }
             }
             if self.gen.done() {
                 s += &self.end();
