@@ -52,6 +52,13 @@ pub fn completions_url(ws_url: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     pub api: Api,
+    /// OpenAI API: the key to send. Each user then names itself in `user`, a cache partition of
+    /// its own, as each WebSocket session is (keyless requests share nothing, not even the chat
+    /// template's opening).
+    pub api_key: Option<String>,
+    /// Names this run in the users' cache partitions, so that a run finds nothing an earlier
+    /// run cached (a new WebSocket session finds nothing either).
+    pub run: u64,
     pub url: String,
     pub users: usize,
     pub requests: usize,
@@ -160,10 +167,13 @@ async fn sse_user(
         }
         let body = json!({"model": model, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true, "stream": true,
-            "stream_options": {"include_usage": true}});
+            "stream_options": {"include_usage": true}, "user": format!("bench-{}-{user}", cfg.run)});
         let sent = Instant::now();
-        let mut res = client
-            .post(&url)
+        let mut req = client.post(&url);
+        if let Some(k) = &cfg.api_key {
+            req = req.bearer_auth(k);
+        }
+        let mut res = req
             .send_json(&body)
             .await
             .map_err(|e| format!("POST {url}: {e}"))?;
@@ -236,13 +246,13 @@ struct SseUsage {
 }
 
 /// The id of the model a server serves (`GET /v1/models`).
-async fn served_model(ws_url: &str) -> Result<String, String> {
+async fn served_model(ws_url: &str, key: Option<&str>) -> Result<String, String> {
     let url = completions_url(ws_url).replace("/chat/completions", "/models");
-    let mut res = awc::Client::new()
-        .get(&url)
-        .send()
-        .await
-        .map_err(|e| format!("GET {url}: {e}"))?;
+    let mut req = awc::Client::new().get(&url);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    let mut res = req.send().await.map_err(|e| format!("GET {url}: {e}"))?;
     let v: Value = res.json().await.map_err(|e| e.to_string())?;
     v["data"][0]["id"]
         .as_str()
@@ -328,7 +338,7 @@ async fn until(ws: &mut Socket, kind: &str) -> Result<Value, String> {
 pub async fn run(cfg: BenchConfig) -> Result<[f64; 5], String> {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let model = match cfg.api {
-        Api::OpenAi => served_model(&cfg.url).await?,
+        Api::OpenAi => served_model(&cfg.url, cfg.api_key.as_deref()).await?,
         Api::WebSocket => String::new(),
     };
     let t0 = Instant::now();

@@ -100,6 +100,9 @@ struct BenchArgs {
     /// user count over both against the same server, the order alternating).
     #[arg(long, default_value = "websocket")]
     api: String,
+    /// openai with --url: the API key to send (without --url the server started here gets one).
+    #[arg(long)]
+    api_key: Option<String>,
     /// mixed: words in each long prompt (about one token each).
     #[arg(long, default_value_t = 6000)]
     long_words: usize,
@@ -257,6 +260,29 @@ fn bench(
         ),
         _ => None,
     };
+    // The OpenAI users send a key (each names itself in `user`, its own cache partition, as a
+    // WebSocket session is); the server started here gets one, and keeps serving keyless
+    // WebSocket users.
+    let api_key = match (
+        &a.url,
+        &a.api_key,
+        apis.contains(&llama_relay::bench::Api::OpenAi),
+    ) {
+        (_, Some(k), _) => Some(k.clone()),
+        (None, None, true) => {
+            let key = format!("bench-{}", uuid::Uuid::new_v4().simple());
+            settings
+                .tenants
+                .push(llama_relay::server::tenants::TenantSettings {
+                    name: "bench-api".into(),
+                    api_keys: vec![key.clone()],
+                    ..Default::default()
+                });
+            settings.server.allow_anonymous = Some(true);
+            Some(key)
+        }
+        _ => None,
+    };
     let max_users = a.users.iter().copied().max().unwrap_or(1);
     settings.server.port = 0;
     settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
@@ -300,6 +326,8 @@ fn bench(
                     for api in order {
                         let cfg = llama_relay::bench::BenchConfig {
                             api,
+                            api_key: api_key.clone(),
+                            run: rand::random(),
                             url: url.clone(),
                             users,
                             requests: if a.requests == 0 {
@@ -361,6 +389,8 @@ fn bench_overhead(
             .map_err(|e| anyhow::anyhow!(e))?;
         let cfg = llama_relay::bench::BenchConfig {
             api: llama_relay::bench::Api::WebSocket,
+            api_key: None,
+            run: 0,
             url: url.clone(),
             users: 1,
             requests,

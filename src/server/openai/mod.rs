@@ -513,6 +513,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         prompt_tokens,
         cached_tokens: 0,
         failed: None,
+        timings: Default::default(),
         peer: req.conn_data::<Peer>().copied(),
         ticker: {
             let mut t = tokio::time::interval(PEER_CHECK);
@@ -602,6 +603,8 @@ struct Generation {
     prompt_tokens: usize,
     cached_tokens: usize,
     failed: Option<RequestError>,
+    /// The first choice's timings, for the log.
+    timings: crate::protocol::Timings,
     /// The client's connection, checked at each tick.
     peer: Option<Peer>,
     ticker: tokio::time::Interval,
@@ -675,7 +678,14 @@ impl Generation {
                     });
                 }
             }
-            EventKind::Finished { reason, usage, .. } => {
+            EventKind::Finished {
+                reason,
+                usage,
+                timings,
+            } => {
+                if i == 0 {
+                    self.timings = timings;
+                }
                 let rest = if c.ending {
                     String::new()
                 } else {
@@ -704,7 +714,9 @@ impl Generation {
             tracing::info!(
                 choices = self.choices.len(), prompt_tokens = u.prompt_tokens,
                 cached_tokens = u.prompt_tokens_details.cached_tokens,
-                generated = u.completion_tokens, failed = ?self.failed, "API request done"
+                generated = u.completion_tokens, failed = ?self.failed,
+                queue_ms = self.timings.queue_ms, ttft_ms = self.timings.ttft_ms,
+                decode_tok_s = self.timings.decode_tokens_per_s, "API request done"
             );
         }
         Some(out)
