@@ -299,6 +299,26 @@ fn a_rust_openai_client_streams_the_websocket_reply() {
             .unwrap();
         assert!(!c.choices[0].text.is_empty());
         assert_eq!(c.usage.unwrap().completion_tokens, 6);
+        let mut stream = client
+            .completions()
+            .create_stream(
+                CreateCompletionRequestArgs::default()
+                    .model(&model)
+                    .prompt("Once upon a time")
+                    .max_tokens(6u32)
+                    .temperature(0.0)
+                    .build()
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let mut streamed = String::new();
+        while let Some(chunk) = stream.next().await {
+            for ch in chunk.unwrap().choices {
+                streamed += &ch.text;
+            }
+        }
+        assert_eq!(streamed, c.choices[0].text);
     });
 }
 
