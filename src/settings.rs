@@ -56,6 +56,9 @@ pub struct ServerSettings {
     pub heartbeat_s: u64,
     pub client_timeout_s: u64,
     pub shutdown_grace_s: u64,
+    /// WebSocket sessions and API requests held at once, in all and per client address.
+    pub max_connections: usize,
+    pub max_connections_per_address: usize,
     /// Keyless, widgetless clients; unset: only on loopback with no tenants configured.
     #[serde(default)]
     pub allow_anonymous: Option<bool>,
@@ -492,4 +495,8 @@ pub struct TenantSettings {
     pub cache_scope: Option<String>,
     #[serde(default)]
     pub client_roles: ClientRoles,
+    /// WebSocket sessions and API requests the tenant's clients hold at once (unset: only the
+    /// server's caps).
+    #[serde(default)]
+    pub max_connections: Option<usize>,
 }

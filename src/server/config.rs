@@ -36,8 +36,25 @@ impl Settings {
                 "an IP address such as \"127.0.0.1\" or \"0.0.0.0\"",
             ));
         }
-        if s.workers == 0 || s.workers > 64 {
-            return Err(invalid("server.workers", s.workers, "1 to 64"));
+        if s.workers > 64 {
+            return Err(invalid("server.workers", s.workers, "0 (one per core) to 64"));
+        }
+        if s.max_connections == 0 {
+            return Err(invalid("server.max_connections", s.max_connections, "1 or more"));
+        }
+        if s.max_connections_per_address == 0 {
+            return Err(invalid(
+                "server.max_connections_per_address",
+                s.max_connections_per_address,
+                "1 or more",
+            ));
+        }
+        if let Some(t) = self.tenants.iter().find(|t| t.max_connections == Some(0)) {
+            return Err(invalid(
+                &format!("tenants.{}.max_connections", t.name),
+                0,
+                "1 or more, or unset",
+            ));
         }
         if s.heartbeat_s == 0 || s.client_timeout_s <= s.heartbeat_s {
             return Err(invalid(

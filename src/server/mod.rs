@@ -3,6 +3,7 @@
 //! `session.rs` alone, so a move to actix-ws stays small.
 
 pub mod access;
+pub mod admission;
 pub mod batcher;
 mod config;
 pub mod openai;
@@ -62,6 +63,8 @@ pub struct AppState {
     pub status: RwLock<Status>,
     pub tenants: tenants::Tenants,
     pub access: access::Access,
+    /// Places for sessions and API requests (connection caps).
+    pub admission: admission::Admission,
     pub metrics: Arc<Metrics>,
     pub session: SessionConfig,
     pub static_dir: std::path::PathBuf,
@@ -170,10 +173,31 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         "access: keyless clients {}",
         if access.allow_anonymous { "served" } else { "refused (401)" }
     );
+    let file_limit = admission::raise_file_limit().unwrap_or(1024);
+    let max_connections = admission::fit_to_file_limit(sv.max_connections, file_limit);
+    if max_connections < sv.max_connections {
+        tracing::warn!(
+            file_limit,
+            max_connections,
+            "server.max_connections lowered to fit the open-file limit (raise `ulimit -n`)"
+        );
+    }
+    let admission = admission::Admission::new(admission::Caps {
+        total: max_connections,
+        per_address: sv.max_connections_per_address,
+        per_tenant: (settings.tenants.iter())
+            .filter_map(|t| Some((t.name.clone(), t.max_connections?)))
+            .collect(),
+    });
+    let workers = match sv.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     let state = web::Data::new(AppState {
         status: RwLock::new(Status::Loading),
         tenants,
         access,
+        admission,
         metrics: metrics.clone(),
         session: settings.session_config(),
         static_dir: settings.server.static_dir.clone().into(),
@@ -241,7 +265,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .configure(routes::configure)
     })
     .on_connect(Peer::record)
-    .workers(settings.server.workers)
+    .workers(workers)
     .disable_signals()
     .shutdown_timeout(settings.server.shutdown_grace_s)
     .listen(listener)?;

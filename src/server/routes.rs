@@ -124,11 +124,36 @@ async fn ws(
             );
         }
     };
+    let permit = match admit(&req, &state, &identity) {
+        Ok(p) => p,
+        Err(full) => {
+            state.metrics.error("connection_limit");
+            tracing::info!(reason = %full, "WebSocket upgrade refused: connection cap");
+            return Ok(HttpResponse::ServiceUnavailable()
+                .insert_header(("Retry-After", RETRY_AFTER_S.to_string()))
+                .json(json!({"error_type": "overloaded", "message": full.to_string()})));
+        }
+    };
     let max_frame = state.session.limits.max_frame_bytes;
-    let session = Session::new(state.into_inner(), ready, identity);
+    let session = Session::new(state.into_inner(), ready, identity, permit);
     actix_web_actors::ws::WsResponseBuilder::new(session, &req, stream)
         .frame_size(max_frame)
         .start()
+}
+
+/// Seconds a client refused by a connection cap is told to wait.
+pub(super) const RETRY_AFTER_S: u32 = 5;
+
+/// A place for a session or an API request of `identity` from the request's peer address.
+pub(super) fn admit(
+    req: &HttpRequest,
+    state: &AppState,
+    identity: &Identity,
+) -> Result<super::admission::Permit, super::admission::Full> {
+    let ip = req
+        .peer_addr()
+        .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+    state.admission.admit(ip, &identity.tenant)
 }
 
 /// Who an upgrade is, from its headers and query (`widget`, `prefix`) alone: an API key

@@ -45,10 +45,17 @@ pub struct Session {
     conversation: Vec<Message>,
     current: Option<Current>,
     last_heard: Instant,
+    /// The session's place under the connection caps, given back when it ends.
+    _permit: super::admission::Permit,
 }
 
 impl Session {
-    pub fn new(state: Arc<AppState>, ready: Ready, identity: Identity) -> Self {
+    pub fn new(
+        state: Arc<AppState>,
+        ready: Ready,
+        identity: Identity,
+        permit: super::admission::Permit,
+    ) -> Self {
         Session {
             id: uuid::Uuid::new_v4(),
             identity,
@@ -57,6 +64,7 @@ impl Session {
             conversation: Vec::new(),
             current: None,
             last_heard: Instant::now(),
+            _permit: permit,
         }
     }
 

@@ -469,6 +469,7 @@ mod tests {
             }],
             cache_scope: cache_scope.map(String::from),
             client_roles: ClientRoles::default(),
+            max_connections: None,
         }])
         .unwrap()
     }

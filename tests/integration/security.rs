@@ -405,3 +405,116 @@ fn metrics_token_and_admin_listener() {
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f)
 }
+
+/// The connection caps (#13): past `server.max_connections`, or a tenant's own cap, a WebSocket
+/// upgrade and an API request get 503 with `Retry-After` before any session exists, `/health`
+/// still answers, and a closed session gives its place back.
+#[test]
+fn connection_caps_answer_503_and_give_places_back() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s: &mut Settings| {
+        s.server.allow_anonymous = Some(true);
+        s.server.max_connections = 3;
+        s.server.max_connections_per_address = 100;
+        s.tenants = vec![TenantSettings {
+            name: "acme".into(),
+            api_keys: vec![KEY1.into()],
+            max_connections: Some(1),
+            ..Default::default()
+        }];
+    });
+    let auth = format!("Bearer {KEY1}");
+    let host = app.addr.to_string();
+    run(async {
+        let _anon1 = app.connect().await;
+        let _acme = app
+            .connect_with("/ws", &[("Authorization", &auth)])
+            .await
+            .unwrap();
+        // The tenant's cap: a second session of the same tenant is refused.
+        assert_eq!(
+            app.connect_with("/ws", &[("Authorization", &auth)])
+                .await
+                .err(),
+            Some(503)
+        );
+        let anon2 = app.connect().await;
+        // The total cap: three sessions held.
+        assert_eq!(app.connect_with("/ws", &[]).await.err(), Some(503));
+        let head = raw_head(app.addr, "/ws", &host, &[]);
+        assert!(head.starts_with("HTTP/1.1 503"), "{head}");
+        assert!(head.to_ascii_lowercase().contains("retry-after: 5"), "{head}");
+        // The API counts too.
+        let (status, head, body) = http_post(
+            &app,
+            "/v1/models",
+            "",
+        );
+        assert_eq!(status, 200, "listing the model holds no place: {body}");
+        assert!(!head.is_empty());
+        let model = app.state.ready().unwrap().model;
+        let body = json!({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).to_string();
+        let (status, head, reply) = http_post(&app, "/v1/chat/completions", &body);
+        assert_eq!(status, 503, "{reply}");
+        assert!(head.contains("retry-after: 5"), "{head}");
+        assert!(reply.contains("connection_limit"), "{reply}");
+        // /health is not a session: it answers while the caps are full.
+        assert_eq!(raw_status(app.addr, "/health", &host, &[]), 200);
+        // A closed session's place comes back.
+        drop(anon2);
+        let t0 = std::time::Instant::now();
+        loop {
+            match app.connect_with("/ws", &[]).await {
+                Ok(_) => break,
+                Err(503) if t0.elapsed() < std::time::Duration::from_secs(5) => {
+                    actix_web::rt::time::sleep(std::time::Duration::from_millis(20)).await
+                }
+                Err(s) => panic!("no place came back: {s}"),
+            }
+        }
+    });
+    assert_eq!(app.state.admission.check(), Ok(()));
+}
+
+/// A raw upgrade request's response head, lowercased names kept as sent.
+fn raw_head(addr: SocketAddr, path: &str, host: &str, headers: &[(&str, &str)]) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut head = format!(
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    let mut buf = Vec::new();
+    let mut byte = [0u8; 1];
+    while !buf.ends_with(b"\r\n\r\n") {
+        assert_eq!(s.read(&mut byte).unwrap(), 1, "connection closed");
+        buf.push(byte[0]);
+    }
+    String::from_utf8(buf).unwrap()
+}
+
+/// A POST (GET when `body` is empty) with `Connection: close`: (status, lowercased head, body).
+fn http_post(app: &App, path: &str, body: &str) -> (u16, String, String) {
+    let mut s = std::net::TcpStream::connect(app.addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let method = if body.is_empty() { "GET" } else { "POST" };
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        app.addr,
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let (head, rest) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, head.to_ascii_lowercase(), rest.to_string())
+}

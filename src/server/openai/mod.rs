@@ -38,6 +38,7 @@ use super::batcher::{
 use super::prompt::{chat_prompt, Prompt};
 use super::reply::ReplyText;
 use super::tenants::{ClientKind, Identity, Refusal, Roles};
+use super::admission::Permit;
 use super::{AppState, Peer, Ready};
 use crate::engine::core::Fork;
 use crate::engine::scheduler::{Priority, RequestId};
@@ -98,6 +99,9 @@ impl ApiError {
         let mut r = HttpResponse::build(self.status);
         if self.status == StatusCode::TOO_MANY_REQUESTS {
             r.insert_header(("Retry-After", "1"));
+        }
+        if self.code == Some("connection_limit") {
+            r.insert_header(("Retry-After", super::routes::RETRY_AFTER_S.to_string()));
         }
         if self.status == StatusCode::UNAUTHORIZED {
             r.insert_header(("WWW-Authenticate", "Bearer"));
@@ -261,6 +265,23 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
     Ok((identity, ready))
 }
 
+/// `caller`, with a place under the connection caps for a request that generates.
+fn caller_with(
+    req: &HttpRequest,
+    state: &AppState,
+) -> Result<(Identity, Ready, Option<Permit>), ApiError> {
+    let (identity, ready) = caller(req, state)?;
+    let permit = super::routes::admit(req, state, &identity).map_err(|full| {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("connection_limit"),
+            full.to_string(),
+        )
+    })?;
+    Ok((identity, ready, Some(permit)))
+}
+
 fn check_model(given: Option<&str>, ready: &Ready) -> Result<(), ApiError> {
     match given {
         None => Err(ApiError::invalid("model", "`model` is required".into())),
@@ -348,6 +369,7 @@ struct Job {
     prompt: Prompt,
     identity: Identity,
     ready: Ready,
+    permit: Option<Permit>,
 }
 
 async fn chat_completions(
@@ -356,7 +378,7 @@ async fn chat_completions(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let job = (|| {
-        let (identity, ready) = caller(&req, &state)?;
+        let (identity, ready, permit) = caller_with(&req, &state)?;
         let r: ChatRequest = parse(&body)?;
         check_model(r.common.model.as_deref(), &ready)?;
         let cfg = &state.session;
@@ -380,6 +402,7 @@ async fn chat_completions(
             prompt,
             identity,
             ready,
+            permit,
         })
     })();
     match job {
@@ -394,7 +417,7 @@ async fn completions(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let job = (|| {
-        let (identity, ready) = caller(&req, &state)?;
+        let (identity, ready, permit) = caller_with(&req, &state)?;
         let r: CompletionRequest = parse(&body)?;
         check_model(r.common.model.as_deref(), &ready)?;
         if identity.roles != Roles::ALL || identity.system_prompt.is_some() {
@@ -438,6 +461,7 @@ async fn completions(
             prompt: Prompt { ids, scope },
             identity,
             ready,
+            permit,
         })
     })();
     match job {
@@ -460,6 +484,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         prompt,
         identity,
         ready,
+        permit,
     } = job;
     let (tx, rx) = unbounded_channel();
     let ids: Vec<RequestId> = (0..api.n).map(|_| next_request_id()).collect();
@@ -514,6 +539,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         cached_tokens: 0,
         failed: None,
         timings: Default::default(),
+        _permit: permit,
         peer: req.conn_data::<Peer>().copied(),
         ticker: {
             let mut t = tokio::time::interval(PEER_CHECK);
@@ -605,6 +631,8 @@ struct Generation {
     failed: Option<RequestError>,
     /// The first choice's timings, for the log.
     timings: crate::protocol::Timings,
+    /// The request's place under the connection caps, held until the response ends.
+    _permit: Option<Permit>,
     /// The client's connection, checked at each tick.
     peer: Option<Peer>,
     ticker: tokio::time::Interval,
