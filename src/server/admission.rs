@@ -131,8 +131,7 @@ impl Admission {
         if c.by_address.values().any(|&n| n == 0) || c.by_tenant.values().any(|&n| n == 0) {
             return Err("an empty count is kept".into());
         }
-        if c.total > self.caps.total || c.by_address.values().any(|&n| n > self.caps.per_address)
-        {
+        if c.total > self.caps.total || c.by_address.values().any(|&n| n > self.caps.per_address) {
             return Err("a cap is exceeded".into());
         }
         Ok(())
@@ -221,7 +220,10 @@ mod tests {
 
     #[test]
     fn the_total_cap_fits_the_file_limit() {
-        assert_eq!(fit_to_file_limit(10_000, 1024), 1024 - RESERVED_FDS as usize);
+        assert_eq!(
+            fit_to_file_limit(10_000, 1024),
+            1024 - RESERVED_FDS as usize
+        );
         assert_eq!(fit_to_file_limit(10_000, 1 << 20), 10_000);
         assert_eq!(fit_to_file_limit(10, 100), 1);
     }

@@ -37,10 +37,18 @@ impl Settings {
             ));
         }
         if s.workers > 64 {
-            return Err(invalid("server.workers", s.workers, "0 (one per core) to 64"));
+            return Err(invalid(
+                "server.workers",
+                s.workers,
+                "0 (one per core) to 64",
+            ));
         }
         if s.max_connections == 0 {
-            return Err(invalid("server.max_connections", s.max_connections, "1 or more"));
+            return Err(invalid(
+                "server.max_connections",
+                s.max_connections,
+                "1 or more",
+            ));
         }
         if s.max_connections_per_address == 0 {
             return Err(invalid(

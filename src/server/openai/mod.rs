@@ -32,13 +32,13 @@ use self::wire::{
     error_body, ApiUsage, ChatLogprob, ChatRequest, CompletionLogprobs, CompletionRequest,
     PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
 };
+use super::admission::Permit;
 use super::batcher::{
     next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
 };
 use super::prompt::{chat_prompt, Prompt};
 use super::reply::ReplyText;
 use super::tenants::{ClientKind, Identity, Refusal, Roles};
-use super::admission::Permit;
 use super::{AppState, Peer, Ready};
 use crate::engine::core::Fork;
 use crate::engine::scheduler::{Priority, RequestId};
