@@ -76,8 +76,8 @@ impl KvCache {
             )));
         }
         let dims = (shape.layers, spec.num_slots(), shape.kv_dim);
-        let k = Tensor::zeros(dims, dtype, device)?;
-        let v = Tensor::zeros(dims, dtype, device)?;
+        let k = lazy_zeros(dims, dtype, device)?;
+        let v = lazy_zeros(dims, dtype, device)?;
         advise_huge_pages(&k);
         advise_huge_pages(&v);
         Ok(KvCache {
@@ -155,6 +155,21 @@ impl KvCache {
 /// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (measured: a 16-sequence decode
 /// step 43-44 ms without, 41.5-42 ms with; `cargo bench --bench engine -- --decode-only 16`). Pages
 /// are still touched only as sequences fill them, 2 MiB at a time.
+/// Zeros whose pages the allocator maps fresh (a zeroed allocation) instead of writing them:
+/// candle's `zeros` writes every F16 element one by one, which made a 1 GiB F16 cache resident
+/// the moment it was made. On the CPU the F16 buffer is allocated as zeroed `u16`s and
+/// reinterpreted (same layout); F32 (`vec![0f32; n]`) and other devices go through candle.
+fn lazy_zeros(dims: (usize, usize, usize), dtype: DType, device: &Device) -> Result<Tensor> {
+    match (dtype, device) {
+        (DType::F16, Device::Cpu) => {
+            use half::vec::HalfBitsVecExt;
+            let v: Vec<half::f16> = vec![0u16; dims.0 * dims.1 * dims.2].reinterpret_into();
+            Ok(Tensor::from_vec(v, dims, device)?)
+        }
+        _ => Ok(Tensor::zeros(dims, dtype, device)?),
+    }
+}
+
 fn advise_huge_pages(t: &Tensor) {
     #[cfg(target_os = "linux")]
     {
@@ -181,6 +196,41 @@ fn advise_huge_pages(t: &Tensor) {
                     std::io::Error::last_os_error()
                 );
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This process's resident memory (Linux `/proc/self/statm`).
+    fn resident_bytes() -> usize {
+        let statm = std::fs::read_to_string("/proc/self/statm").unwrap();
+        let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
+        // SAFETY: sysconf reads a constant.
+        pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize
+    }
+
+    /// A new cache costs address space, not memory: its pages become resident as sequences
+    /// fill them (a 1 GiB F16 cache was resident at start-up when candle wrote its zeros).
+    #[test]
+    fn a_fresh_cache_is_not_resident() {
+        for dtype in [DType::F32, DType::F16] {
+            let shape = KvShape {
+                layers: 4,
+                kv_dim: 256,
+            };
+            let spec = KvCacheSpec::from_bytes(shape, dtype, 16, 512 << 20);
+            let before = resident_bytes();
+            let cache = KvCache::new(shape, spec, dtype, &Device::Cpu).unwrap();
+            let grown = resident_bytes().saturating_sub(before);
+            assert!(
+                grown < 64 << 20,
+                "{dtype:?}: {} MiB resident after making a 512 MiB cache",
+                grown >> 20
+            );
+            drop(cache);
         }
     }
 }
