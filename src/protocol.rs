@@ -71,6 +71,12 @@ pub struct Limits {
     pub max_stop_strings: usize,
     pub max_stop_chars: usize,
     pub max_id_chars: usize,
+    /// Text frames a session may send a second on average, and at once.
+    pub frames_per_s: f64,
+    pub frame_burst: u32,
+    /// Refused frames a session may send a second on average, and at once, before it is closed.
+    pub rejected_frames_per_s: f64,
+    pub rejected_frame_burst: u32,
 }
 
 /// Frames the server sends.
@@ -149,6 +155,9 @@ pub enum RequestError {
     Busy(String),
     #[error("{0}")]
     NotReady(String),
+    /// The client sends faster than its limits allow.
+    #[error("{0}")]
+    RateLimited(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -163,6 +172,7 @@ impl RequestError {
             RequestError::Overloaded(_) => "overloaded",
             RequestError::Busy(_) => "busy",
             RequestError::NotReady(_) => "not_ready",
+            RequestError::RateLimited(_) => "rate_limited",
             RequestError::Internal(_) => "internal",
         }
     }
@@ -363,6 +373,10 @@ mod tests {
             max_stop_strings: 4,
             max_stop_chars: 16,
             max_id_chars: 64,
+            frames_per_s: 10.0,
+            frame_burst: 20,
+            rejected_frames_per_s: 1.0,
+            rejected_frame_burst: 10,
         }
     }
 

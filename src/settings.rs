@@ -124,6 +124,10 @@ pub struct LimitSettings {
     pub max_message_chars: usize,
     pub max_stop_strings: usize,
     pub max_stop_chars: usize,
+    pub frames_per_s: f64,
+    pub frame_burst: u32,
+    pub rejected_frames_per_s: f64,
+    pub rejected_frame_burst: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]

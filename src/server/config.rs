@@ -115,6 +115,22 @@ impl Settings {
                 "1024 to 67108864",
             ));
         }
+        for (key, rate, burst) in [
+            ("limits.frames_per_s", l.frames_per_s, l.frame_burst),
+            (
+                "limits.rejected_frames_per_s",
+                l.rejected_frames_per_s,
+                l.rejected_frame_burst,
+            ),
+        ] {
+            if !(rate > 0.0 && rate.is_finite()) || burst == 0 {
+                return Err(invalid(
+                    key,
+                    format!("{rate} (burst {burst})"),
+                    "a rate above 0 with a burst of at least 1",
+                ));
+            }
+        }
         if l.max_stop_strings > 16 {
             return Err(invalid(
                 "limits.max_stop_strings",
@@ -137,6 +153,10 @@ impl Settings {
                 max_stop_strings: self.limits.max_stop_strings,
                 max_stop_chars: self.limits.max_stop_chars,
                 max_id_chars: 128,
+                frames_per_s: self.limits.frames_per_s,
+                frame_burst: self.limits.frame_burst,
+                rejected_frames_per_s: self.limits.rejected_frames_per_s,
+                rejected_frame_burst: self.limits.rejected_frame_burst,
             },
             sampling: self.sampling_defaults(),
             default_max_tokens: sp.max_tokens,

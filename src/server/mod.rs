@@ -8,6 +8,7 @@ pub mod batcher;
 mod config;
 pub mod openai;
 pub mod prompt;
+pub mod rate;
 pub mod reply;
 pub mod routes;
 pub mod session;

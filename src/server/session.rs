@@ -14,6 +14,7 @@ use actix::prelude::*;
 use actix_web_actors::ws;
 
 use super::prompt::chat_prompt;
+use super::rate::TokenBucket;
 use super::reply::ReplyText;
 use super::tenants::{ClientKind, Identity};
 use super::{AppState, Ready};
@@ -47,6 +48,9 @@ pub struct Session {
     last_heard: Instant,
     /// The session's place under the connection caps, given back when it ends.
     _permit: super::admission::Permit,
+    /// Text frames it may send, and refused frames it may send before it is closed.
+    frames: TokenBucket,
+    rejected: TokenBucket,
 }
 
 impl Session {
@@ -56,7 +60,13 @@ impl Session {
         identity: Identity,
         permit: super::admission::Permit,
     ) -> Self {
+        let l = &state.session.limits;
+        let now = Instant::now();
+        let frames = TokenBucket::new(l.frames_per_s, l.frame_burst, now);
+        let rejected = TokenBucket::new(l.rejected_frames_per_s, l.rejected_frame_burst, now);
         Session {
+            frames,
+            rejected,
             id: uuid::Uuid::new_v4(),
             identity,
             state,
@@ -83,8 +93,30 @@ impl Session {
         }
     }
 
-    fn error(&self, ctx: &mut ws::WebsocketContext<Self>, id: Option<String>, e: RequestError) {
+    /// Sends an error frame. A refusal of what the client sent also takes from its refused-frames
+    /// bucket; when that is empty, the connection closes (1008).
+    fn error(&mut self, ctx: &mut ws::WebsocketContext<Self>, id: Option<String>, e: RequestError) {
         self.send(ctx, &e.to_frame(id));
+        let clients_fault = matches!(
+            e,
+            RequestError::InvalidRequest(_)
+                | RequestError::InvalidParam { .. }
+                | RequestError::PromptTooLong(_)
+                | RequestError::Busy(_)
+                | RequestError::RateLimited(_)
+        );
+        if clients_fault && !self.rejected.take(Instant::now()) {
+            self.state.metrics.error("too_many_rejected");
+            tracing::info!(session = %self.id, "too many refused frames; closing");
+            ctx.close(Some(ws::CloseReason {
+                code: ws::CloseCode::Policy,
+                description: Some(format!(
+                    "more than {} refused frames (limits.rejected_frame_burst, limits.rejected_frames_per_s)",
+                    self.state.session.limits.rejected_frame_burst
+                )),
+            }));
+            ctx.stop();
+        }
     }
 
     fn on_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
@@ -297,7 +329,18 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for Session {
     fn handle(&mut self, msg: Result<ws::Message, ws::ProtocolError>, ctx: &mut Self::Context) {
         self.last_heard = Instant::now();
         match msg {
-            Ok(ws::Message::Text(t)) => self.on_text(&t, ctx),
+            Ok(ws::Message::Text(t)) => {
+                if self.frames.take(Instant::now()) {
+                    self.on_text(&t, ctx)
+                } else {
+                    let l = &self.state.session.limits;
+                    let e = RequestError::RateLimited(format!(
+                        "more than {} frames a second (burst {}): this frame was not read",
+                        l.frames_per_s, l.frame_burst
+                    ));
+                    self.error(ctx, None, e)
+                }
+            }
             Ok(ws::Message::Binary(_)) => self.error(
                 ctx,
                 None,

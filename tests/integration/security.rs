@@ -517,3 +517,55 @@ fn http_post(app: &App, path: &str, body: &str) -> (u16, String, String) {
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, head.to_ascii_lowercase(), rest.to_string())
 }
+
+/// A session's frame budget (#13): frames past `limits.frame_burst` get `rate_limited` unread,
+/// refused frames past `limits.rejected_frame_burst` close the connection with 1008, and another
+/// session is served throughout.
+#[test]
+fn a_flooding_session_is_rate_limited_then_closed() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s: &mut Settings| {
+        // Slow refills, so that the test's own pace adds nothing.
+        s.limits.frames_per_s = 0.01;
+        s.limits.frame_burst = 3;
+        s.limits.rejected_frames_per_s = 0.01;
+        s.limits.rejected_frame_burst = 4;
+    });
+    run(async {
+        let mut flood = app.connect().await;
+        let mut other = app.connect().await;
+        for _ in 0..3 {
+            flood.send(json!({"type": "reset"})).await;
+        }
+        // The fourth frame is not read: a valid chat gets `rate_limited`, not a reply.
+        flood
+            .chat("c", "hello", json!({"temperature": 0, "max_tokens": 2}))
+            .await;
+        let f = flood.recv().await;
+        assert_eq!(
+            (f["type"].as_str(), f["error_type"].as_str()),
+            (Some("error"), Some("rate_limited")),
+            "{f}"
+        );
+        // Three more refusals use up the refused-frames bucket; the next closes the socket.
+        for _ in 0..3 {
+            flood.send_raw("not json").await;
+            assert_eq!(flood.recv().await["error_type"], "rate_limited");
+        }
+        flood.send_raw("not json").await;
+        let mut closed = None;
+        for _ in 0..3 {
+            let f = flood.recv().await;
+            if f["type"] == "closed" {
+                closed = Some(f);
+                break;
+            }
+        }
+        assert_eq!(closed.expect("closed")["code"], 1008);
+        // The other session was never limited.
+        other
+            .chat("o", "hello", json!({"temperature": 0, "max_tokens": 2}))
+            .await;
+        assert_eq!(other.reply("o").await.done["type"], "done");
+    });
+}

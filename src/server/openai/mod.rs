@@ -127,6 +127,12 @@ impl From<RequestError> for ApiError {
                     m,
                 )
             },
+            RequestError::RateLimited(_) => Self::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limited"),
+                m,
+            ),
             RequestError::Overloaded(_) => Self::new(
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",

@@ -536,6 +536,10 @@ mod tests {
             max_stop_strings: 4,
             max_stop_chars: 16,
             max_id_chars: 64,
+            frames_per_s: 10.0,
+            frame_burst: 20,
+            rejected_frames_per_s: 1.0,
+            rejected_frame_burst: 10,
         }
     }
 
