@@ -94,12 +94,47 @@ impl AppState {
 #[derive(Debug, Clone, Copy)]
 pub struct Peer(std::os::fd::RawFd);
 
+/// Idle seconds before the first keepalive probe, and between probes.
+const KEEPALIVE_IDLE_S: libc::c_int = 30;
+const KEEPALIVE_INTERVAL_S: libc::c_int = 10;
+
 impl Peer {
     fn record(conn: &dyn std::any::Any, ext: &mut actix_web::dev::Extensions) {
         use std::os::fd::AsRawFd;
         if let Some(s) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
-            ext.insert(Peer(s.as_raw_fd()));
+            let p = Peer(s.as_raw_fd());
+            if let Err(e) = p.keepalive() {
+                tracing::debug!(error = %e, "cannot turn on TCP keepalive");
+            }
+            ext.insert(p);
         }
+    }
+
+    /// TCP keepalive: a peer that vanished without a FIN (a dropped mobile link, a crashed
+    /// host) is found after `KEEPALIVE_IDLE_S` idle seconds plus three probes, even for a
+    /// connection the server is not writing to.
+    fn keepalive(&self) -> std::io::Result<()> {
+        let set = |level, name, value: libc::c_int| {
+            // SAFETY: setsockopt reads an int from a live descriptor's option.
+            let rc = unsafe {
+                libc::setsockopt(
+                    self.0,
+                    level,
+                    name,
+                    (&value as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                )
+            };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        };
+        set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)?;
+        set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)
     }
 
     /// The client closed or reset the connection (a peek finds end of stream or an error; a
@@ -303,4 +338,48 @@ pub async fn shutdown(state: &AppState, grace: Duration) {
     }
     // Let the sessions write their last frames.
     actix_web::rt::time::sleep(Duration::from_millis(200)).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    fn get(fd: i32, level: libc::c_int, name: libc::c_int) -> libc::c_int {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes an int into `v`.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                level,
+                name,
+                (&mut v as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        assert_eq!(rc, 0);
+        v
+    }
+
+    #[test]
+    fn accepted_sockets_keep_alive_and_a_closed_peer_is_gone() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        let p = Peer(server.as_raw_fd());
+        p.keepalive().unwrap();
+        assert_eq!(get(p.0, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+        assert_eq!(
+            get(p.0, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
+            KEEPALIVE_IDLE_S
+        );
+        assert!(!p.gone());
+        drop(client);
+        let t0 = std::time::Instant::now();
+        while !p.gone() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
 }
