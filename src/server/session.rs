@@ -197,18 +197,50 @@ impl Session {
         if let Err(e) = self.authorize(&chat) {
             return self.error(ctx, Some(chat.id), e);
         }
-        let prompt = match chat_prompt(
-            &self.ready,
-            &self.state.tenants,
-            &self.identity,
-            &self.id,
-            &self.conversation,
-            &chat.messages,
-            chat.cache_key.as_deref(),
-        ) {
-            Ok(p) => p,
-            Err(e) => return self.error(ctx, Some(chat.id), e),
-        };
+        // Rendering and tokenizing take milliseconds for a long message: on the blocking pool,
+        // not on the I/O thread that serves other sockets. `wait` holds this session's next
+        // frames until the request is submitted, so they keep their order.
+        let (ready, state, identity, id) = (
+            self.ready.clone(),
+            self.state.clone(),
+            self.identity.clone(),
+            self.id,
+        );
+        let (history, messages, key) = (
+            self.conversation.clone(),
+            chat.messages.clone(),
+            chat.cache_key.clone(),
+        );
+        actix_web::rt::task::spawn_blocking(move || {
+            chat_prompt(
+                &ready,
+                &state.tenants,
+                &identity,
+                &id,
+                &history,
+                &messages,
+                key.as_deref(),
+            )
+        })
+        .into_actor(self)
+        .map(move |res, act, ctx| {
+            let res = res
+                .unwrap_or_else(|e| Err(RequestError::Internal(format!("tokenizing failed: {e}"))));
+            match res {
+                Ok(prompt) => act.submit_chat(chat, prompt, ctx),
+                Err(e) => act.error(ctx, Some(chat.id), e),
+            }
+        })
+        .wait(ctx);
+    }
+
+    /// Submits a chat whose prompt is built.
+    fn submit_chat(
+        &mut self,
+        chat: ValidChat,
+        prompt: super::prompt::Prompt,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
         let request = next_request_id();
         self.current = Some(Current {
             client_id: chat.id.clone(),
