@@ -186,6 +186,27 @@ impl RequestError {
     }
 }
 
+#[cfg(test)]
+impl Limits {
+    /// Small limits for unit tests (the WebSocket's and the OpenAI API's validation alike).
+    pub fn for_tests() -> Self {
+        Limits {
+            max_context: 2048,
+            max_tokens: 512,
+            max_frame_bytes: 65536,
+            max_messages: 8,
+            max_message_chars: 100,
+            max_stop_strings: 4,
+            max_stop_chars: 16,
+            max_id_chars: 64,
+            frames_per_s: 10.0,
+            frame_burst: 20,
+            rejected_frames_per_s: 1.0,
+            rejected_frame_burst: 10,
+        }
+    }
+}
+
 /// A validated `chat` request.
 #[derive(Debug, Clone)]
 pub struct ValidChat {
@@ -364,20 +385,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits {
-            max_context: 2048,
-            max_tokens: 512,
-            max_frame_bytes: 65536,
-            max_messages: 8,
-            max_message_chars: 100,
-            max_stop_strings: 4,
-            max_stop_chars: 16,
-            max_id_chars: 64,
-            frames_per_s: 10.0,
-            frame_burst: 20,
-            rejected_frames_per_s: 1.0,
-            rejected_frame_burst: 10,
-        }
+        Limits::for_tests()
     }
 
     fn parse(s: &str) -> Result<ClientFrame, serde_json::Error> {

@@ -233,15 +233,13 @@ impl TextTokenizer {
             self.inner.get_decoder(),
             Some(tokenizers::DecoderWrapper::ByteLevel(_))
         );
-        let added = self.inner.get_added_tokens_decoder().contains_key(&id);
-        if let Some(t) = self.inner.id_to_token(id) {
-            if added {
-                return t.into_bytes();
-            }
-            if byte_level {
-                if let Some(b) = t.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
-                    return b;
-                }
+        // An added token's text (a lookup, not `get_added_tokens_decoder`, which clones the map).
+        if let Some(t) = self.inner.get_added_vocabulary().simple_id_to_token(id) {
+            return t.into_bytes();
+        }
+        if let (true, Some(t)) = (byte_level, self.inner.id_to_token(id)) {
+            if let Some(b) = t.chars().map(byte_level_byte).collect::<Option<Vec<u8>>>() {
+                return b;
             }
         }
         self.decode(&[id], false).unwrap_or_default().into_bytes()

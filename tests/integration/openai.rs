@@ -284,34 +284,17 @@ fn a_rust_openai_client_streams_the_websocket_reply() {
         }
         assert_eq!(text, ws);
         assert!(finish.is_some());
-        let c = client
-            .completions()
-            .create(
-                CreateCompletionRequestArgs::default()
-                    .model(&model)
-                    .prompt("Once upon a time")
-                    .max_tokens(6u32)
-                    .temperature(0.0)
-                    .build()
-                    .unwrap(),
-            )
-            .await
+        let once = CreateCompletionRequestArgs::default()
+            .model(&model)
+            .prompt("Once upon a time")
+            .max_tokens(6u32)
+            .temperature(0.0)
+            .build()
             .unwrap();
+        let c = client.completions().create(once.clone()).await.unwrap();
         assert!(!c.choices[0].text.is_empty());
         assert_eq!(c.usage.unwrap().completion_tokens, 6);
-        let mut stream = client
-            .completions()
-            .create_stream(
-                CreateCompletionRequestArgs::default()
-                    .model(&model)
-                    .prompt("Once upon a time")
-                    .max_tokens(6u32)
-                    .temperature(0.0)
-                    .build()
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
+        let mut stream = client.completions().create_stream(once).await.unwrap();
         let mut streamed = String::new();
         while let Some(chunk) = stream.next().await {
             for ch in chunk.unwrap().choices {

@@ -240,26 +240,8 @@ fn injected_chat_markup_stays_text_in_the_served_prompt() {
 
 /// Sends a raw HTTP/1.1 request head and returns the response status.
 fn raw_status(addr: SocketAddr, path: &str, host: &str, headers: &[(&str, &str)]) -> u16 {
-    let mut s = std::net::TcpStream::connect(addr).unwrap();
-    s.set_read_timeout(Some(std::time::Duration::from_secs(20)))
-        .unwrap();
-    let mut head = format!(
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
-         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-    );
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).unwrap();
-    let mut buf = Vec::new();
-    let mut byte = [0u8; 1];
-    while !buf.ends_with(b"\r\n") {
-        assert_eq!(s.read(&mut byte).unwrap(), 1, "connection closed");
-        buf.push(byte[0]);
-    }
-    let line = String::from_utf8(buf).unwrap();
-    line.split(' ').nth(1).unwrap().parse().unwrap()
+    let head = raw_head(addr, path, host, headers);
+    head.split(' ').nth(1).unwrap().parse().unwrap()
 }
 
 #[test]
@@ -475,7 +457,7 @@ fn connection_caps_answer_503_and_give_places_back() {
     assert_eq!(app.state.admission.check(), Ok(()));
 }
 
-/// A raw upgrade request's response head, lowercased names kept as sent.
+/// A raw upgrade request's response head, as the server sent it.
 fn raw_head(addr: SocketAddr, path: &str, host: &str, headers: &[(&str, &str)]) -> String {
     let mut s = std::net::TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(20)))

@@ -272,10 +272,7 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
 }
 
 /// `caller`, with a place under the connection caps for a request that generates.
-fn caller_with(
-    req: &HttpRequest,
-    state: &AppState,
-) -> Result<(Identity, Ready, Option<Permit>), ApiError> {
+fn caller_with(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready, Permit), ApiError> {
     let (identity, ready) = caller(req, state)?;
     let permit = super::routes::admit(req, state, &identity).map_err(|full| {
         ApiError::new(
@@ -285,7 +282,7 @@ fn caller_with(
             full.to_string(),
         )
     })?;
-    Ok((identity, ready, Some(permit)))
+    Ok((identity, ready, permit))
 }
 
 fn check_model(given: Option<&str>, ready: &Ready) -> Result<(), ApiError> {
@@ -375,7 +372,7 @@ struct Job {
     prompt: Prompt,
     identity: Identity,
     ready: Ready,
-    permit: Option<Permit>,
+    permit: Permit,
 }
 
 async fn chat_completions(
@@ -389,11 +386,8 @@ async fn chat_completions(
         check_model(r.common.model.as_deref(), &ready)?;
         let cfg = &state.session;
         let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-        let mut api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
-        if identity.kind != ClientKind::ApiKey {
-            // Each keyless request is its own principal: a partition key has nothing to split.
-            api.chat.cache_key = None;
-        }
+        let api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
+        let api = partitioned(api, &identity);
         let prompt = chat_prompt(
             &ready,
             &state.tenants,
@@ -411,10 +405,7 @@ async fn chat_completions(
             permit,
         })
     })();
-    match job {
-        Ok(job) => run(req, job, Shape::Chat, state).await,
-        Err(e) => e.response(&state),
-    }
+    respond(req, job, Shape::Chat, state).await
 }
 
 async fn completions(
@@ -436,10 +427,8 @@ async fn completions(
         }
         let cfg = &state.session;
         let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
-        let (mut api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
-        if identity.kind != ClientKind::ApiKey {
-            api.chat.cache_key = None;
-        }
+        let (api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
+        let api = partitioned(api, &identity);
         let ids = match raw {
             RawPrompt::Text(t) => ready
                 .tokenizer
@@ -470,8 +459,27 @@ async fn completions(
             permit,
         })
     })();
+    respond(req, job, Shape::Completion, state).await
+}
+
+/// The request's cache partition: an API key's requests keep `prompt_cache_key` / `user`; a
+/// keyless request is its own principal, so a partition key has nothing to split.
+fn partitioned(mut api: ValidApi, identity: &Identity) -> ValidApi {
+    if identity.kind != ClientKind::ApiKey {
+        api.chat.cache_key = None;
+    }
+    api
+}
+
+/// Runs a job, or answers its error.
+async fn respond(
+    req: HttpRequest,
+    job: Result<Job, ApiError>,
+    shape: Shape,
+    state: web::Data<AppState>,
+) -> HttpResponse {
     match job {
-        Ok(job) => run(req, job, Shape::Completion, state).await,
+        Ok(job) => run(req, job, shape, state).await,
         Err(e) => e.response(&state),
     }
 }
@@ -638,7 +646,7 @@ struct Generation {
     /// The first choice's timings, for the log.
     timings: crate::protocol::Timings,
     /// The request's place under the connection caps, held until the response ends.
-    _permit: Option<Permit>,
+    _permit: Permit,
     /// The client's connection, checked at each tick.
     peer: Option<Peer>,
     ticker: tokio::time::Interval,

@@ -527,20 +527,7 @@ mod tests {
     use super::*;
 
     fn limits() -> Limits {
-        Limits {
-            max_context: 2048,
-            max_tokens: 512,
-            max_frame_bytes: 65536,
-            max_messages: 8,
-            max_message_chars: 100,
-            max_stop_strings: 4,
-            max_stop_chars: 16,
-            max_id_chars: 64,
-            frames_per_s: 10.0,
-            frame_burst: 20,
-            rejected_frames_per_s: 1.0,
-            rejected_frame_burst: 10,
-        }
+        Limits::for_tests()
     }
 
     fn chat(body: Value) -> Result<ValidApi, RequestError> {
