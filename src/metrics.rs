@@ -28,6 +28,7 @@ pub struct Metrics {
     pub prefix_queries: IntCounter,
     pub prefix_hits: IntCounter,
     pub errors: IntCounterVec,
+    pub slow_readers: IntCounterVec,
     pub sessions: IntGauge,
 }
 
@@ -74,7 +75,19 @@ impl Metrics {
         registry
             .register(Box::new(errors.clone()))
             .expect("unique metric");
+        let slow_readers = IntCounterVec::new(
+            Opts::new(
+                "llama_relay_slow_readers_total",
+                "Clients that stopped reading: replies cancelled (server.max_queued_frames) and connections reset (server.write_timeout_s)",
+            ),
+            &["action"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(slow_readers.clone()))
+            .expect("unique metric");
         Metrics {
+            slow_readers,
             requests_running: gauge("vllm:num_requests_running", "Requests in the running batch"),
             requests_waiting: gauge(
                 "vllm:num_requests_waiting",

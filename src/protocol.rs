@@ -158,6 +158,9 @@ pub enum RequestError {
     /// The client sends faster than its limits allow.
     #[error("{0}")]
     RateLimited(String),
+    /// The client read nothing while its reply queued up.
+    #[error("{0}")]
+    SlowReader(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -173,6 +176,7 @@ impl RequestError {
             RequestError::Busy(_) => "busy",
             RequestError::NotReady(_) => "not_ready",
             RequestError::RateLimited(_) => "rate_limited",
+            RequestError::SlowReader(_) => "slow_reader",
             RequestError::Internal(_) => "internal",
         }
     }

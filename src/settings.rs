@@ -56,6 +56,12 @@ pub struct ServerSettings {
     pub heartbeat_s: u64,
     pub client_timeout_s: u64,
     pub shutdown_grace_s: u64,
+    /// A connection whose client takes none of the bytes it is sent for this long is reset.
+    pub write_timeout_s: u64,
+    /// Frames queued for a client that is not reading them before its reply is cancelled.
+    pub max_queued_frames: usize,
+    /// Each accepted socket's kernel send buffer in KiB; 0 = the kernel's autotuning.
+    pub send_buffer_kib: usize,
     /// WebSocket sessions and API requests held at once, in all and per client address.
     pub max_connections: usize,
     pub max_connections_per_address: usize,

@@ -22,6 +22,7 @@ use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
 use crate::protocol::{FinishReason, RequestError, Timings, Usage};
 use crate::sampler::{SamplingParams, TokenLogprobs};
+use crate::server::outbox::Backlog;
 
 /// A fresh request id, unique in the process (sessions allocate them so that events can never
 /// arrive for an id the session does not know yet).
@@ -58,18 +59,45 @@ pub enum EventKind {
 }
 
 /// Where a request's events go: a WebSocket session actor, or the stream of an HTTP response
-/// (the OpenAI API). Either way, one that no longer connects cancels the request.
+/// (the OpenAI API). Either way, one that no longer connects cancels the request, and one that
+/// leaves more than `max_queued_frames` events untaken loses it (`outbox`).
 #[derive(Clone)]
-pub enum ReplyTo {
+pub struct ReplyTo {
+    sink: Sink,
+    backlog: Arc<Backlog>,
+}
+
+#[derive(Clone)]
+enum Sink {
     Session(Recipient<GenerationEvent>),
     Stream(tokio::sync::mpsc::UnboundedSender<GenerationEvent>),
 }
 
 impl ReplyTo {
+    /// A session actor, which calls `backlog.taken()` for each event it handles.
+    pub fn session(to: Recipient<GenerationEvent>, backlog: Arc<Backlog>) -> Self {
+        ReplyTo {
+            sink: Sink::Session(to),
+            backlog,
+        }
+    }
+
+    /// A response stream, whose reader calls `backlog.taken()` for each event it receives.
+    pub fn stream(
+        to: tokio::sync::mpsc::UnboundedSender<GenerationEvent>,
+        backlog: Arc<Backlog>,
+    ) -> Self {
+        ReplyTo {
+            sink: Sink::Stream(to),
+            backlog,
+        }
+    }
+
     fn send(&self, ev: GenerationEvent) {
-        match self {
-            ReplyTo::Session(r) => r.do_send(ev),
-            ReplyTo::Stream(s) => {
+        self.backlog.posted();
+        match &self.sink {
+            Sink::Session(r) => r.do_send(ev),
+            Sink::Stream(s) => {
                 // A closed stream is noticed at the next step (`connected`).
                 let _ = s.send(ev);
             }
@@ -77,9 +105,9 @@ impl ReplyTo {
     }
 
     fn connected(&self) -> bool {
-        match self {
-            ReplyTo::Session(r) => r.connected(),
-            ReplyTo::Stream(s) => !s.is_closed(),
+        match &self.sink {
+            Sink::Session(r) => r.connected(),
+            Sink::Stream(s) => !s.is_closed(),
         }
     }
 }
@@ -182,6 +210,8 @@ pub struct BatcherConfig {
     pub max_context: usize,
     /// How long a session's lease outlives its connection.
     pub lease_grace: Duration,
+    /// Events a client may leave untaken before its reply is cancelled (`slow_reader`).
+    pub max_queued_frames: usize,
 }
 
 pub struct Batcher {
@@ -198,6 +228,7 @@ pub struct Batcher {
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
+    max_queued_frames: usize,
 }
 
 impl Batcher {
@@ -213,6 +244,7 @@ impl Batcher {
             reported: [0; 6],
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
+            max_queued_frames: cfg.max_queued_frames,
         }
     }
 
@@ -348,6 +380,30 @@ impl Batcher {
             .collect();
         for id in gone {
             self.remove(id);
+        }
+        // A client that takes nothing while its reply goes on loses the reply (and its KV).
+        let slow: Vec<RequestId> = self
+            .active
+            .iter()
+            .filter(|(_, a)| a.reply_to.backlog.untaken() > self.max_queued_frames)
+            .map(|(id, _)| *id)
+            .collect();
+        if !slow.is_empty() {
+            self.metrics
+                .slow_readers
+                .with_label_values(&["reply_cancelled"])
+                .inc_by(slow.len() as u64);
+            tracing::info!(
+                requests = slow.len(),
+                "clients left more than server.max_queued_frames events unread; cancelling"
+            );
+            self.fail_all(
+                slow,
+                RequestError::SlowReader(format!(
+                    "more than {} frames of this reply waited unread (server.max_queued_frames): it was cancelled",
+                    self.max_queued_frames
+                )),
+            );
         }
         let events = match self.core.step() {
             Ok(Some(events)) => events,

@@ -71,6 +71,27 @@ impl Settings {
                 "more than server.heartbeat_s, which must be > 0",
             ));
         }
+        if s.write_timeout_s < 2 * s.heartbeat_s {
+            return Err(invalid(
+                "server.write_timeout_s",
+                s.write_timeout_s,
+                "at least twice server.heartbeat_s (a reading client is polled at every heartbeat)",
+            ));
+        }
+        if s.send_buffer_kib != 0 && !(4..=65536).contains(&s.send_buffer_kib) {
+            return Err(invalid(
+                "server.send_buffer_kib",
+                s.send_buffer_kib,
+                "0 (the kernel's autotuning) or 4 to 65536",
+            ));
+        }
+        if s.max_queued_frames < 16 {
+            return Err(invalid(
+                "server.max_queued_frames",
+                s.max_queued_frames,
+                "16 or more",
+            ));
+        }
         let c = &self.scheduler;
         if c.max_running == 0 || c.max_running > 1024 {
             return Err(invalid("scheduler.max_running", c.max_running, "1 to 1024"));
@@ -162,6 +183,7 @@ impl Settings {
             default_max_tokens: sp.max_tokens,
             heartbeat: std::time::Duration::from_secs(self.server.heartbeat_s),
             client_timeout: std::time::Duration::from_secs(self.server.client_timeout_s),
+            write_timeout: std::time::Duration::from_secs(self.server.write_timeout_s),
         }
     }
 
@@ -182,6 +204,7 @@ impl Settings {
             },
             lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
             max_context: self.engine.max_context,
+            max_queued_frames: self.server.max_queued_frames,
         }
     }
 }

@@ -7,6 +7,7 @@ pub mod admission;
 pub mod batcher;
 mod config;
 pub mod openai;
+pub mod outbox;
 pub mod prompt;
 pub mod rate;
 pub mod reply;
@@ -58,6 +59,8 @@ pub struct SessionConfig {
     pub default_max_tokens: usize,
     pub heartbeat: Duration,
     pub client_timeout: Duration,
+    /// A connection whose body is not polled for this long is reset (`outbox`).
+    pub write_timeout: Duration,
 }
 
 pub struct AppState {
@@ -99,14 +102,45 @@ const KEEPALIVE_IDLE_S: libc::c_int = 30;
 const KEEPALIVE_INTERVAL_S: libc::c_int = 10;
 
 impl Peer {
-    fn record(conn: &dyn std::any::Any, ext: &mut actix_web::dev::Extensions) {
+    /// Records an accepted connection's socket, with keepalive on and its send buffer set to
+    /// `send_buffer` bytes (0: the kernel's autotuning).
+    fn record(send_buffer: usize, conn: &dyn std::any::Any, ext: &mut actix_web::dev::Extensions) {
         use std::os::fd::AsRawFd;
         if let Some(s) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
             let p = Peer(s.as_raw_fd());
             if let Err(e) = p.keepalive() {
                 tracing::debug!(error = %e, "cannot turn on TCP keepalive");
             }
+            if send_buffer > 0 {
+                let v = send_buffer.min(libc::c_int::MAX as usize) as libc::c_int;
+                if let Err(e) = p.set(libc::SOL_SOCKET, libc::SO_SNDBUF, v) {
+                    tracing::debug!(error = %e, "cannot set the socket's send buffer");
+                }
+            }
             ext.insert(p);
+        }
+    }
+
+    fn set(
+        &self,
+        level: libc::c_int,
+        name: libc::c_int,
+        value: libc::c_int,
+    ) -> std::io::Result<()> {
+        // SAFETY: setsockopt reads an int from a live descriptor's option.
+        let rc = unsafe {
+            libc::setsockopt(
+                self.0,
+                level,
+                name,
+                (&value as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
         }
     }
 
@@ -114,27 +148,33 @@ impl Peer {
     /// host) is found after `KEEPALIVE_IDLE_S` idle seconds plus three probes, even for a
     /// connection the server is not writing to.
     fn keepalive(&self) -> std::io::Result<()> {
-        let set = |level, name, value: libc::c_int| {
-            // SAFETY: setsockopt reads an int from a live descriptor's option.
-            let rc = unsafe {
-                libc::setsockopt(
-                    self.0,
-                    level,
-                    name,
-                    (&value as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                )
-            };
-            if rc == 0 {
-                Ok(())
-            } else {
-                Err(std::io::Error::last_os_error())
-            }
-        };
+        let set = |level, name, value| self.set(level, name, value);
         set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
         set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
         set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)?;
         set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)
+    }
+
+    /// Resets the connection (a client that reads nothing): the socket is shut down both ways,
+    /// which fails the dispatcher's pending write so it drops the connection, and with linger 0
+    /// its close discards the unread bytes and sends RST instead of waiting on a zero window.
+    pub fn abort(&self) {
+        let linger = libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        };
+        // SAFETY: setsockopt reads a linger struct, shutdown takes the descriptor; the caller
+        // guarantees the descriptor is still the connection's (see `outbox::watch`).
+        unsafe {
+            libc::setsockopt(
+                self.0,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            );
+            libc::shutdown(self.0, libc::SHUT_RDWR);
+        }
     }
 
     /// The client closed or reset the connection (a peek finds end of stream or an error; a
@@ -293,6 +333,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         }
     });
     let data = state.clone();
+    let send_buffer = settings.server.send_buffer_kib * 1024;
     let mut server = HttpServer::new(move || {
         App::new()
             .app_data(data.clone())
@@ -300,7 +341,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .configure(openai::configure)
             .configure(routes::configure)
     })
-    .on_connect(Peer::record)
+    .on_connect(move |conn, ext| Peer::record(send_buffer, conn, ext))
     .workers(workers)
     .disable_signals()
     .shutdown_timeout(settings.server.shutdown_grace_s)

@@ -134,11 +134,7 @@ async fn ws(
                 .json(json!({"error_type": "overloaded", "message": full.to_string()})));
         }
     };
-    let max_frame = state.session.limits.max_frame_bytes;
-    let session = Session::new(state.into_inner(), ready, identity, permit);
-    actix_web_actors::ws::WsResponseBuilder::new(session, &req, stream)
-        .frame_size(max_frame)
-        .start()
+    Session::new(state.into_inner(), ready, identity, permit).start(&req, stream)
 }
 
 /// Seconds a client refused by a connection cap is told to wait.

@@ -13,6 +13,7 @@ use std::time::Instant;
 use actix::prelude::*;
 use actix_web_actors::ws;
 
+use super::outbox::{watched, Backlog};
 use super::prompt::chat_prompt;
 use super::rate::TokenBucket;
 use super::reply::ReplyText;
@@ -51,6 +52,8 @@ pub struct Session {
     /// Text frames it may send, and refused frames it may send before it is closed.
     frames: TokenBucket,
     rejected: TokenBucket,
+    /// Events the batcher posted to this session and it has not handled yet.
+    backlog: Arc<Backlog>,
 }
 
 impl Session {
@@ -75,7 +78,25 @@ impl Session {
             current: None,
             last_heard: Instant::now(),
             _permit: permit,
+            backlog: Backlog::new(),
         }
+    }
+
+    /// Answers the upgrade and starts the session. Its outgoing stream is `watched`: the ping
+    /// timer wakes it every heartbeat, so a stream not polled for `write_timeout` has a client
+    /// that reads nothing, and its connection is reset.
+    pub fn start(
+        self,
+        req: &actix_web::HttpRequest,
+        stream: actix_web::web::Payload,
+    ) -> actix_web::Result<actix_web::HttpResponse> {
+        let l = &self.state.session;
+        let codec = actix_http::ws::Codec::new().max_size(l.limits.max_frame_bytes);
+        let (timeout, metrics) = (l.write_timeout, self.state.metrics.clone());
+        let mut resp = ws::handshake(req)?;
+        let body = Box::pin(ws::WebsocketContext::with_codec(self, stream, codec));
+        let peer = req.conn_data::<super::Peer>().copied();
+        Ok(resp.streaming(watched(body, peer, timeout, metrics)))
     }
 
     /// The session's KV lease key (its id, as a number).
@@ -264,7 +285,7 @@ impl Session {
             lease: Some(self.lease_key()),
             logprobs: None,
             forks: Vec::new(),
-            reply_to: ReplyTo::Session(ctx.address().recipient()),
+            reply_to: ReplyTo::session(ctx.address().recipient(), self.backlog.clone()),
         };
         let id = chat.id;
         self.ready
@@ -419,6 +440,7 @@ impl Handler<GenerationEvent> for Session {
     type Result = ();
 
     fn handle(&mut self, ev: GenerationEvent, ctx: &mut Self::Context) {
+        self.backlog.taken();
         let Some(c) = &mut self.current else { return };
         if c.request != ev.request {
             return;

@@ -1,6 +1,7 @@
 //! One integration test binary; each scenario is a module. Tests that run a model take
 //! `common::model_lock()` so that two models never compete for the two cores.
 
+mod abuse;
 mod browser;
 mod common;
 mod detokenizer;

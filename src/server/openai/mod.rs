@@ -17,6 +17,7 @@
 pub mod wire;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use actix_web::body::{BoxBody, MessageBody};
@@ -36,6 +37,7 @@ use super::admission::Permit;
 use super::batcher::{
     next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
 };
+use super::outbox::{watched, Backlog};
 use super::prompt::{chat_prompt, Prompt};
 use super::reply::ReplyText;
 use super::tenants::{ClientKind, Identity, Refusal, Roles};
@@ -143,6 +145,12 @@ impl From<RequestError> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "service_unavailable",
                 Some("not_ready"),
+                m,
+            ),
+            RequestError::SlowReader(_) => Self::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                Some("slow_reader"),
                 m,
             ),
             RequestError::Internal(_) => {
@@ -501,6 +509,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         permit,
     } = job;
     let (tx, rx) = unbounded_channel();
+    let backlog = Backlog::new();
     let ids: Vec<RequestId> = (0..api.n).map(|_| next_request_id()).collect();
     let forks = ids[1..]
         .iter()
@@ -529,7 +538,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         lease: None,
         logprobs: api.logprobs,
         forks,
-        reply_to: ReplyTo::Stream(tx),
+        reply_to: ReplyTo::stream(tx, backlog.clone()),
     };
     let admitted = ready
         .batcher
@@ -542,6 +551,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
     tracing::debug!(id = %api.chat.id, tenant = %identity.tenant, n = api.n, "API request queued");
     let gen = Generation {
         rx,
+        backlog,
         ready: ready.clone(),
         choices: ids
             .iter()
@@ -576,11 +586,19 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
                 let bytes = st.next().await?;
                 Some((Ok::<_, actix_web::Error>(bytes), st.more().then_some(st)))
             });
+        // The peer check wakes the stream every PEER_CHECK while it waits: not polled for
+        // write_timeout, its client reads nothing (`outbox`).
+        let body = watched(
+            Box::pin(stream),
+            req.conn_data::<Peer>().copied(),
+            state.session.write_timeout,
+            state.metrics.clone(),
+        );
         return HttpResponse::Ok()
             .insert_header(("Content-Type", "text/event-stream"))
             .insert_header(("Cache-Control", "no-cache"))
             .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(stream);
+            .streaming(body);
     }
     whole(gen, meta, &state).await
 }
@@ -636,6 +654,8 @@ enum Out {
 /// Events of a request's choices, turned into text.
 struct Generation {
     rx: UnboundedReceiver<GenerationEvent>,
+    /// What the batcher posted and this response has not taken yet (`outbox`).
+    backlog: Arc<Backlog>,
     ready: Ready,
     choices: Vec<Choice>,
     index: HashMap<RequestId, usize>,
@@ -659,6 +679,14 @@ impl Generation {
     /// The next event, or `None` when the channel closed or the client went away (checked every
     /// `PEER_CHECK`, whether events come or not).
     async fn recv(&mut self) -> Option<GenerationEvent> {
+        let ev = self.recv_or_gone().await;
+        if ev.is_some() {
+            self.backlog.taken();
+        }
+        ev
+    }
+
+    async fn recv_or_gone(&mut self) -> Option<GenerationEvent> {
         let Some(peer) = self.peer else {
             return self.rx.recv().await;
         };

@@ -1,0 +1,164 @@
+//! What a client has not read yet: the bound on a slow reader.
+//!
+//! Two limits, because a client that stops reading stalls two queues:
+//! - **Events** (`Backlog`): the batcher posts each token to the session actor's mailbox (or the
+//!   API stream's channel), and the connection's handler takes it. The batcher counts what it
+//!   posts, the handler what it takes; past `server.max_queued_frames` untaken, the batcher
+//!   cancels the reply (its KV blocks go back at once) and the client gets `slow_reader`.
+//! - **Bytes** (`watched`): actix writes a response body only as fast as the socket drains, and a
+//!   body is polled only when there is room: the h1 dispatcher stops polling it while its write
+//!   buffer is full, and with it the session actor, its heartbeat and its timers (which is why
+//!   the heartbeat cannot catch a client that stops reading). A body that is woken at least every
+//!   heartbeat (a session's ping timer, the API stream's peer check) but not polled for
+//!   `server.write_timeout_s` has a client that drains nothing; a task beside the connection
+//!   then resets the socket (`Peer::abort`), the dispatcher drops the connection, and the actor
+//!   stops as on any disconnect.
+//!
+//! actix-web-actors exposes neither its outgoing buffer nor a write timeout, and actix-http has
+//! none, so both are here; the socket is reached through the descriptor `Peer` records.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures_util::Stream;
+
+use super::Peer;
+use crate::metrics::Metrics;
+
+/// Events posted to a client's handler and not yet taken.
+#[derive(Debug, Default)]
+pub struct Backlog(AtomicUsize);
+
+impl Backlog {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Backlog::default())
+    }
+
+    /// One more posted; returns how many are now untaken.
+    pub fn posted(&self) -> usize {
+        self.0.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// The handler took one.
+    pub fn taken(&self) {
+        // Saturating: a handler never takes more than was posted, but never wrap if it did.
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+
+    pub fn untaken(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// When a response body was last polled, in milliseconds since `origin`.
+struct LastPoll {
+    origin: Instant,
+    ms: AtomicU64,
+}
+
+impl LastPoll {
+    fn touch(&self) {
+        let ms = self.origin.elapsed().as_millis() as u64;
+        self.ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle(&self) -> Duration {
+        let now = self.origin.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// A response body that records when it is polled (see the module doc).
+pub struct Watched<S> {
+    inner: S,
+    last: Arc<LastPoll>,
+}
+
+impl<S: Stream + Unpin> Stream for Watched<S> {
+    type Item = S::Item;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<S::Item>> {
+        self.last.touch();
+        Pin::new(&mut self.inner).poll_next(cx)
+    }
+}
+
+/// Wraps `body` and, when the connection's socket is known, watches it: not polled for
+/// `timeout`, the socket is reset and `llama_relay_slow_readers_total{action="connection_closed"}`
+/// rises. The body must be woken at least every `timeout / 2` while the client reads (a
+/// heartbeat), or a quiet healthy client would be taken for a slow one. Call on the connection's
+/// worker thread (a handler): the watch runs there too, which is what makes the descriptor safe
+/// to use (see `watch`).
+pub fn watched<S>(
+    body: S,
+    peer: Option<Peer>,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+) -> Watched<S> {
+    let origin = Instant::now();
+    let last = Arc::new(LastPoll {
+        origin,
+        ms: AtomicU64::new(0),
+    });
+    if let Some(peer) = peer {
+        actix_web::rt::spawn(watch(Arc::downgrade(&last), peer, timeout, metrics));
+    }
+    Watched { inner: body, last }
+}
+
+/// Checks a body's last poll a few times per `timeout` while the body lives. The body lives inside
+/// the connection's dispatcher, which owns the socket: while `last` can be upgraded the
+/// descriptor is the connection's own (not closed, not reused), and since this task runs on the
+/// same thread nothing can drop the connection between the upgrade and `abort`.
+async fn watch(last: Weak<LastPoll>, peer: Peer, timeout: Duration, metrics: Arc<Metrics>) {
+    let tick = (timeout / 4).max(Duration::from_millis(50));
+    loop {
+        actix_web::rt::time::sleep(tick).await;
+        let Some(last) = last.upgrade() else { return };
+        if last.idle() >= timeout {
+            metrics
+                .slow_readers
+                .with_label_values(&["connection_closed"])
+                .inc();
+            tracing::info!(
+                idle_ms = last.idle().as_millis() as u64,
+                "a client read nothing for server.write_timeout_s; resetting its connection"
+            );
+            peer.abort();
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backlog_counts_posted_minus_taken_and_never_wraps() {
+        let b = Backlog::new();
+        assert_eq!(b.posted(), 1);
+        assert_eq!(b.posted(), 2);
+        b.taken();
+        assert_eq!(b.untaken(), 1);
+        b.taken();
+        b.taken();
+        assert_eq!(b.untaken(), 0);
+    }
+
+    #[test]
+    fn a_poll_resets_the_idle_time() {
+        let last = LastPoll {
+            origin: Instant::now() - Duration::from_secs(5),
+            ms: AtomicU64::new(0),
+        };
+        assert!(last.idle() >= Duration::from_secs(5));
+        last.touch();
+        assert!(last.idle() < Duration::from_secs(1));
+    }
+}
