@@ -184,6 +184,9 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// How long clients get to read the errors of an engine failure before the process exits.
+const FAILURE_EXIT_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
 fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow::Result<()> {
     actix_web::rt::System::new().block_on(async move {
         let running = llama_relay::server::build(&settings, opts).context("starting the server")?;
@@ -197,7 +200,20 @@ fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow
             llama_relay::server::shutdown(&state, grace).await;
             handle.stop(true).await;
         });
-        running.server.await.context("server")
+        // An engine that failed for good: its clients have their errors; give the sockets a
+        // moment to carry them, then exit non-zero for the supervisor to restart the process.
+        let mut failed = running.failed.clone();
+        let failure = async move {
+            let reason = failed.wait_for(|f| f.is_some()).await.ok()?.clone();
+            actix_web::rt::time::sleep(FAILURE_EXIT_DELAY).await;
+            reason
+        };
+        tokio::select! {
+            r = running.server => r.context("server"),
+            Some(reason) = failure => {
+                anyhow::bail!("the engine failed: {reason}; exiting for a restart")
+            }
+        }
     })
 }
 

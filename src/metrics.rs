@@ -30,6 +30,7 @@ pub struct Metrics {
     pub errors: IntCounterVec,
     pub slow_readers: IntCounterVec,
     pub sessions: IntGauge,
+    pub engine_failures: IntCounter,
 }
 
 fn buckets(v: &[f64]) -> Vec<f64> {
@@ -156,6 +157,10 @@ impl Metrics {
                 "Prompt tokens found in the prefix cache",
             ),
             sessions: gauge("llama_relay_websocket_sessions", "Open WebSocket sessions"),
+            engine_failures: counter(
+                "llama_relay_engine_failures_total",
+                "Times the engine failed for good (a panic, or repeated failed steps); the server then exits",
+            ),
             errors,
             registry,
         }

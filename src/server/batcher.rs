@@ -212,7 +212,47 @@ pub struct BatcherConfig {
     pub lease_grace: Duration,
     /// Events a client may leave untaken before its reply is cancelled (`slow_reader`).
     pub max_queued_frames: usize,
+    /// Called once, on the batcher's thread, when the engine fails for good (a panic, or
+    /// `MAX_FAILED_STEPS` failed steps in a row), with the reason.
+    pub on_failure: Option<OnFailure>,
 }
+
+/// What the server does when the engine fails for good (`BatcherConfig::on_failure`).
+pub type OnFailure = Arc<dyn Fn(String) + Send + Sync>;
+
+/// Failed forward steps in a row after which the engine is taken for broken: one failed step
+/// fails its requests and the next may succeed (a transient allocation failure); a step that
+/// keeps failing would fail every request sent to it.
+pub const MAX_FAILED_STEPS: u32 = 3;
+
+/// Faults the tests inject, in builds with the `fault-injection` feature only.
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// The next step with work panics inside the engine.
+    PanicInStep,
+    /// Every step with work fails (as a model error would).
+    FailSteps,
+}
+
+#[cfg(feature = "fault-injection")]
+impl Fault {
+    /// `LLAMA_RELAY_INJECT_FAULT` = `panic_in_step` | `fail_steps`: a fault for a whole process
+    /// (the test that checks the exit status starts the binary with it).
+    fn from_env() -> Option<Fault> {
+        match std::env::var("LLAMA_RELAY_INJECT_FAULT").ok()?.as_str() {
+            "panic_in_step" => Some(Fault::PanicInStep),
+            "fail_steps" => Some(Fault::FailSteps),
+            _ => None,
+        }
+    }
+}
+
+/// Injects a fault into the running batcher (tests only).
+#[cfg(feature = "fault-injection")]
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct InjectFault(pub Fault);
 
 pub struct Batcher {
     core: Core,
@@ -229,6 +269,12 @@ pub struct Batcher {
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
     max_queued_frames: usize,
+    on_failure: Option<OnFailure>,
+    /// Set when the engine failed for good: every request is refused with this reason.
+    failed: Option<String>,
+    failed_steps: u32,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<Fault>,
 }
 
 impl Batcher {
@@ -245,6 +291,11 @@ impl Batcher {
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
             max_queued_frames: cfg.max_queued_frames,
+            on_failure: cfg.on_failure,
+            failed: None,
+            failed_steps: 0,
+            #[cfg(feature = "fault-injection")]
+            fault: Fault::from_env(),
         }
     }
 
@@ -405,18 +456,28 @@ impl Batcher {
                 )),
             );
         }
-        let events = match self.core.step() {
-            Ok(Some(events)) => events,
+        let events = match self.run_step() {
+            Ok(Some(events)) => {
+                self.failed_steps = 0;
+                events
+            }
             Ok(None) => {
                 self.update_gauges();
                 return false;
             }
             Err(StepFailed { ids, error }) => {
                 tracing::error!(error = %error, "forward step failed; failing its requests");
+                self.failed_steps += 1;
                 self.fail_all(
                     ids,
                     RequestError::Internal(format!("the model step failed: {error}")),
                 );
+                if self.failed_steps >= MAX_FAILED_STEPS {
+                    self.fail_for_good(format!(
+                        "{MAX_FAILED_STEPS} forward steps failed in a row; the last: {error}"
+                    ));
+                    return false;
+                }
                 self.update_gauges();
                 return !self.core.is_idle();
             }
@@ -441,6 +502,72 @@ impl Batcher {
         }
         self.update_gauges();
         !self.core.is_idle()
+    }
+
+    /// One core step, with a panic inside it caught: the engine is then failed for good (its
+    /// state may be half-updated) and `Ok(None)` returned.
+    fn run_step(&mut self) -> Result<Option<Vec<Event>>, StepFailed> {
+        #[cfg(feature = "fault-injection")]
+        if !self.core.is_idle() {
+            match self.fault {
+                Some(Fault::FailSteps) => {
+                    return Err(StepFailed {
+                        ids: self.active.keys().copied().collect(),
+                        error: crate::error::EngineError::Candle(candle_core::Error::Msg(
+                            "injected step failure".into(),
+                        )),
+                    })
+                }
+                Some(Fault::PanicInStep) => {
+                    self.fault = None;
+                    let caught = std::panic::catch_unwind(|| panic!("injected panic in a step"));
+                    return self.panicked(caught.unwrap_err());
+                }
+                None => {}
+            }
+        }
+        let core = &mut self.core;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| core.step())) {
+            Ok(r) => r,
+            Err(payload) => self.panicked(payload),
+        }
+    }
+
+    fn panicked(
+        &mut self,
+        payload: Box<dyn std::any::Any + Send>,
+    ) -> Result<Option<Vec<Event>>, StepFailed> {
+        let what = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        self.fail_for_good(format!("the engine panicked in a step: {what}"));
+        Ok(None)
+    }
+
+    /// The engine cannot go on: every request gets `internal` with `reason`, new ones are
+    /// refused with it, the failure is counted, and the server is told (`on_failure`: `/health`
+    /// turns 503 and the process exits after the clients have their answers). The core is not
+    /// touched again: after a panic its state may be half-updated.
+    fn fail_for_good(&mut self, reason: String) {
+        if self.failed.is_some() {
+            return;
+        }
+        tracing::error!(reason = %reason, "the engine failed; failing every request");
+        self.metrics.engine_failures.inc();
+        let err = RequestError::Internal(format!("{reason}; the server is restarting"));
+        for (id, a) in self.active.drain() {
+            self.metrics.error(err.error_type());
+            a.reply_to.send(GenerationEvent {
+                request: id,
+                kind: EventKind::Failed(err.clone()),
+            });
+        }
+        self.failed = Some(reason.clone());
+        if let Some(f) = &self.on_failure {
+            f(reason);
+        }
     }
 
     fn on_started(&mut self, id: RequestId, cached_tokens: usize, now: Instant) {
@@ -536,12 +663,32 @@ impl Actor for Batcher {
         // Sessions may queue many events at once; the batcher itself must never refuse a Cancel.
         ctx.set_mailbox_capacity(usize::MAX);
     }
+
+    /// The batcher only stops when a handler panicked (the runtime drops the actor): its
+    /// requests and the server hear of it as of any engine failure.
+    fn stopped(&mut self, _: &mut Self::Context) {
+        self.fail_for_good("the batcher stopped unexpectedly (a panic in a handler)".into());
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+impl Handler<InjectFault> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: InjectFault, _: &mut Context<Self>) {
+        self.fault = Some(m.0);
+    }
 }
 
 impl Handler<Submit> for Batcher {
     type Result = Result<usize, RequestError>;
 
     fn handle(&mut self, m: Submit, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(reason) = &self.failed {
+            return Err(RequestError::Internal(format!(
+                "{reason}; the server is restarting"
+            )));
+        }
         if self.drain_deadline.is_some() {
             return Err(RequestError::NotReady("the server is shutting down".into()));
         }

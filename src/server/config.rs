@@ -205,6 +205,7 @@ impl Settings {
             lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
             max_context: self.engine.max_context,
             max_queued_frames: self.server.max_queued_frames,
+            on_failure: None,
         }
     }
 }

@@ -84,6 +84,14 @@ impl AppState {
         }
     }
 
+    /// Why the server cannot take requests now (while `ready()` is `None`).
+    pub fn unavailable(&self) -> String {
+        match &*self.status.read().unwrap_or_else(|e| e.into_inner()) {
+            Status::Loading | Status::Ready(_) => "the model is not loaded yet".into(),
+            Status::Failed(reason) => format!("the server failed and is restarting: {reason}"),
+        }
+    }
+
     fn set(&self, s: Status) {
         *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
     }
@@ -211,6 +219,9 @@ pub struct Running {
     /// Where `/health` and `/metrics` are served when `server.admin_port` is set.
     pub admin_addr: Option<SocketAddr>,
     pub state: web::Data<AppState>,
+    /// Becomes `Some(reason)` when the engine fails for good (`/health` is then 503 `failed`):
+    /// the process should exit once clients have had their errors, so a supervisor restarts it.
+    pub failed: tokio::sync::watch::Receiver<Option<String>>,
 }
 
 /// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
@@ -282,7 +293,15 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .map(|d| d.as_secs())
             .unwrap_or(0),
     });
-    let batcher_cfg = settings.batcher_config();
+    let (failed_tx, failed) = tokio::sync::watch::channel(None);
+    let failure_state = state.clone();
+    let batcher_cfg = crate::server::batcher::BatcherConfig {
+        on_failure: Some(Arc::new(move |reason: String| {
+            failure_state.set(Status::Failed(reason.clone()));
+            let _ = failed_tx.send(Some(reason));
+        })),
+        ..settings.batcher_config()
+    };
     let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
     let pins = state.tenants.operator_prompts();
     let load_state = state.clone();
@@ -357,6 +376,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         addr,
         admin_addr,
         state,
+        failed,
     })
 }
 

@@ -102,7 +102,7 @@ async fn ws(
 ) -> actix_web::Result<HttpResponse> {
     let Some(ready) = state.ready() else {
         return Ok(HttpResponse::ServiceUnavailable()
-            .json(json!({"error_type": "not_ready", "message": "the model is not loaded yet"})));
+            .json(json!({"error_type": "not_ready", "message": state.unavailable()})));
     };
     let identity = match identify(&req, &state) {
         Ok(i) => i,

@@ -248,3 +248,182 @@ fn an_api_stream_nobody_reads_is_reset_after_the_write_timeout() {
         eprintln!("API stream reset and KV freed {took:?} after the request");
     });
 }
+
+/// `llama_relay_engine_failures_total`.
+async fn engine_failures(app: &App) -> u64 {
+    let text = metrics_text(app).await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("llama_relay_engine_failures_total "))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+async fn health(app: &App) -> (u16, Value) {
+    let mut r = awc::Client::new()
+        .get(format!("http://{}/health", app.addr))
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.json().await.unwrap())
+}
+
+/// The first `error` or `done` frame for `id`, skipping deltas.
+async fn end_of(c: &mut crate::gateway::Client, id: &str) -> Value {
+    loop {
+        let f = c.recv().await;
+        if matches!(f["type"].as_str(), Some("error" | "done")) {
+            assert_eq!(f["id"], id, "{f}");
+            return f;
+        }
+    }
+}
+
+/// A panic inside the batcher's step: every running request ends with `internal`, new ones are
+/// refused with the reason, `/health` turns 503 `failed`, and the failure is counted.
+#[test]
+fn an_engine_panic_ends_every_request_and_turns_health_red() {
+    use llama_relay::server::batcher::{Fault, InjectFault};
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut a = app.connect().await;
+        let mut b = app.connect().await;
+        for (c, id) in [(&mut a, "a1"), (&mut b, "b1")] {
+            c.chat(
+                id,
+                "Go on and on.",
+                json!({"temperature": 0, "max_tokens": 1500, "ignore_eos": true}),
+            )
+            .await;
+            while c.recv().await["type"] != "delta" {}
+        }
+        assert_eq!(health(&app).await.0, 200);
+        let batcher = app.state.ready().unwrap().batcher;
+        batcher.send(InjectFault(Fault::PanicInStep)).await.unwrap();
+        for (c, id) in [(&mut a, "a1"), (&mut b, "b1")] {
+            let end = end_of(c, id).await;
+            assert_eq!(end["type"], "error", "{end}");
+            assert_eq!(end["error_type"], "internal", "{end}");
+            assert!(
+                end["message"].as_str().unwrap().contains("panicked"),
+                "{end}"
+            );
+        }
+        let (status, body) = health(&app).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["status"], "failed", "{body}");
+        assert!(
+            body["reason"].as_str().unwrap().contains("injected panic"),
+            "{body}"
+        );
+        assert_eq!(engine_failures(&app).await, 1);
+        // New requests on an open session, and new sessions, are refused with the reason.
+        a.chat("a2", "Hi", json!({"max_tokens": 2})).await;
+        let end = end_of(&mut a, "a2").await;
+        assert_eq!(end["error_type"], "internal", "{end}");
+        assert!(
+            end["message"].as_str().unwrap().contains("restarting"),
+            "{end}"
+        );
+        assert_eq!(app.connect_with("/ws", &[]).await.err(), Some(503));
+    });
+}
+
+/// Steps that keep failing: each fails its requests; after `MAX_FAILED_STEPS` in a row the
+/// engine is failed for good, as after a panic.
+#[test]
+fn steps_that_keep_failing_fail_the_engine() {
+    use llama_relay::server::batcher::{Fault, InjectFault, MAX_FAILED_STEPS};
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut a = app.connect().await;
+        let batcher = app.state.ready().unwrap().batcher;
+        batcher.send(InjectFault(Fault::FailSteps)).await.unwrap();
+        for i in 0..MAX_FAILED_STEPS {
+            assert_eq!(health(&app).await.0, 200, "after {i} failed steps");
+            let id = format!("q{i}");
+            a.chat(&id, "Hi", json!({"max_tokens": 4})).await;
+            let end = end_of(&mut a, &id).await;
+            assert_eq!(end["error_type"], "internal", "{end}");
+            assert!(
+                end["message"].as_str().unwrap().contains("step failed"),
+                "{end}"
+            );
+        }
+        let (status, body) = health(&app).await;
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            body["reason"].as_str().unwrap().contains("in a row"),
+            "{body}"
+        );
+        assert_eq!(engine_failures(&app).await, 1);
+    });
+}
+
+/// The process itself: after an engine failure it tells its clients, then exits non-zero (so a
+/// supervisor restarts it).
+#[test]
+fn the_server_process_exits_non_zero_after_an_engine_failure() {
+    use std::io::BufRead;
+    let _g = model_lock();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_llama-relay"))
+        .arg("--model")
+        .arg(Tiny::Tied.dir())
+        .env("LLAMA_RELAY__SERVER__PORT", "0")
+        .env("LLAMA_RELAY__ENGINE__CACHE_TOKENS", "4096")
+        .env("LLAMA_RELAY_INJECT_FAULT", "panic_in_step")
+        .env("RUST_LOG", "info")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines
+            .next()
+            .expect("the server logs where it listens")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    // Keep draining the log so the child never blocks on a full pipe.
+    let log = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    run(async move {
+        let t0 = Instant::now();
+        let mut c = loop {
+            match awc::Client::new()
+                .ws(format!("ws://{addr}/ws"))
+                .connect()
+                .await
+            {
+                Ok((_, framed)) => {
+                    let mut c = crate::gateway::Client::from_framed(framed);
+                    assert_eq!(c.recv().await["type"], "ready");
+                    break c;
+                }
+                Err(_) => {
+                    assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
+                    actix_web::rt::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        c.chat("q1", "Hi", json!({"max_tokens": 8})).await;
+        let end = end_of(&mut c, "q1").await;
+        assert_eq!(end["error_type"], "internal", "{end}");
+    });
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(15), "still running");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = log.join().unwrap();
+    assert!(!status.success(), "{status}");
+    assert!(
+        log.iter().any(|l| l.contains("the engine failed")),
+        "{}",
+        log.join("\n")
+    );
+}

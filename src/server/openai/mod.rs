@@ -269,11 +269,19 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
         super::routes::identify(req, state)?
     };
     let ready = state.ready().ok_or_else(|| {
+        let loading = matches!(
+            *state.status.read().unwrap_or_else(|e| e.into_inner()),
+            super::Status::Loading
+        );
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
-            Some("model_loading"),
-            "the model is not loaded yet".into(),
+            Some(if loading {
+                "model_loading"
+            } else {
+                "not_ready"
+            }),
+            state.unavailable(),
         )
     })?;
     Ok((identity, ready))
