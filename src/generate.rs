@@ -120,6 +120,7 @@ fn run(
         lease: None,
         logprobs: None,
         forks: Vec::new(),
+        quota: Default::default(),
     };
     core.add(request).map_err(|e| {
         let free = core.scheduler().kv().pool().free_count();

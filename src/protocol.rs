@@ -149,8 +149,9 @@ pub enum RequestError {
     InvalidParam { param: String, reason: String },
     #[error("{0}")]
     PromptTooLong(String),
-    #[error("the server is at capacity ({0} requests waiting); try again shortly")]
-    Overloaded(usize),
+    /// A queue is full (the server's, or the tenant's share of it).
+    #[error("{0}")]
+    Overloaded(String),
     #[error("request `{0}` is still generating; wait for its `done` or send `cancel`")]
     Busy(String),
     #[error("{0}")]
@@ -489,7 +490,7 @@ mod tests {
 
     #[test]
     fn errors_map_to_frames_with_stable_types() {
-        let f = RequestError::Overloaded(3).to_frame(Some("x".into()));
+        let f = RequestError::Overloaded("full".into()).to_frame(Some("x".into()));
         let j = serde_json::to_value(&f).unwrap();
         assert_eq!(j["type"], "error");
         assert_eq!(j["error_type"], "overloaded");

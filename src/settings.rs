@@ -96,6 +96,10 @@ pub struct SchedulerSettings {
     pub step_tokens: usize,
     /// Step-time target while replies decode, in ms (0 = off: the token budget alone).
     pub itl_target_ms: u64,
+    /// Keyless clients' (the default tenant's) requests running and waiting at once; 0 = only
+    /// the caps above.
+    pub anonymous_max_running: usize,
+    pub anonymous_max_waiting: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -509,4 +513,9 @@ pub struct TenantSettings {
     /// server's caps).
     #[serde(default)]
     pub max_connections: Option<usize>,
+    /// The tenant's requests running and waiting at once (unset: only the scheduler's caps).
+    #[serde(default)]
+    pub max_running: Option<usize>,
+    #[serde(default)]
+    pub max_waiting: Option<usize>,
 }

@@ -9,7 +9,7 @@
 use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
-use super::scheduler::{AddError, Priority, RequestId, Scheduler, SchedulerConfig};
+use super::scheduler::{AddError, Priority, Quota, RequestId, Scheduler, SchedulerConfig};
 use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
@@ -35,6 +35,8 @@ pub struct Request {
     /// More choices of the same prompt: each forks from this request's prefill (sharing its
     /// blocks) and samples its first token from the same logits.
     pub forks: Vec<Fork>,
+    /// Its tenant's share of the scheduler.
+    pub quota: Quota,
 }
 
 /// Another choice of a request's prompt, with its own sampling (its own seed).
@@ -158,7 +160,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let forks = (r.forks.iter())
             .map(|f| (f.id, Sampler::new(f.sampling.clone(), &r.prompt)))
             .collect();
-        let position = self.sched.add(r.id, r.prompt, max_total, r.scope)?;
+        let position = (self.sched).add_with(r.id, r.prompt, max_total, r.scope, r.quota)?;
         if let Some(k) = r.lease {
             self.sched.set_lease(r.id, k);
         }

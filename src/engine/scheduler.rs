@@ -57,6 +57,16 @@ const PLAN_FRACTION: f64 = 0.8;
 /// Steps whose prediction errors set the planning margin.
 const ERROR_WINDOW: usize = 64;
 
+/// A tenant's share of the scheduler (`[[tenants]]` `max_running` / `max_waiting`; for keyless
+/// clients `scheduler.anonymous_max_*`). Every request of a tenant carries the same quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Quota {
+    /// The tenant's requests running at once (`None`: only the scheduler's cap).
+    pub max_running: Option<usize>,
+    /// The tenant's requests waiting at once; past it `add` refuses.
+    pub max_waiting: Option<usize>,
+}
+
 /// The smallest prefill chunk a step takes when the time target cannot be met (so a long prompt
 /// always progresses).
 pub const MIN_CHUNK: usize = 16;
@@ -80,6 +90,8 @@ pub struct Sequence {
     /// The session lease this request continues (handed over at admission).
     pub lease: Option<LeaseKey>,
     pub priority: Priority,
+    /// Its tenant's share.
+    quota: Quota,
     /// A prefix to prefill and keep (no sampling).
     pin: bool,
 }
@@ -96,8 +108,18 @@ impl Sequence {
             cached_tokens: 0,
             lease: None,
             priority: Priority::Interactive,
+            quota: Quota::default(),
             pin,
         }
+    }
+
+    /// Who it is for: its tenant and its principal (the cache partition's salts).
+    fn tenant(&self) -> Salt {
+        self.blocks.scope().tenant
+    }
+
+    fn principal(&self) -> Salt {
+        self.blocks.scope().principal
     }
 
     fn pending(&self) -> usize {
@@ -109,6 +131,8 @@ impl Sequence {
 pub enum AddError {
     /// The queue is full.
     Overloaded { waiting: usize },
+    /// The tenant's share of the queue (`Quota::max_waiting`) is full.
+    TenantOverloaded { waiting: usize },
     /// The request could never fit in the cache.
     TooLarge { tokens: usize, cache_tokens: usize },
 }
@@ -274,6 +298,18 @@ impl Scheduler {
         max_total: usize,
         scope: CacheScope,
     ) -> Result<usize, AddError> {
+        self.add_with(id, prompt, max_total, scope, Quota::default())
+    }
+
+    /// `add` for a tenant with a `quota`.
+    pub fn add_with(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        max_total: usize,
+        scope: CacheScope,
+        quota: Quota,
+    ) -> Result<usize, AddError> {
         if !self.kv.fits(max_total) {
             return Err(AddError::TooLarge {
                 tokens: max_total,
@@ -285,8 +321,17 @@ impl Scheduler {
                 waiting: self.waiting.len(),
             });
         }
-        self.waiting
-            .push_back(Sequence::new(id, prompt, scope, false));
+        if let Some(max) = quota.max_waiting {
+            let waiting = (self.waiting.iter())
+                .filter(|s| s.tenant() == scope.tenant)
+                .count();
+            if waiting >= max {
+                return Err(AddError::TenantOverloaded { waiting });
+            }
+        }
+        let mut s = Sequence::new(id, prompt, scope, false);
+        s.quota = quota;
+        self.waiting.push_back(s);
         Ok(self.waiting.len() - 1)
     }
 
@@ -559,12 +604,40 @@ impl Scheduler {
         }
     }
 
-    /// Admits queued requests of `priority`, in queue order, while the budget and the running
-    /// cap allow: each starts from the blocks the manager finds computed, then runs its first
-    /// chunk.
+    /// The queued request of `priority` to admit next. Requests that had started (preempted,
+    /// or a choice forked without room) go first, in queue order. Then tenants take turns: the
+    /// request whose tenant has the fewest running requests, then whose principal has the
+    /// fewest, then the earliest queued (max-min fairness over running slots, so one tenant's
+    /// flood cannot keep another's requests waiting). A tenant at its `max_running` waits.
+    fn next_to_admit(&self, priority: Priority) -> Option<usize> {
+        let mut tenants: std::collections::HashMap<Salt, usize> = Default::default();
+        let mut principals: std::collections::HashMap<(Salt, Salt), usize> = Default::default();
+        for r in &self.running {
+            *tenants.entry(r.tenant()).or_default() += 1;
+            *principals.entry((r.tenant(), r.principal())).or_default() += 1;
+        }
+        let running = |s: &Sequence| tenants.get(&s.tenant()).copied().unwrap_or(0);
+        let eligible = |s: &Sequence| {
+            s.priority == priority && s.quota.max_running.is_none_or(|m| running(s) < m)
+        };
+        let candidates = self.waiting.iter().enumerate().filter(|(_, s)| eligible(s));
+        if let Some((i, _)) = candidates.clone().find(|(_, s)| s.started) {
+            return Some(i);
+        }
+        candidates
+            .min_by_key(|&(i, s)| {
+                let p = principals.get(&(s.tenant(), s.principal())).copied();
+                (running(s), p.unwrap_or(0), i)
+            })
+            .map(|(i, _)| i)
+    }
+
+    /// Admits queued requests of `priority` (`next_to_admit` picks each) while the budget and
+    /// the running cap allow: each starts from the blocks the manager finds computed, then runs
+    /// its first chunk.
     fn admit(&mut self, priority: Priority, b: &mut StepBudget, out: &mut Scheduled) {
         while self.running.len() < self.cfg.max_running && b.tokens > 0 && !b.full {
-            let Some(i) = self.waiting.iter().position(|s| s.priority == priority) else {
+            let Some(i) = self.next_to_admit(priority) else {
                 break;
             };
             let mut s = self.waiting.remove(i).expect("index from position");
@@ -781,6 +854,152 @@ mod tests {
         assert!(entries(&b).contains(&(2, true)));
     }
 
+    /// A request of tenant `t`, principal `p`.
+    fn party(t: u64, p: u64) -> CacheScope {
+        CacheScope {
+            tenant: Salt(t),
+            principal: Salt(p),
+            shared_tokens: 0,
+        }
+    }
+
+    /// The requests admitted (started) in a step, in order.
+    fn admitted(out: &Scheduled) -> Vec<u64> {
+        out.started.iter().map(|s| s.id.0).collect()
+    }
+
+    #[test]
+    fn tenants_take_turns_for_free_running_slots() {
+        let cfg = SchedulerConfig {
+            max_running: 2,
+            max_waiting: 16,
+            step_tokens: 64,
+            itl_target: None,
+        };
+        let mut s = new_sched(64, cfg, false, (0, 0));
+        // Tenant 1 floods first (ids 1-6, six principals); tenant 2 comes later (ids 10, 11).
+        for i in 1..=6 {
+            s.add(id(i), vec![1; 4], 8, party(1, 100 + i)).unwrap();
+        }
+        s.add(id(10), vec![2; 4], 8, party(2, 200)).unwrap();
+        s.add(id(11), vec![2; 4], 8, party(2, 200)).unwrap();
+        assert_eq!(
+            admitted(&step(&mut s)),
+            vec![1, 10],
+            "one each, not 1 and 2"
+        );
+        // Tenant 2 has one running, tenant 1 one: the next free slot goes by queue order among
+        // equals, then to whoever has fewer running.
+        s.finish(id(1), None);
+        assert_eq!(admitted(&step(&mut s)), vec![2]);
+        s.finish(id(10), None);
+        assert_eq!(
+            admitted(&step(&mut s)),
+            vec![11],
+            "tenant 2 has none running now"
+        );
+        s.finish(id(2), None);
+        s.finish(id(11), None);
+        assert_eq!(admitted(&step(&mut s)), vec![3, 4]);
+    }
+
+    #[test]
+    fn within_a_tenant_principals_take_turns() {
+        let mut s = sched(64, 1, 64);
+        // Principal 7 queues three, then principal 8 one: after 7's first, 8 goes.
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 4], 8, party(1, 7)).unwrap();
+        }
+        s.add(id(4), vec![1; 4], 8, party(1, 8)).unwrap();
+        assert_eq!(admitted(&step(&mut s)), vec![1]);
+        s.add(id(5), vec![1; 4], 8, party(1, 7)).unwrap();
+        s.finish(id(1), None);
+        // 7 and 8 both have none running: queue order says 2 (principal 7).
+        assert_eq!(admitted(&step(&mut s)), vec![2]);
+        s.finish(id(2), None);
+        assert_eq!(admitted(&step(&mut s)), vec![3]);
+    }
+
+    #[test]
+    fn a_tenant_quota_caps_its_running_and_waiting_requests() {
+        let mut s = sched(64, 4, 64);
+        let quota = Quota {
+            max_running: Some(1),
+            max_waiting: Some(2),
+        };
+        for i in 1..=2 {
+            s.add_with(id(i), vec![1; 4], 8, party(1, i), quota)
+                .unwrap();
+        }
+        assert_eq!(
+            s.add_with(id(3), vec![1; 4], 8, party(1, 3), quota),
+            Err(AddError::TenantOverloaded { waiting: 2 })
+        );
+        // Another tenant's requests are not counted against it.
+        s.add(id(20), vec![2; 4], 8, party(2, 20)).unwrap();
+        assert_eq!(
+            admitted(&step(&mut s)),
+            vec![1, 20],
+            "tenant 1 runs one at a time"
+        );
+        assert_eq!(s.waiting_len(), 1);
+        s.finish(id(1), None);
+        assert_eq!(admitted(&step(&mut s)), vec![2]);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, rng_seed: proptest::test_runner::RngSeed::Fixed(13), ..ProptestConfig::default() })]
+
+        /// Whatever the arrival order, no tenant is admitted while another tenant with fewer
+        /// running requests has one queued (and eligible), and quotas hold at every step.
+        #[test]
+        fn admission_is_max_min_fair_over_tenants(
+            arrivals in proptest::collection::vec((0u64..3, 0u64..4), 1..24),
+            finishes in proptest::collection::vec(0usize..8, 0..24),
+        ) {
+            let cfg = SchedulerConfig { max_running: 3, max_waiting: 64, step_tokens: 256, itl_target: None };
+            let mut s = new_sched(256, cfg, false, (0, 0));
+            let quota = |t: u64| Quota { max_running: (t == 0).then_some(2), max_waiting: None };
+            for (n, &(t, p)) in arrivals.iter().enumerate() {
+                s.add_with(id(n as u64), vec![1; 4], 8, party(t, p), quota(t)).unwrap();
+            }
+            let mut finishes = finishes.into_iter();
+            while !s.is_idle() {
+                let mut before: Vec<(RequestId, Salt, Quota)> =
+                    s.waiting.iter().map(|q| (q.id, q.tenant(), q.quota)).collect();
+                let running_before: Vec<Salt> = s.running.iter().map(|r| r.tenant()).collect();
+                let out = step(&mut s);
+                let count = |v: &[Salt], t: Salt| v.iter().filter(|&&x| x == t).count();
+                // Replay the step's admissions one by one against the counts at that moment.
+                let mut running = running_before.clone();
+                for a in &out.started {
+                    let t = s.get(a.id).unwrap().tenant();
+                    before.retain(|&(w, _, _)| w != a.id);
+                    for &(_, u, q) in &before {
+                        let eligible = q.max_running.is_none_or(|m| count(&running, u) < m);
+                        prop_assert!(!(eligible && count(&running, u) < count(&running, t)),
+                            "admitted a tenant with {} running while one with {} waited",
+                            count(&running, t), count(&running, u));
+                    }
+                    running.push(t);
+                }
+                let t0 = Salt(0);
+                prop_assert!(count(&s.running.iter().map(|r| r.tenant()).collect::<Vec<_>>(), t0) <= 2);
+                // Finish one running request (chosen by the input), or all when the input ends.
+                match finishes.next() {
+                    Some(k) if !s.running.is_empty() => {
+                        let victim = s.running[k % s.running.len()].id;
+                        s.finish(victim, None);
+                    }
+                    _ => {
+                        let ids: Vec<RequestId> = s.running.iter().map(|r| r.id).collect();
+                        for i in ids { s.finish(i, None); }
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn preempts_the_most_recently_admitted_and_recomputes_it() {
         // 4 blocks of 4 tokens. Two sequences of 8 tokens fill the cache.
@@ -829,8 +1048,9 @@ mod tests {
         s.add(id(2), prompt.clone(), 12, scope(7)).unwrap();
         s.add(id(3), prompt.clone(), 12, scope(8)).unwrap(); // another tenant
         let out = step(&mut s);
-        assert_eq!(started(&out), vec![(2, 8), (3, 0)]);
-        let b2 = &out.batch.seqs[1];
+        // Tenant 8 has nothing running, tenant 7 has request 1: 8 goes first.
+        assert_eq!(started(&out), vec![(3, 0), (2, 8)]);
+        let b2 = &out.batch.seqs[2];
         assert_eq!(
             (b2.start_pos, b2.tokens.len()),
             (8, 2),

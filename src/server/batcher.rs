@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use crate::engine::core::{Core, Event, Finish, Fork, Request, StepFailed};
-use crate::engine::scheduler::{AddError, Priority, RequestId, SchedulerConfig};
+use crate::engine::scheduler::{AddError, Priority, Quota, RequestId, SchedulerConfig};
 use crate::engine::Engine;
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
@@ -131,6 +131,8 @@ pub struct Submit {
     /// More choices of the same prompt (one prefill); their events go to `reply_to` too.
     pub forks: Vec<Fork>,
     pub reply_to: ReplyTo,
+    /// The tenant's share of the scheduler.
+    pub quota: Quota,
 }
 
 /// Stop a generation at the next step (idempotent).
@@ -720,10 +722,20 @@ impl Handler<Submit> for Batcher {
             lease: m.lease,
             logprobs: m.logprobs,
             forks: m.forks.clone(),
+            quota: m.quota,
         };
         let position = match self.core.add(request) {
             Ok(p) => p,
-            Err(AddError::Overloaded { waiting }) => return Err(RequestError::Overloaded(waiting)),
+            Err(AddError::Overloaded { waiting }) => {
+                return Err(RequestError::Overloaded(format!(
+                    "the server is at capacity ({waiting} requests waiting); try again shortly"
+                )))
+            }
+            Err(AddError::TenantOverloaded { waiting }) => {
+                return Err(RequestError::Overloaded(format!(
+                    "your tenant's share of the queue is full ({waiting} requests waiting, its max_waiting); try again shortly"
+                )))
+            }
             Err(AddError::TooLarge {
                 tokens,
                 cache_tokens,

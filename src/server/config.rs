@@ -162,6 +162,15 @@ impl Settings {
         Ok(())
     }
 
+    /// Keyless clients' share of the scheduler.
+    pub fn anonymous_quota(&self) -> crate::engine::scheduler::Quota {
+        let c = &self.scheduler;
+        crate::engine::scheduler::Quota {
+            max_running: (c.anonymous_max_running > 0).then_some(c.anonymous_max_running),
+            max_waiting: (c.anonymous_max_waiting > 0).then_some(c.anonymous_max_waiting),
+        }
+    }
+
     pub fn session_config(&self) -> crate::server::SessionConfig {
         let sp = &self.sampling;
         crate::server::SessionConfig {

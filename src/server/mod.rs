@@ -231,7 +231,9 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
     };
     let metrics = Arc::new(Metrics::new());
-    let tenants = tenants::Tenants::new(&settings.tenants).map_err(invalid)?;
+    let tenants = tenants::Tenants::new(&settings.tenants)
+        .map_err(invalid)?
+        .with_anonymous_quota(settings.anonymous_quota());
     let sv = &settings.server;
     let listener = std::net::TcpListener::bind((sv.host.as_str(), sv.port))?;
     let addr = listener.local_addr()?;

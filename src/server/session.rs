@@ -286,6 +286,7 @@ impl Session {
             logprobs: None,
             forks: Vec::new(),
             reply_to: ReplyTo::session(ctx.address().recipient(), self.backlog.clone()),
+            quota: self.identity.quota,
         };
         let id = chat.id;
         self.ready

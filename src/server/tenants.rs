@@ -14,6 +14,8 @@
 //! as `api_key_sha256`) and compared in constant time.
 
 use std::collections::HashMap;
+
+use crate::engine::scheduler::Quota;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
@@ -76,6 +78,8 @@ pub struct Identity {
     pub tenant: String,
     pub kind: ClientKind,
     pub tenant_salt: Salt,
+    /// The tenant's share of the scheduler.
+    pub quota: Quota,
     /// API-key clients: their principal's partition. Sessions (widget, anonymous) are each their
     /// own principal, derived from the session id (`Tenants::scope`).
     key_salt: Option<Salt>,
@@ -106,6 +110,7 @@ fn valid_origin(o: &str) -> bool {
 struct Tenant {
     name: String,
     salt: Salt,
+    quota: Quota,
     prefixes: HashMap<String, Arc<str>>,
     widget_roles: Roles,
     key_roles: Roles,
@@ -125,6 +130,8 @@ pub struct Tenants {
     keys: Vec<([u8; 32], usize, Salt)>,
     widgets: HashMap<String, Widget>,
     default_salt: Salt,
+    /// Keyless clients' share of the scheduler (`scheduler.anonymous_max_*`).
+    anonymous_quota: Quota,
 }
 
 impl std::fmt::Debug for Tenants {
@@ -158,6 +165,7 @@ impl Tenants {
             keys: Vec::new(),
             widgets: HashMap::new(),
             default_salt: Salt(0),
+            anonymous_quota: Quota::default(),
         };
         t.default_salt = t.derive(&[b"tenant", DEFAULT_TENANT.as_bytes()]);
         let bad = |key: String, value: &str, allowed: &str| EngineError::InvalidSetting {
@@ -276,7 +284,23 @@ impl Tenants {
                     ));
                 }
             }
+            for (key, v) in [
+                ("max_running", ten.max_running),
+                ("max_waiting", ten.max_waiting),
+            ] {
+                if v == Some(0) {
+                    return Err(bad(
+                        format!("tenants.{}.{key}", ten.name),
+                        "0",
+                        "1 or more, or unset",
+                    ));
+                }
+            }
             t.tenants.push(Tenant {
+                quota: Quota {
+                    max_running: ten.max_running,
+                    max_waiting: ten.max_waiting,
+                },
                 salt: t.derive(&[b"tenant", ten.name.as_bytes()]),
                 name: ten.name.clone(),
                 prefixes,
@@ -381,6 +405,7 @@ impl Tenants {
             tenant: t.name.clone(),
             kind: ClientKind::Widget,
             tenant_salt: t.salt,
+            quota: t.quota,
             key_salt: None,
             system_prompt: w.system_prompt.clone(),
             roles: t.widget_roles,
@@ -422,10 +447,17 @@ impl Tenants {
             tenant: t.name.clone(),
             kind: ClientKind::ApiKey,
             tenant_salt: t.salt,
+            quota: t.quota,
             key_salt: Some(salt),
             system_prompt,
             roles: t.key_roles,
         })
+    }
+
+    /// Sets the keyless clients' share of the scheduler.
+    pub fn with_anonymous_quota(mut self, quota: Quota) -> Self {
+        self.anonymous_quota = quota;
+        self
     }
 
     /// An anonymous visitor of the default tenant: its own principal, any role (there is no
@@ -435,6 +467,7 @@ impl Tenants {
             tenant: DEFAULT_TENANT.into(),
             kind: ClientKind::Anonymous,
             tenant_salt: self.default_salt,
+            quota: self.anonymous_quota,
             key_salt: None,
             system_prompt: None,
             roles: Roles::ALL,
@@ -469,7 +502,7 @@ mod tests {
             }],
             cache_scope: cache_scope.map(String::from),
             client_roles: ClientRoles::default(),
-            max_connections: None,
+            ..Default::default()
         }])
         .unwrap()
     }

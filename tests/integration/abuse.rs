@@ -427,3 +427,88 @@ fn the_server_process_exits_non_zero_after_an_engine_failure() {
         log.join("\n")
     );
 }
+
+/// One tenant floods the queue (anonymous sessions, each with a long reply); an API-key client
+/// of another tenant asks after them and is admitted at the next free running slot, not after
+/// the whole flood. The anonymous clients' own cap (`scheduler.anonymous_max_waiting`) refuses
+/// the rest of the flood with `overloaded`.
+#[test]
+fn a_tenant_flood_does_not_hold_another_tenants_request_in_the_queue() {
+    use llama_relay::server::tenants::TenantSettings;
+    const KEY: &str = "acme-key-0123456789";
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.tenants = vec![TenantSettings {
+            name: "acme".into(),
+            api_keys: vec![KEY.into()],
+            ..Default::default()
+        }];
+        s.server.allow_anonymous = Some(true);
+        s.scheduler.max_running = 2;
+        s.scheduler.max_waiting = 64;
+        s.scheduler.anonymous_max_waiting = 8;
+    });
+    run(async {
+        let long = json!({"temperature": 0, "max_tokens": 200, "ignore_eos": true});
+        let mut flood = Vec::new();
+        for i in 0..12 {
+            let mut c = app.connect().await;
+            c.chat(&format!("f{i}"), "Go on.", long.clone()).await;
+            flood.push(c);
+        }
+        // Two run, eight wait (the anonymous share of the queue), two are refused at once.
+        let mut refused = 0;
+        let mut waiting = Vec::new();
+        for (i, mut c) in flood.into_iter().enumerate() {
+            let f = c.recv().await;
+            match f["type"].as_str().unwrap() {
+                "error" => {
+                    assert_eq!(f["error_type"], "overloaded", "{f}");
+                    assert!(f["message"].as_str().unwrap().contains("tenant"), "{f}");
+                    refused += 1;
+                }
+                "queued" | "started" => waiting.push((i, c)),
+                _ => panic!("{f}"),
+            }
+        }
+        // 12 sent: 8 may wait; 0 to 2 were admitted before the rest arrived.
+        assert!((2..=4).contains(&refused), "{refused} refused");
+        let key_header = format!("Bearer {KEY}");
+        let mut k = app
+            .connect_with("/ws", &[("Authorization", key_header.as_str())])
+            .await
+            .unwrap();
+        k.chat(
+            "k1",
+            "Hello there.",
+            json!({"temperature": 0, "max_tokens": 8}),
+        )
+        .await;
+        let t_key = Instant::now();
+        let others = futures_util::future::join_all(
+            waiting
+                .iter_mut()
+                .map(|(i, c)| finished_at(c, format!("f{i}"))),
+        );
+        let (key_at, others) = futures_util::join!(finished_at(&mut k, "k1".into()), others);
+        let finished_before_key = others.iter().filter(|&&t| t < key_at).count();
+        eprintln!(
+            "key request done {:?} after sending; {finished_before_key} of {} flood replies finished before it",
+            key_at - t_key,
+            others.len()
+        );
+        // Without turns it would wait for every flood request queued before it (the two running
+        // and six queued at least) to be admitted; with turns it takes the first free slot.
+        assert!(
+            finished_before_key <= 3,
+            "{finished_before_key} flood replies finished first"
+        );
+    });
+}
+
+/// When `id`'s reply ended (with `done`).
+async fn finished_at(c: &mut crate::gateway::Client, id: String) -> Instant {
+    let r = c.reply(&id).await;
+    assert_eq!(r.done["type"], "done", "{}", r.done);
+    Instant::now()
+}

@@ -360,6 +360,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
                 sampling: greedy.clone(),
             })
             .to_vec(),
+        quota: Default::default(),
     })
     .unwrap();
     let mut out: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();

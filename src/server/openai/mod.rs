@@ -547,6 +547,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         logprobs: api.logprobs,
         forks,
         reply_to: ReplyTo::stream(tx, backlog.clone()),
+        quota: identity.quota,
     };
     let admitted = ready
         .batcher
