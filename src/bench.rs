@@ -104,16 +104,8 @@ async fn user(
         let id = format!("u{user}r{n}");
         let frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
-        // Each request is a fresh conversation: `reset`, then `chat`, in one write (as two
-        // writes, Nagle's algorithm would hold the chat until the server's delayed ACK of the
-        // reset, up to 40 ms).
         let sent = Instant::now();
-        ws.feed(ws::Message::Text(
-            json!({"type": "reset"}).to_string().into(),
-        ))
-        .await
-        .map_err(|e| e.to_string())?;
-        send_json(&mut ws, &frame).await?;
+        send_fresh(&mut ws, &frame).await?;
         let mut s = Sample::default();
         let mut last: Option<Instant> = None;
         let mut pending_tokens = 0usize;
@@ -320,6 +312,18 @@ async fn send_json(ws: &mut Socket, v: &Value) -> Result<(), String> {
     ws.send(ws::Message::Text(v.to_string().into()))
         .await
         .map_err(|e| e.to_string())
+}
+
+/// Sends `chat` as a fresh conversation: `reset`, then the chat, in one write (as two writes,
+/// Nagle's algorithm would hold the chat until the server's delayed ACK of the reset, up to
+/// 40 ms).
+async fn send_fresh(ws: &mut Socket, chat: &Value) -> Result<(), String> {
+    ws.feed(ws::Message::Text(
+        json!({"type": "reset"}).to_string().into(),
+    ))
+    .await
+    .map_err(|e| e.to_string())?;
+    send_json(ws, chat).await
 }
 
 /// Reads frames until one of type `kind`; an `error` frame ends it with the error.
@@ -639,8 +643,7 @@ async fn stream_user(
         let frame = json!({"type": "chat", "id": format!("s{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
             "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
         n += 1;
-        send_json(&mut ws, &json!({"type": "reset"})).await?;
-        send_json(&mut ws, &frame).await?;
+        send_fresh(&mut ws, &frame).await?;
         let mut last: Option<Instant> = None;
         loop {
             let f = next_frame(&mut ws).await?;
@@ -767,4 +770,125 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     let mut d = during;
     d.sort_by(f64::total_cmp);
     Ok((percentile(&d, 99.0), worst))
+}
+
+/// The flood workload: one API-key user of one tenant asking short questions, alone and then
+/// while keyless clients (another tenant) keep the server full of long replies.
+#[derive(Debug, Clone)]
+pub struct FloodBenchConfig {
+    pub url: String,
+    /// The measured user's key.
+    pub api_key: String,
+    /// Keyless clients sending long replies back to back.
+    pub flood_users: usize,
+    /// Tokens per flood reply.
+    pub flood_tokens: usize,
+    /// Requests the measured user sends in each phase.
+    pub requests: usize,
+}
+
+/// One keyless flood client: long replies back to back until `stop`. An `overloaded` refusal
+/// (its tenant's share of the queue is full) is waited out; counts the replies it was refused.
+async fn flood_user(
+    url: String,
+    user: usize,
+    max_tokens: usize,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<usize, String> {
+    let mut ws = connect(&url).await?;
+    let (mut n, mut refused) = (0, 0);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let frame = json!({"type": "chat", "id": format!("f{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
+            "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
+        n += 1;
+        send_fresh(&mut ws, &frame).await?;
+        loop {
+            let f = next_frame(&mut ws).await?;
+            match (f["type"].as_str(), f["error_type"].as_str()) {
+                (Some("done"), _) => break,
+                (Some("error"), Some("overloaded")) => {
+                    refused += 1;
+                    actix_web::rt::time::sleep(Duration::from_millis(500)).await;
+                    break;
+                }
+                (Some("error"), _) => return Err(format!("server error: {f}")),
+                _ => {}
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// The measured user's TTFTs (seconds, sorted): `requests` short chats one after another, each
+/// a new conversation.
+async fn keyed_ttfts(url: &str, key: &str, requests: usize, tag: &str) -> Result<Vec<f64>, String> {
+    let (_, mut ws) = awc::Client::new()
+        .ws(url)
+        .max_frame_size(1 << 20)
+        .bearer_auth(key)
+        .connect()
+        .await
+        .map_err(|e| format!("connect {url}: {e}"))?;
+    let mut ttfts = Vec::new();
+    for i in 0..requests {
+        let frame = json!({"type": "chat", "id": format!("{tag}{i}"), "messages": [{"role": "user", "content": prompt(700, i, 20)}],
+            "params": {"temperature": 0, "max_tokens": 8, "ignore_eos": true}});
+        let sent = Instant::now();
+        send_fresh(&mut ws, &frame).await?;
+        until(&mut ws, "delta").await?;
+        ttfts.push((Instant::now() - sent).as_secs_f64());
+        until(&mut ws, "done").await?;
+        // A pause between questions, as a person makes (and within the session's frame budget).
+        actix_web::rt::time::sleep(Duration::from_millis(300)).await;
+    }
+    ttfts.sort_by(f64::total_cmp);
+    Ok(ttfts)
+}
+
+/// Runs the flood workload and prints the measured user's TTFT alone and during the flood.
+/// Returns (p99 alone, p99 during) in seconds.
+pub async fn run_flood(cfg: FloodBenchConfig) -> Result<(f64, f64), String> {
+    let line = |label: &str, t: &[f64]| {
+        println!(
+            "API-key user, {label}: TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} requests)",
+            percentile(t, 50.0) * 1e3,
+            percentile(t, 99.0) * 1e3,
+            t[t.len() - 1] * 1e3,
+            t.len()
+        )
+    };
+    // One question first, unmeasured: the first request of a process pays one-time costs.
+    keyed_ttfts(&cfg.url, &cfg.api_key, 1, "w").await?;
+    let alone = keyed_ttfts(&cfg.url, &cfg.api_key, cfg.requests, "a").await?;
+    line("alone", &alone);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flood: Vec<_> = (0..cfg.flood_users)
+        .map(|u| {
+            actix_web::rt::spawn(flood_user(
+                cfg.url.clone(),
+                u,
+                cfg.flood_tokens,
+                stop.clone(),
+            ))
+        })
+        .collect();
+    // Let the flood fill the running set and the queue.
+    actix_web::rt::time::sleep(Duration::from_secs(3)).await;
+    let during = keyed_ttfts(&cfg.url, &cfg.api_key, cfg.requests, "d").await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut refused = 0;
+    for f in flood {
+        refused += f.await.map_err(|e| e.to_string())??;
+    }
+    let during = during?;
+    line(
+        &format!("during a flood of {} keyless users", cfg.flood_users),
+        &during,
+    );
+    let (a, d) = (percentile(&alone, 99.0), percentile(&during, 99.0));
+    println!(
+        "TTFT p99 during / alone: {:.2}x; flood requests refused overloaded: {refused}",
+        d / a
+    );
+    Ok((a, d))
 }

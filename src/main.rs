@@ -71,8 +71,9 @@ struct BenchArgs {
     max_tokens: usize,
     /// `throughput` (independent requests), `chat` (a shared system prompt, several turns each;
     /// run with prefix caching on and off when the server is started here) or `overhead` (one
-    /// stream's gap through the server against the engine's own step) or `mixed` (`--users`
-    /// streams and long prompts arriving while they stream).
+    /// stream's gap through the server against the engine's own step), `mixed` (`--users`
+    /// streams and long prompts arriving while they stream) or `flood` (an API-key user's TTFT
+    /// alone and while `--users` keyless clients keep the server full of `--max-tokens` replies).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -224,10 +225,10 @@ fn bench(
 ) -> anyhow::Result<()> {
     if !matches!(
         a.workload.as_str(),
-        "throughput" | "chat" | "overhead" | "mixed"
+        "throughput" | "chat" | "overhead" | "mixed" | "flood"
     ) {
         anyhow::bail!(
-            "--workload must be `throughput`, `chat`, `overhead` or `mixed`, not `{}`",
+            "--workload must be `throughput`, `chat`, `overhead`, `mixed` or `flood`, not `{}`",
             a.workload
         );
     }
@@ -248,6 +249,9 @@ fn bench(
     }
     if a.workload == "mixed" {
         return bench_mixed(settings, opts, a);
+    }
+    if a.workload == "flood" {
+        return bench_flood(settings, opts, a);
     }
     let server_prompt = match a.system_prompt.as_str() {
         "server" => true,
@@ -460,6 +464,56 @@ fn bench_mixed(
             max_tokens: a.max_tokens,
         };
         llama_relay::bench::run_mixed(cfg)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        Ok(())
+    })
+}
+
+fn bench_flood(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    settings.server.port = 0;
+    // The measured user is an API key of its own tenant; the flood is keyless.
+    let key = match (&a.url, &a.api_key) {
+        (Some(_), Some(k)) => k.clone(),
+        (Some(_), None) => anyhow::bail!("--workload flood with --url needs --api-key"),
+        (None, _) => {
+            let key = format!("bench-{:032x}", rand::random::<u128>());
+            settings.tenants = vec![llama_relay::server::tenants::TenantSettings {
+                name: "bench".into(),
+                api_keys: vec![key.clone()],
+                ..Default::default()
+            }];
+            settings.server.allow_anonymous = Some(true);
+            key
+        }
+    };
+    let flood_users = a.users.iter().copied().max().unwrap_or(64);
+    println!(
+        "flood: {flood_users} keyless users, {} tokens a reply; scheduler max_running {}, \
+         max_waiting {}, anonymous_max_running {}, anonymous_max_waiting {}",
+        a.max_tokens,
+        settings.scheduler.max_running,
+        settings.scheduler.max_waiting,
+        settings.scheduler.anonymous_max_running,
+        settings.scheduler.anonymous_max_waiting
+    );
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => start_in_process(&settings, opts.clone()).await?,
+        };
+        let cfg = llama_relay::bench::FloodBenchConfig {
+            url,
+            api_key: key,
+            flood_users,
+            flood_tokens: a.max_tokens,
+            requests: if a.requests == 0 { 100 } else { a.requests },
+        };
+        llama_relay::bench::run_flood(cfg)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
         Ok(())

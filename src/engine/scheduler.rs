@@ -431,13 +431,19 @@ impl Scheduler {
 
     fn preempt_latest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].admitted)?;
+        Some(self.preempt(i))
+    }
+
+    /// Sends running request `i` back to the front of the queue, its blocks freed: it
+    /// recomputes its prompt and what it generated when admitted again.
+    fn preempt(&mut self, i: usize) -> RequestId {
         let mut s = self.running.remove(i);
         self.kv.free(s.blocks.take());
         s.computed = 0;
         self.preemptions += 1;
         let id = s.id;
         self.waiting.push_front(s);
-        Some(id)
+        id
     }
 
     /// Picks the next step's work; `None` when there is nothing to run.
@@ -448,6 +454,7 @@ impl Scheduler {
             tokens: self.cfg.step_tokens,
             ..StepBudget::default()
         };
+        self.preempt_for_fairness(&mut out);
         let decoding = self.schedule_decodes(&mut out);
         for id in &decoding {
             let s = self
@@ -604,32 +611,75 @@ impl Scheduler {
         }
     }
 
-    /// The queued request of `priority` to admit next. Requests that had started (preempted,
-    /// or a choice forked without room) go first, in queue order. Then tenants take turns: the
-    /// request whose tenant has the fewest running requests, then whose principal has the
-    /// fewest, then the earliest queued (max-min fairness over running slots, so one tenant's
-    /// flood cannot keep another's requests waiting). A tenant at its `max_running` waits.
-    fn next_to_admit(&self, priority: Priority) -> Option<usize> {
+    /// Running requests per tenant and per (tenant, principal).
+    #[allow(clippy::type_complexity)]
+    fn running_counts(
+        &self,
+    ) -> (
+        std::collections::HashMap<Salt, usize>,
+        std::collections::HashMap<(Salt, Salt), usize>,
+    ) {
         let mut tenants: std::collections::HashMap<Salt, usize> = Default::default();
         let mut principals: std::collections::HashMap<(Salt, Salt), usize> = Default::default();
         for r in &self.running {
             *tenants.entry(r.tenant()).or_default() += 1;
             *principals.entry((r.tenant(), r.principal())).or_default() += 1;
         }
+        (tenants, principals)
+    }
+
+    /// The queued request of `priority` to admit next. Tenants take turns: the request whose
+    /// tenant has the fewest running requests, then whose principal has the fewest, then one
+    /// that had started (preempted, or a choice forked without room), then the earliest queued
+    /// (max-min fairness over running slots, so one tenant's flood cannot keep another's
+    /// requests waiting). A tenant at its `max_running` waits.
+    fn next_to_admit(&self, priority: Priority) -> Option<usize> {
+        let (tenants, principals) = self.running_counts();
         let running = |s: &Sequence| tenants.get(&s.tenant()).copied().unwrap_or(0);
-        let eligible = |s: &Sequence| {
-            s.priority == priority && s.quota.max_running.is_none_or(|m| running(s) < m)
-        };
-        let candidates = self.waiting.iter().enumerate().filter(|(_, s)| eligible(s));
-        if let Some((i, _)) = candidates.clone().find(|(_, s)| s.started) {
-            return Some(i);
-        }
-        candidates
+        (self.waiting.iter().enumerate())
+            .filter(|(_, s)| {
+                s.priority == priority && s.quota.max_running.is_none_or(|m| running(s) < m)
+            })
             .min_by_key(|&(i, s)| {
                 let p = principals.get(&(s.tenant(), s.principal())).copied();
-                (running(s), p.unwrap_or(0), i)
+                (running(s), p.unwrap_or(0), !s.started, i)
             })
             .map(|(i, _)| i)
+    }
+
+    /// With every running slot taken, an interactive request queued by a tenant that has
+    /// nothing running takes a slot from the tenant with the most running (at least two): that
+    /// tenant's latest admission goes back to the queue (to recompute, as on a KV shortage; with
+    /// prefix caching its full blocks stay cached). Without this a tenant's flood of long replies
+    /// would hold every slot until its replies end, however fairly the queue is served.
+    fn preempt_for_fairness(&mut self, out: &mut Scheduled) {
+        if self.running.len() < self.cfg.max_running {
+            return;
+        }
+        let (tenants, _) = self.running_counts();
+        let starved = self.waiting.iter().any(|s| {
+            s.priority == Priority::Interactive
+                && !s.pin
+                && !tenants.contains_key(&s.tenant())
+                && s.quota.max_running != Some(0)
+        });
+        if !starved {
+            return;
+        }
+        let Some((&victim, &n)) = tenants.iter().max_by_key(|&(t, n)| (*n, t.0)) else {
+            return;
+        };
+        if n < 2 {
+            return;
+        }
+        let Some(i) = (0..self.running.len())
+            .filter(|&i| self.running[i].tenant() == victim && !self.running[i].pin)
+            .max_by_key(|&i| self.running[i].admitted)
+        else {
+            return;
+        };
+        let id = self.preempt(i);
+        out.preempted.push(id);
     }
 
     /// Admits queued requests of `priority` (`next_to_admit` picks each) while the budget and
@@ -904,6 +954,33 @@ mod tests {
     }
 
     #[test]
+    fn a_tenant_with_nothing_running_takes_a_slot_from_the_one_with_most() {
+        let mut s = sched(64, 3, 64);
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 4], 16, party(1, i)).unwrap();
+        }
+        assert_eq!(admitted(&step(&mut s)), vec![1, 2, 3]);
+        step(&mut s);
+        // Tenant 2 arrives with every slot taken by tenant 1: tenant 1's latest admission
+        // goes back to the queue and tenant 2's request runs in this very step.
+        s.add(id(10), vec![2; 4], 16, party(2, 10)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.preempted, vec![id(3)]);
+        assert_eq!(admitted(&out), vec![10]);
+        assert_eq!(s.preemptions(), 1);
+        // Nothing more to take: tenant 2 has one running, tenant 1 two; request 3 waits for a
+        // free slot and then resumes (it had started: it recomputes what it had).
+        let out = step(&mut s);
+        assert!(out.preempted.is_empty());
+        s.finish(id(1), None);
+        let out = step(&mut s);
+        assert!(entries(&out).contains(&(3, true)), "{:?}", entries(&out));
+        // One request per tenant: nobody is preempted for a newcomer of a tenant that runs one.
+        s.add(id(11), vec![2; 4], 16, party(2, 11)).unwrap();
+        assert!(step(&mut s).preempted.is_empty());
+    }
+
+    #[test]
     fn within_a_tenant_principals_take_turns() {
         let mut s = sched(64, 1, 64);
         // Principal 7 queues three, then principal 8 one: after 7's first, 8 goes.
@@ -972,6 +1049,11 @@ mod tests {
                 let count = |v: &[Salt], t: Salt| v.iter().filter(|&&x| x == t).count();
                 // Replay the step's admissions one by one against the counts at that moment.
                 let mut running = running_before.clone();
+                for p in &out.preempted {
+                    let t = s.get(*p).unwrap().tenant();
+                    let k = running.iter().position(|&x| x == t).unwrap();
+                    running.remove(k);
+                }
                 for a in &out.started {
                     let t = s.get(a.id).unwrap().tenant();
                     before.retain(|&(w, _, _)| w != a.id);

@@ -429,8 +429,8 @@ fn the_server_process_exits_non_zero_after_an_engine_failure() {
 }
 
 /// One tenant floods the queue (anonymous sessions, each with a long reply); an API-key client
-/// of another tenant asks after them and is admitted at the next free running slot, not after
-/// the whole flood. The anonymous clients' own cap (`scheduler.anonymous_max_waiting`) refuses
+/// of another tenant asks after them and runs at once (it takes a running slot from the flood),
+/// not after the whole flood. The anonymous clients' own cap (`scheduler.anonymous_max_waiting`) refuses
 /// the rest of the flood with `overloaded`.
 #[test]
 fn a_tenant_flood_does_not_hold_another_tenants_request_in_the_queue() {
@@ -498,7 +498,7 @@ fn a_tenant_flood_does_not_hold_another_tenants_request_in_the_queue() {
             others.len()
         );
         // Without turns it would wait for every flood request queued before it (the two running
-        // and six queued at least) to be admitted; with turns it takes the first free slot.
+        // and six queued at least) to be admitted; with turns it runs at once.
         assert!(
             finished_before_key <= 3,
             "{finished_before_key} flood replies finished first"
