@@ -255,7 +255,7 @@ async fn served_model(ws_url: &str, key: Option<&str>) -> Result<String, String>
 /// A client WebSocket.
 pub type Socket = actix_codec::Framed<awc::BoxedSocket, ws::Codec>;
 
-async fn connect(url: &str) -> Result<Socket, String> {
+pub(crate) async fn connect(url: &str) -> Result<Socket, String> {
     connect_from(url, None).await
 }
 
@@ -274,7 +274,7 @@ async fn connect_from(url: &str, origin: Option<&str>) -> Result<Socket, String>
 
 /// The next JSON text frame; pings are answered on the way (the server closes connections that do
 /// not answer its heartbeat).
-async fn next_frame(ws: &mut Socket) -> Result<Value, String> {
+pub(crate) async fn next_frame(ws: &mut Socket) -> Result<Value, String> {
     loop {
         let f = actix_web::rt::time::timeout(Duration::from_secs(300), ws.next()).await;
         match f {
@@ -308,7 +308,7 @@ pub async fn idle_sessions(url: &str, n: usize) -> Result<Vec<Socket>, String> {
     Ok(out)
 }
 
-async fn send_json(ws: &mut Socket, v: &Value) -> Result<(), String> {
+pub(crate) async fn send_json(ws: &mut Socket, v: &Value) -> Result<(), String> {
     ws.send(ws::Message::Text(v.to_string().into()))
         .await
         .map_err(|e| e.to_string())
@@ -317,7 +317,7 @@ async fn send_json(ws: &mut Socket, v: &Value) -> Result<(), String> {
 /// Sends `chat` as a fresh conversation: `reset`, then the chat, in one write (as two writes,
 /// Nagle's algorithm would hold the chat until the server's delayed ACK of the reset, up to
 /// 40 ms).
-async fn send_fresh(ws: &mut Socket, chat: &Value) -> Result<(), String> {
+pub(crate) async fn send_fresh(ws: &mut Socket, chat: &Value) -> Result<(), String> {
     ws.feed(ws::Message::Text(
         json!({"type": "reset"}).to_string().into(),
     ))

@@ -12,13 +12,15 @@
 //!   `protocol`: the WebSocket frames and their validation. `metrics`: the Prometheus registry.
 //! - `generate`: one prompt through an engine core. `settings`: the config file's values.
 //! - `server`: actix-web routes, the session actors, the batcher actor, tenants and access.
-//! - `bench`: the load generator.
+//! - `bench`: the load generator; `soak`: the long abuse run; `fuzz_harness`: what the fuzz
+//!   targets (`fuzz/`) run on an input.
 
 pub mod bench;
 pub mod default_model;
 pub mod engine;
 pub mod error;
 pub mod files;
+pub mod fuzz_harness;
 pub mod generate;
 pub mod kv_cache;
 pub mod metrics;
@@ -27,6 +29,7 @@ pub mod protocol;
 pub mod sampler;
 pub mod server;
 pub mod settings;
+pub mod soak;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

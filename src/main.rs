@@ -50,6 +50,35 @@ enum Command {
     Bench(BenchArgs),
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
+    /// Long abuse run against a loopback server (scripts/soak.sh starts one and runs this).
+    Soak(SoakArgs),
+}
+
+#[derive(Args)]
+struct SoakArgs {
+    /// The server (ws://127.0.0.1:PORT/ws).
+    #[arg(long)]
+    url: String,
+    /// The server's process id (its resident memory is read from /proc).
+    #[arg(long)]
+    server_pid: u32,
+    #[arg(long, default_value_t = 30.0)]
+    minutes: f64,
+    /// Sessions open throughout, and how many of them generate back to back.
+    #[arg(long, default_value_t = 1000)]
+    sessions: usize,
+    #[arg(long, default_value_t = 64)]
+    active: usize,
+    /// Seconds between waves of abuse.
+    #[arg(long, default_value_t = 120)]
+    wave_s: u64,
+    /// Each wave: clients that drop their socket mid-reply, that cancel, that never read.
+    #[arg(long, default_value_t = 500)]
+    disconnects: usize,
+    #[arg(long, default_value_t = 200)]
+    cancels: usize,
+    #[arg(long, default_value_t = 50)]
+    non_readers: usize,
 }
 
 #[derive(Args)]
@@ -182,7 +211,29 @@ fn main() -> anyhow::Result<()> {
         Some(Command::Generate(args)) => run_generate(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
         Some(Command::Bench(a)) => bench(settings, opts, a),
+        Some(Command::Soak(a)) => soak(a),
     }
+}
+
+fn soak(a: SoakArgs) -> anyhow::Result<()> {
+    let cfg = llama_relay::soak::SoakConfig {
+        url: a.url,
+        server_pid: a.server_pid,
+        duration: std::time::Duration::from_secs_f64(a.minutes * 60.0),
+        sessions: a.sessions,
+        active: a.active.min(a.sessions),
+        wave_every: std::time::Duration::from_secs(a.wave_s),
+        disconnects: a.disconnects,
+        cancels: a.cancels,
+        non_readers: a.non_readers,
+    };
+    let ok = actix_web::rt::System::new()
+        .block_on(llama_relay::soak::run(cfg))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if !ok {
+        anyhow::bail!("the soak failed (see above)");
+    }
+    Ok(())
 }
 
 /// How long clients get to read the errors of an engine failure before the process exits.

@@ -42,6 +42,8 @@ pub struct Ready {
     /// prompt tokens a request shares with it are the tenant's (`Session`), and it is what is
     /// pinned.
     pub operator_tokens: Arc<HashMap<Arc<str>, Vec<u32>>>,
+    /// The longest sequence served (prompt plus reply), as the batcher checks it.
+    pub max_context: usize,
 }
 
 #[derive(Clone)]
@@ -345,6 +347,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     tokenizer,
                     model,
                     operator_tokens: Arc::new(operator_tokens),
+                    max_context,
                 }));
             }
             Err(e) => {

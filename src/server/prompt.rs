@@ -48,6 +48,17 @@ pub fn chat_prompt(
     }
     all.extend(history.iter().cloned());
     all.extend(new.iter().cloned());
+    // What cannot fit is refused by its length, before the work of rendering and tokenizing.
+    let tok = &ready.tokenizer;
+    let least: Option<usize> = (all.iter())
+        .map(|m| tok.min_content_tokens(&m.content))
+        .sum();
+    if let Some(least) = least.filter(|&n| n >= ready.max_context) {
+        return Err(RequestError::PromptTooLong(format!(
+            "the conversation is at least {least} tokens by its length alone; the context holds {} (prompt plus at least one generated token)",
+            ready.max_context
+        )));
+    }
     let ids = ready
         .tokenizer
         .encode_chat(&all, true)

@@ -42,6 +42,10 @@ pub struct TextTokenizer {
     add_bos: Option<u32>,
     eos_ids: Vec<u32>,
     template: Option<ChatTemplate>,
+    /// Ids in all, added tokens included (tokenizers recounts by cloning the vocabulary).
+    vocab_size: usize,
+    /// The most bytes of text one token of content can stand for (`min_content_tokens`).
+    max_token_bytes: usize,
 }
 
 fn token_string(v: Option<&Value>) -> Option<String> {
@@ -98,13 +102,7 @@ impl TextTokenizer {
             Some(src) => Some(ChatTemplate::new(&src, &bos, &eos)?),
             None => None,
         };
-        Ok(TextTokenizer {
-            text_only: text_only(&inner),
-            inner,
-            add_bos: None,
-            eos_ids,
-            template,
-        })
+        Ok(TextTokenizer::assemble(inner, None, eos_ids, template))
     }
 
     /// From a tokenizer.json given separately (for GGUF files whose own tokenizer we cannot build).
@@ -147,13 +145,12 @@ impl TextTokenizer {
             )?),
             None => None,
         };
-        Ok(TextTokenizer {
-            text_only: text_only(&inner),
+        Ok(TextTokenizer::assemble(
             inner,
-            add_bos: if add_bos { bos_id } else { None },
+            if add_bos { bos_id } else { None },
             eos_ids,
             template,
-        })
+        ))
     }
 
     pub fn inner(&self) -> &tokenizers::Tokenizer {
@@ -246,7 +243,39 @@ impl TextTokenizer {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
+    }
+
+    /// A lower bound on the tokens `text` takes as message content, from its length alone: no
+    /// token stands for more than `max_token_bytes` bytes. `None` when the tokenizer normalizes
+    /// text (a normalizer may shorten it first, so length bounds nothing).
+    pub fn min_content_tokens(&self, text: &str) -> Option<usize> {
+        if self.text_only.get_normalizer().is_some() {
+            return None;
+        }
+        Some(text.len().div_ceil(self.max_token_bytes.max(1)))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        add_bos: Option<u32>,
+        eos_ids: Vec<u32>,
+        template: Option<ChatTemplate>,
+    ) -> Self {
+        let vocab = inner.get_vocab(true);
+        // A token's string is at least as long as the text it stands for: a byte-level token
+        // has one character per byte, a SentencePiece one writes a space as three bytes and a
+        // byte as `<0xNN>`.
+        let max_token_bytes = (vocab.keys().map(String::len).max()).unwrap_or(1);
+        TextTokenizer {
+            text_only: text_only(&inner),
+            vocab_size: vocab.len(),
+            max_token_bytes,
+            inner,
+            add_bos,
+            eos_ids,
+            template,
+        }
     }
 }
 

@@ -512,3 +512,38 @@ async fn finished_at(c: &mut crate::gateway::Client, id: String) -> Instant {
     assert_eq!(r.done["type"], "done", "{}", r.done);
     Instant::now()
 }
+
+/// A message that cannot fit the context by its length alone is refused before it is rendered
+/// or tokenized (the refusal says so), and one that might fit still goes through the tokenizer.
+#[test]
+fn what_cannot_fit_by_length_is_refused_before_tokenizing() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = 64;
+        s.limits.max_message_chars = 60_000;
+        s.limits.max_frame_bytes = 1 << 20;
+    });
+    run(async {
+        let mut c = app.connect().await;
+        let huge = "a".repeat(50_000);
+        c.chat("big", &huge, json!({"max_tokens": 1})).await;
+        let end = end_of(&mut c, "big").await;
+        assert_eq!(end["error_type"], "prompt_too_long", "{end}");
+        assert!(
+            end["message"]
+                .as_str()
+                .unwrap()
+                .contains("by its length alone"),
+            "{end}"
+        );
+        // Short enough in bytes to maybe fit: tokenized, then refused by its token count.
+        let longish = "word ".repeat(80);
+        c.chat("mid", &longish, json!({"max_tokens": 1})).await;
+        let end = end_of(&mut c, "mid").await;
+        assert_eq!(end["error_type"], "prompt_too_long", "{end}");
+        assert!(
+            !end["message"].as_str().unwrap().contains("by its length"),
+            "{end}"
+        );
+    });
+}

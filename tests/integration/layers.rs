@@ -13,7 +13,8 @@ const LAYERS: &[&[&str]] = &[
     &["engine", "protocol", "metrics"],
     &["generate", "settings"],
     &["server"],
-    &["bench"],
+    &["bench", "fuzz_harness"],
+    &["soak"],
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {

@@ -5,6 +5,7 @@ mod abuse;
 mod browser;
 mod common;
 mod detokenizer;
+mod fuzz_corpus;
 mod gateway;
 mod kquants;
 mod layers;
