@@ -108,7 +108,12 @@ async fn active_session(
             Err(e) => format!("broken:{e}"),
         };
         let broken = end.starts_with("broken");
+        let refused = end == "error:overloaded";
         outcomes.add(end);
+        if refused {
+            // The queue is full: back off, as a real client does.
+            idle_for(&mut ws, Duration::from_millis(500)).await?;
+        }
         if broken {
             // Reconnect: a broken session is counted, and the soak goes on.
             ws = open(&url).await?;
@@ -145,27 +150,27 @@ async fn disconnecter(url: String, n: usize, outcomes: Arc<Outcomes>) {
     };
     let frame = json!({"type": "chat", "id": "x", "messages": [{"role": "user", "content": prompt(50_000 + n, 0, 30)}],
         "params": {"max_tokens": 200}});
-    if send_json(&mut ws, &frame).await.is_err() {
-        return outcomes.add("broken:send".into());
-    }
-    loop {
-        match next_frame(&mut ws).await {
-            Ok(f) if f["type"] == "delta" || f["type"] == "queued" => {
-                outcomes.add("dropped".into());
-                break;
-            }
-            Ok(f) if f["type"] == "error" => {
-                outcomes.add(format!("error:{}", f["error_type"].as_str().unwrap_or("?")));
-                break;
-            }
-            Ok(_) => continue,
-            Err(e) => {
-                outcomes.add(format!("broken:{e}"));
-                break;
-            }
+    for attempt in 0.. {
+        if send_json(&mut ws, &frame).await.is_err() {
+            return outcomes.add("broken:send".into());
         }
+        let end = loop {
+            match next_frame(&mut ws).await {
+                Ok(f) if f["type"] == "delta" => break "dropped mid-reply".to_string(),
+                Ok(f) if f["type"] == "error" => {
+                    break format!("error:{}", f["error_type"].as_str().unwrap_or("?"))
+                }
+                Ok(_) => continue,
+                Err(e) => break format!("broken:{e}"),
+            }
+        };
+        if end == "error:overloaded" && attempt < RETRIES {
+            backoff(n, attempt).await;
+            continue;
+        }
+        // Returning drops the socket without a close frame.
+        return outcomes.add(end);
     }
-    // Dropped without a close frame.
 }
 
 /// A client that cancels its reply once it streams.
@@ -175,19 +180,44 @@ async fn canceller(url: String, n: usize, outcomes: Arc<Outcomes>) {
     };
     let frame = json!({"type": "chat", "id": "c", "messages": [{"role": "user", "content": prompt(60_000 + n, 0, 30)}],
         "params": {"max_tokens": 400}});
-    if send_json(&mut ws, &frame).await.is_err() {
-        return outcomes.add("broken:send".into());
-    }
+    let mut attempt = 0;
     let end = loop {
-        match next_frame(&mut ws).await {
+        if send_json(&mut ws, &frame).await.is_err() {
+            break "broken:send".to_string();
+        }
+        let end = cancel_once_streaming(&mut ws).await;
+        if end == "error:overloaded" && attempt < RETRIES {
+            backoff(n, attempt).await;
+            attempt += 1;
+            continue;
+        }
+        break end;
+    };
+    outcomes.add(end);
+    let _ = ws.send(ws::Message::Close(None)).await;
+}
+
+/// Refused `overloaded` (the queue is full), a wave client tries again after a pause, up to this
+/// many times, as a real client with backoff does.
+const RETRIES: usize = 60;
+
+async fn backoff(n: usize, attempt: usize) {
+    let ms = 200 + (n * 37 + attempt * 101) % 800;
+    actix_web::rt::time::sleep(Duration::from_millis(ms as u64)).await;
+}
+
+/// Waits for the reply to stream, cancels it, and reads it to its end.
+async fn cancel_once_streaming(ws: &mut Socket) -> String {
+    loop {
+        match next_frame(ws).await {
             Ok(f) if f["type"] == "delta" => {
-                if send_json(&mut ws, &json!({"type": "cancel", "id": "c"}))
+                if send_json(ws, &json!({"type": "cancel", "id": "c"}))
                     .await
                     .is_err()
                 {
                     break "broken:send".to_string();
                 }
-                break finish_reply(&mut ws).await;
+                break finish_reply(ws).await;
             }
             Ok(f) if f["type"] == "error" => {
                 break format!("error:{}", f["error_type"].as_str().unwrap_or("?"))
@@ -198,9 +228,7 @@ async fn canceller(url: String, n: usize, outcomes: Arc<Outcomes>) {
             Ok(_) => continue,
             Err(e) => break format!("broken:{e}"),
         }
-    };
-    outcomes.add(end);
-    let _ = ws.send(ws::Message::Close(None)).await;
+    }
 }
 
 /// A raw client with a 4 KiB receive buffer that asks for a long reply and never reads; returns
