@@ -92,13 +92,22 @@ fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
 }
 
-/// The value of `llama_relay_slow_readers_total{action=...}`.
-async fn slow_readers(app: &App, action: &str) -> u64 {
+/// A metric's value (0 while it has never been set), `name` with its labels.
+async fn metric(app: &App, name: &str) -> u64 {
     let text = metrics_text(app).await;
-    let prefix = format!("llama_relay_slow_readers_total{{action=\"{action}\"}} ");
+    let prefix = format!("{name} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&prefix))
         .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+/// The value of `llama_relay_slow_readers_total{action=...}`.
+async fn slow_readers(app: &App, action: &str) -> u64 {
+    metric(
+        app,
+        &format!("llama_relay_slow_readers_total{{action=\"{action}\"}}"),
+    )
+    .await
 }
 
 /// Waits until `slow_readers(action)` reaches `n` and no KV block is in use beyond the held ones;
@@ -249,14 +258,6 @@ fn an_api_stream_nobody_reads_is_reset_after_the_write_timeout() {
     });
 }
 
-/// `llama_relay_engine_failures_total`.
-async fn engine_failures(app: &App) -> u64 {
-    let text = metrics_text(app).await;
-    text.lines()
-        .find_map(|l| l.strip_prefix("llama_relay_engine_failures_total "))
-        .map_or(0, |v| v.trim().parse().unwrap())
-}
-
 async fn health(app: &App) -> (u16, Value) {
     let mut r = awc::Client::new()
         .get(format!("http://{}/health", app.addr))
@@ -315,7 +316,7 @@ fn an_engine_panic_ends_every_request_and_turns_health_red() {
         assert!(reason.contains("panicked"), "{body}");
         // The panic's own text stays in the log: it could hold another request's content.
         assert!(!reason.contains("injected panic"), "{body}");
-        assert_eq!(engine_failures(&app).await, 1);
+        assert_eq!(metric(&app, "llama_relay_engine_failures_total").await, 1);
         // New requests on an open session, and new sessions, are refused with the reason.
         a.chat("a2", "Hi", json!({"max_tokens": 2})).await;
         let end = end_of(&mut a, "a2").await;
@@ -356,7 +357,7 @@ fn steps_that_keep_failing_fail_the_engine() {
             body["reason"].as_str().unwrap().contains("in a row"),
             "{body}"
         );
-        assert_eq!(engine_failures(&app).await, 1);
+        assert_eq!(metric(&app, "llama_relay_engine_failures_total").await, 1);
     });
 }
 
