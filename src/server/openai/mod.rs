@@ -396,32 +396,44 @@ async fn chat_completions(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let job = (|| {
-        let (identity, ready, permit) = caller_with(&req, &state)?;
-        let r: ChatRequest = parse(&body)?;
-        check_model(r.common.model.as_deref(), &ready)?;
-        let cfg = &state.session;
-        let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-        let api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
-        let api = partitioned(api, &identity);
-        let prompt = chat_prompt(
-            &ready,
-            &state.tenants,
-            &identity,
-            &uuid::Uuid::new_v4(),
-            &[],
-            &api.chat.messages,
-            api.chat.cache_key.as_deref(),
-        )?;
-        Ok::<_, ApiError>(Job {
-            api,
-            prompt,
-            identity,
-            ready,
-            permit,
-        })
-    })();
+    let job = match caller_with(&req, &state) {
+        Ok(caller) => {
+            let st = state.clone();
+            off_io(move || chat_job(&body, &st, caller)).await
+        }
+        Err(e) => Err(e),
+    };
     respond(req, job, Shape::Chat, state).await
+}
+
+/// Parses, validates, renders and tokenizes a chat request.
+fn chat_job(
+    body: &[u8],
+    state: &AppState,
+    (identity, ready, permit): (Identity, Ready, Permit),
+) -> Result<Job, ApiError> {
+    let r: ChatRequest = parse(body)?;
+    check_model(r.common.model.as_deref(), &ready)?;
+    let cfg = &state.session;
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
+    let api = partitioned(api, &identity);
+    let prompt = chat_prompt(
+        &ready,
+        &state.tenants,
+        &identity,
+        &uuid::Uuid::new_v4(),
+        &[],
+        &api.chat.messages,
+        api.chat.cache_key.as_deref(),
+    )?;
+    Ok(Job {
+        api,
+        prompt,
+        identity,
+        ready,
+        permit,
+    })
 }
 
 async fn completions(
@@ -429,53 +441,79 @@ async fn completions(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let job = (|| {
-        let (identity, ready, permit) = caller_with(&req, &state)?;
-        let r: CompletionRequest = parse(&body)?;
-        check_model(r.common.model.as_deref(), &ready)?;
-        if identity.roles != Roles::ALL || identity.system_prompt.is_some() {
-            return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                Some("forbidden"),
-                "raw prompts skip the chat template and its roles: this client may use /v1/chat/completions only".into(),
-            ));
+    let job = match caller_with(&req, &state) {
+        Ok(caller) => {
+            let st = state.clone();
+            off_io(move || completion_job(&body, &st, caller)).await
         }
-        let cfg = &state.session;
-        let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
-        let (api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
-        let api = partitioned(api, &identity);
-        let ids = match raw {
-            RawPrompt::Text(t) => ready
-                .tokenizer
-                .encode_prompt(&t)
-                .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
-            RawPrompt::Ids(ids) => {
-                let vocab = ready.tokenizer.vocab_size();
-                if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
-                    return Err(ApiError::invalid(
-                        "prompt",
-                        format!("`prompt` holds token id {bad}; the vocabulary has {vocab}"),
-                    ));
-                }
-                ids
-            }
-        };
-        let scope = state.tenants.scope(
-            &identity,
-            &uuid::Uuid::new_v4(),
-            api.chat.cache_key.as_deref(),
-            0,
-        );
-        Ok(Job {
-            api,
-            prompt: Prompt { ids, scope },
-            identity,
-            ready,
-            permit,
-        })
-    })();
+        Err(e) => Err(e),
+    };
     respond(req, job, Shape::Completion, state).await
+}
+
+/// Parses, validates and tokenizes a completion request.
+fn completion_job(
+    body: &[u8],
+    state: &AppState,
+    (identity, ready, permit): (Identity, Ready, Permit),
+) -> Result<Job, ApiError> {
+    let r: CompletionRequest = parse(body)?;
+    check_model(r.common.model.as_deref(), &ready)?;
+    if identity.roles != Roles::ALL || identity.system_prompt.is_some() {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            Some("forbidden"),
+            "raw prompts skip the chat template and its roles: this client may use /v1/chat/completions only".into(),
+        ));
+    }
+    let cfg = &state.session;
+    let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
+    let (api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
+    let api = partitioned(api, &identity);
+    let ids = match raw {
+        RawPrompt::Text(t) => ready
+            .tokenizer
+            .encode_prompt(&t)
+            .map_err(|e| ApiError::invalid("prompt", e.to_string()))?,
+        RawPrompt::Ids(ids) => {
+            let vocab = ready.tokenizer.vocab_size();
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    format!("`prompt` holds token id {bad}; the vocabulary has {vocab}"),
+                ));
+            }
+            ids
+        }
+    };
+    let scope = state.tenants.scope(
+        &identity,
+        &uuid::Uuid::new_v4(),
+        api.chat.cache_key.as_deref(),
+        0,
+    );
+    Ok(Job {
+        api,
+        prompt: Prompt { ids, scope },
+        identity,
+        ready,
+        permit,
+    })
+}
+
+/// Parsing a body of up to a megabyte, rendering its template and tokenizing it take
+/// milliseconds: on the blocking pool, not on the I/O thread that serves other sockets (as the
+/// WebSocket session does).
+async fn off_io<F>(build: F) -> Result<Job, ApiError>
+where
+    F: FnOnce() -> Result<Job, ApiError> + Send + 'static,
+{
+    actix_web::rt::task::spawn_blocking(build)
+        .await
+        .unwrap_or_else(|e| {
+            Err(RequestError::Internal(format!("preparing the request failed: {e}")).into())
+        })
 }
 
 /// The request's cache partition: an API key's requests keep `prompt_cache_key` / `user`; a
