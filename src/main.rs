@@ -89,7 +89,7 @@ struct BenchArgs {
     /// Concurrent users, one or more runs (e.g. --users 1,16,32).
     #[arg(long, value_delimiter = ',', default_value = "1,16,32")]
     users: Vec<usize>,
-    /// Requests per run; 0 = 4 per user.
+    /// Requests per run; 0 = 4 per user (overhead: rounds, 0 = 5).
     #[arg(long, default_value_t = 0)]
     requests: usize,
     /// Words in each prompt (about one token each).
@@ -422,7 +422,10 @@ fn bench(
 
 /// The gateway's overhead: one stream's inter-token gap through the server against the engine's
 /// own decode step for the same model, prompt and batch of one, with `--idle-sessions` sessions
-/// holding leases meanwhile.
+/// holding leases meanwhile. The two alternate, one generation each per round (`--requests`
+/// rounds, 5 by default), and the figure is the median over rounds of each round's difference:
+/// the machine's speed drifts by more than the overhead between runs minutes apart, much less
+/// within a round.
 fn bench_overhead(
     mut settings: Settings,
     opts: llama_relay::engine::EngineOptions,
@@ -439,17 +442,14 @@ fn bench_overhead(
         stop_at_eos: false,
         ..Default::default()
     };
-    let mut steps = Vec::new();
-    for _ in 0..3 {
-        let st = generate(&mut engine, &ids, &params, |_, _| Ok(()))?;
-        steps.extend(st.decode_steps.iter().map(|d| d.as_secs_f64()));
-    }
-    drop(engine);
-    steps.sort_by(f64::total_cmp);
-    let engine_p50 = llama_relay::bench::percentile(&steps, 50.0);
+    // One unmeasured generation: the first of a process pays one-time costs.
+    generate(&mut engine, &ids, &params, |_, _| Ok(()))?;
     settings.server.port = 0;
     settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(a.idle_sessions);
-    let requests = if a.requests == 0 { 3 } else { a.requests };
+    // Every session comes from this one address.
+    let per_address = &mut settings.server.max_connections_per_address;
+    *per_address = (*per_address).max(a.idle_sessions + 8);
+    let rounds = if a.requests == 0 { 5 } else { a.requests };
     actix_web::rt::System::new().block_on(async move {
         let url = match &a.url {
             Some(u) => u.clone(),
@@ -464,19 +464,40 @@ fn bench_overhead(
             run: 0,
             url: url.clone(),
             users: 1,
-            requests,
+            requests: 1,
             prompt_words: a.prompt_words,
             max_tokens: a.max_tokens,
         };
-        let r = llama_relay::bench::run(cfg)
+        // The server's first stream, unmeasured.
+        llama_relay::bench::run(cfg.clone())
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
+        let mut diffs = Vec::new();
+        for round in 0..rounds {
+            let st = generate(&mut engine, &ids, &params, |_, _| Ok(()))?;
+            let mut steps: Vec<f64> = st.decode_steps.iter().map(|d| d.as_secs_f64()).collect();
+            steps.sort_by(f64::total_cmp);
+            let step = llama_relay::bench::percentile(&steps, 50.0);
+            let r = llama_relay::bench::run(cfg.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
+            let gap = r[2];
+            diffs.push(gap - step);
+            println!(
+                "round {} | engine decode step p50 {:.2} ms | server gap p50 {:.2} ms, p99 {:.2} ms | gap - step {:+.2} ms",
+                round + 1,
+                step * 1e3,
+                gap * 1e3,
+                r[3] * 1e3,
+                (gap - step) * 1e3,
+            );
+        }
+        diffs.sort_by(f64::total_cmp);
         println!(
-            "overhead | engine decode step p50 {:.2} ms | server gap p50 {:.2} ms, p99 {:.2} ms | gap - step {:+.2} ms | idle sessions with leases {}",
-            engine_p50 * 1e3,
-            r[2] * 1e3,
-            r[3] * 1e3,
-            (r[2] - engine_p50) * 1e3,
+            "overhead | gap - step median of {rounds} rounds {:+.2} ms (range {:+.2} to {:+.2}) | idle sessions with leases {}",
+            llama_relay::bench::percentile(&diffs, 50.0) * 1e3,
+            diffs[0] * 1e3,
+            diffs[diffs.len() - 1] * 1e3,
             idle.len()
         );
         drop(idle);
