@@ -17,8 +17,27 @@ pub enum ClientFrame {
         #[serde(default)]
         params: ChatParams,
     },
+    /// Ends the running reply. With `heard_index`, the conversation keeps only the text of
+    /// deltas `0..=heard_index` (what the user saw or heard: barge-in), and so does the KV.
     Cancel {
         id: String,
+        #[serde(default)]
+        heard_index: Option<usize>,
+    },
+    /// Replaces the last reply with a new one to the same conversation.
+    Regenerate {
+        id: String,
+        #[serde(default)]
+        params: ChatParams,
+    },
+    /// Replaces user turn `turn` (0 is the first user message) and everything after it with
+    /// `messages`, and replies.
+    Edit {
+        id: String,
+        turn: usize,
+        messages: Vec<Message>,
+        #[serde(default)]
+        params: ChatParams,
     },
     Reset,
 }

@@ -48,6 +48,11 @@
     this.refused = false;
     this.started = false;
     this.timer = null;
+    // The user bubbles of the server's conversation, in order (an edit names one by its index),
+    // the last reply (which Regenerate replaces), and a user turn being edited.
+    this.turns = [];
+    this.lastReply = null;
+    this.editing = null;
   }
 
   Conversation.prototype.start = function () {
@@ -107,6 +112,9 @@
       if (self.ws !== ws) { return; }
       self.ws = null;
       if (self.current) { self.finish(null, "connection lost"); }
+      // The server's conversation went with the session: nothing on screen can be edited or
+      // regenerated there any more.
+      self.forgetTurns();
       self.retry("disconnected");
     };
   };
@@ -154,7 +162,9 @@
         if (mine) { renderText(c.stats, ""); }
         break;
       case "delta":
-        if (mine) {
+        // After Stop, nothing more is shown: the conversation keeps what was (heard_index).
+        if (mine && !c.stopped) {
+          c.lastIndex = f.index;
           c.text += f.text;
           renderText(c.body, c.text);
           renderText(this.els.live, f.text);
@@ -165,7 +175,7 @@
         if (mine) { this.finish(f); }
         break;
       case "error":
-        if (mine) { c.div.remove(); this.current = null; this.setBusy(false); }
+        if (mine) { this.undo(c); this.current = null; this.setBusy(false); }
         this.bubble("error", (f.error_type || "error") + ": " + (f.message || ""));
         break;
     }
@@ -182,6 +192,7 @@
     }
     if (!c) { return; }
     if (!done) { renderText(c.stats, reason); return; }
+    this.recordTurn(c);
     var t = done.timings || {}, u = done.usage || {};
     var parts = ["TTFT " + Math.round(t.ttft_ms || 0) + " ms", (t.decode_tokens_per_s || 0).toFixed(1) + " tok/s",
       (u.cached_tokens || 0) + " cached tokens"];
@@ -193,19 +204,116 @@
   Conversation.prototype.send = function () {
     var text = this.els.input.value;
     if (!text.trim() || this.current || !this.isOpen()) { return false; }
-    this.bubble("user", text);
+    var edit = this.editing, removed = [];
+    this.setEditing(null);
+    if (edit) {
+      // The edited turn and everything after it leave the screen (they come back on an error).
+      var node = edit.div;
+      while (node) { var next = node.nextSibling; removed.push(node); node.remove(); node = next; }
+    }
+    var u = this.bubble("user", text);
     var b = this.bubble("assistant", "");
     var stats = el("span", "stats");
     b.div.appendChild(stats);
-    this.current = { id: "m" + (++this.counter), text: "", body: b.body, div: b.div, stats: stats };
-    this.ws.send(JSON.stringify({ type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] }));
+    this.current = { id: "m" + (++this.counter), text: "", body: b.body, div: b.div, stats: stats,
+      userDiv: u.div, kind: edit ? "edit" : "chat", turn: edit ? edit.turn : this.turns.length,
+      removed: removed, lastIndex: -1 };
+    var frame = { type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] };
+    if (edit) { frame.type = "edit"; frame.turn = edit.turn; }
+    this.ws.send(JSON.stringify(frame));
     this.els.input.value = "";
     this.setBusy(true);
     return true;
   };
 
+  /** Stop: the reply ends, and the conversation keeps what was shown (the last delta's index). */
   Conversation.prototype.stop = function () {
-    if (this.current && this.isOpen()) { this.ws.send(JSON.stringify({ type: "cancel", id: this.current.id })); }
+    var c = this.current;
+    if (!c || c.stopped || !this.isOpen()) { return; }
+    c.stopped = true;
+    var frame = { type: "cancel", id: c.id };
+    if (c.lastIndex >= 0) { frame.heard_index = c.lastIndex; }
+    this.ws.send(JSON.stringify(frame));
+  };
+
+  /** A new reply to the same conversation, in place of the last one. */
+  Conversation.prototype.regenerate = function () {
+    var r = this.lastReply;
+    if (!r || this.current || !this.isOpen()) { return; }
+    this.current = { id: "m" + (++this.counter), text: "", body: r.body, div: r.div, stats: r.stats,
+      kind: "regenerate", oldText: r.body.textContent, oldStats: r.stats.textContent, lastIndex: -1 };
+    renderText(r.body, "");
+    renderText(r.stats, "");
+    r.actions.remove();
+    this.ws.send(JSON.stringify({ type: "regenerate", id: this.current.id }));
+    this.setBusy(true);
+  };
+
+  /** What a refused request leaves on screen: the page as it was before it. */
+  Conversation.prototype.undo = function (c) {
+    if (c.kind === "regenerate") {
+      renderText(c.body, c.oldText);
+      renderText(c.stats, c.oldStats);
+      this.showRegenerate();
+      return;
+    }
+    c.div.remove();
+    if (c.kind === "edit") {
+      c.userDiv.remove();
+      for (var i = 0; i < c.removed.length; i++) { this.els.log.appendChild(c.removed[i]); }
+    }
+  };
+
+  /** A reply ended with `done`: its turn is part of the server's conversation now. */
+  Conversation.prototype.recordTurn = function (c) {
+    var self = this;
+    if (c.kind !== "regenerate") {
+      this.turns = this.turns.slice(0, c.turn);
+      this.turns.push(c.userDiv);
+      var edit = el("button", "edit", "Edit");
+      edit.type = "button";
+      edit.title = "Edit this message and reply again";
+      edit.addEventListener("click", function () { self.startEdit(c.userDiv); });
+      c.userDiv.appendChild(edit);
+      if (this.lastReply && this.lastReply.actions) { this.lastReply.actions.remove(); }
+      this.lastReply = { div: c.div, body: c.body, stats: c.stats };
+    }
+    this.showRegenerate();
+  };
+
+  Conversation.prototype.showRegenerate = function () {
+    var self = this, r = this.lastReply;
+    if (!r) { return; }
+    if (r.actions) { r.actions.remove(); }
+    r.actions = el("span", "actions");
+    var b = el("button", "regenerate", "Regenerate");
+    b.type = "button";
+    b.addEventListener("click", function () { self.regenerate(); });
+    r.actions.appendChild(b);
+    r.div.appendChild(r.actions);
+  };
+
+  /** Puts a past user message in the input; sending replaces it and everything after it. */
+  Conversation.prototype.startEdit = function (div) {
+    var turn = this.turns.indexOf(div);
+    if (turn < 0 || this.current) { return; }
+    this.setEditing({ turn: turn, div: div });
+    this.els.input.value = div.querySelector(".body").textContent;
+    this.els.input.focus();
+  };
+
+  Conversation.prototype.setEditing = function (edit) {
+    if (this.editing) { this.editing.div.classList.remove("editing"); }
+    this.editing = edit;
+    if (edit) { edit.div.classList.add("editing"); }
+  };
+
+  Conversation.prototype.forgetTurns = function () {
+    var buttons = this.els.log.querySelectorAll("button.edit, .actions");
+    for (var i = 0; i < buttons.length; i++) { buttons[i].remove(); }
+    this.turns = [];
+    this.lastReply = null;
+    this.setEditing(null);
   };
 
   Conversation.prototype.newChat = function () {
@@ -217,6 +325,7 @@
       this.ws.send(JSON.stringify({ type: "reset" }));
     }
     this.els.log.textContent = "";
+    this.forgetTurns();
     this.greet();
     this.els.input.focus();
   };
@@ -251,6 +360,9 @@
     "form button{font:inherit;padding:4px 10px;border-radius:6px;border:1px solid #c4cad3;background:#fff;color:#1b1d21;cursor:pointer}",
     "form button.send{background:var(--accent);color:#fff;border-color:var(--accent)}",
     "button:disabled{opacity:.5;cursor:default}",
+    ".msg button.edit,.actions button{display:block;margin-top:4px;font:inherit;font-size:11px;padding:1px 6px;border-radius:4px;border:1px solid #c4cad3;background:#fff;color:#1b1d21;cursor:pointer}",
+    ".user button.edit{margin-left:auto}",
+    ".editing{outline:2px dashed #8bb4ff;outline-offset:2px}",
     ".sr-only{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0);white-space:nowrap}"
   ].join("\n");
 

@@ -185,8 +185,15 @@ impl<E: BorrowMut<Engine>> Core<E> {
     /// its lease, the rest are freed. Returns the choices that were still to fork from it (they
     /// end with it). Idempotent.
     pub fn finish(&mut self, id: RequestId) -> Vec<RequestId> {
+        self.finish_at(id, usize::MAX)
+    }
+
+    /// Ends a request like `finish`, its lease keeping at most its first `keep` tokens (prompt,
+    /// then reply).
+    pub fn finish_at(&mut self, id: RequestId, keep: usize) -> Vec<RequestId> {
         let d = self.live.remove(&id);
-        self.sched.finish(id, d.as_ref().and_then(|d| d.lease));
+        self.sched
+            .finish_at(id, d.as_ref().and_then(|d| d.lease), keep);
         d.map(|d| d.forks.into_iter().map(|f| f.0).collect())
             .unwrap_or_default()
     }

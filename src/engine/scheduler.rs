@@ -367,12 +367,20 @@ impl Scheduler {
     /// Ends a request; with a lease key, its conversation's blocks stay for the session's next
     /// turn (within the manager's caps).
     pub fn finish(&mut self, id: RequestId, lease: Option<LeaseKey>) {
+        self.finish_at(id, lease, usize::MAX);
+    }
+
+    /// Ends a request like `finish`, keeping at most its first `keep` tokens (prompt, then
+    /// reply) for the lease: a reply the user stopped hearing part way leaves only what was
+    /// heard.
+    pub fn finish_at(&mut self, id: RequestId, lease: Option<LeaseKey>, keep: usize) {
         let Some(i) = self.running.iter().position(|s| s.id == id) else {
             self.remove(id);
             return;
         };
         let s = self.running.remove(i);
-        self.kv.finish(s.blocks, &s.tokens, s.computed, lease);
+        self.kv
+            .finish(s.blocks, &s.tokens, s.computed.min(keep), lease);
     }
 
     /// Drops a session's lease. Idempotent.
@@ -1221,13 +1229,17 @@ mod tests {
         );
         s.kv().pool().check().unwrap();
         s.finish(id(2), lease(42));
-        // Turn 3 diverges inside the partial block: only the full blocks are reused, and the
-        // partial block the lease held is freed.
+        // Turn 3 diverges inside the partial block (an edited turn): the full blocks are reused
+        // and the common slot is copied into a fresh block, and the block the lease held is
+        // freed.
         let mut turn3 = turn2[..13].to_vec();
         turn3.extend([90, 91, 92, 93]);
         s.add(id(3), turn3, 20, scope(0)).unwrap();
         s.set_lease(id(3), LeaseKey(42));
-        assert_eq!(started(&step(&mut s)), vec![(3, 12)]);
+        let out = step(&mut s);
+        assert_eq!(started(&out), vec![(3, 13)]);
+        assert_eq!(out.copies.len(), 1);
+        assert_eq!(out.copies[0].slots, 1);
         s.finish(id(3), None);
         s.drop_lease(LeaseKey(42));
         assert_eq!(s.kv().pool().used_count(), 0);

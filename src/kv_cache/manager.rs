@@ -104,12 +104,21 @@ struct PinTail {
     block: u32,
 }
 
-/// A session's kept blocks; with `tail`, the last block is partly filled with those tokens.
+/// A session's kept blocks and the tokens they hold (every slot of each block but the last,
+/// which may be partly filled).
 #[derive(Debug, Clone)]
 struct Lease {
     key: LeaseKey,
     table: Vec<u32>,
-    tail: Option<Vec<u32>>,
+    tokens: Vec<u32>,
+}
+
+impl Lease {
+    /// The tokens of the partly filled last block, if the last block is partly filled.
+    fn tail(&self, bs: usize) -> Option<&[u32]> {
+        let full = self.tokens.len() / bs;
+        (full < self.table.len()).then(|| &self.tokens[full * bs..])
+    }
 }
 
 pub struct KvManager {
@@ -122,8 +131,11 @@ pub struct KvManager {
     /// Pinned prefixes' blocks (held for good).
     pinned: Vec<Vec<u32>>,
     pin_tails: Vec<PinTail>,
-    /// Copies recorded while requests took their computed blocks, handed out with the step.
+    /// Copies recorded while requests took their computed blocks, handed out with the step, and
+    /// the references that keep their sources (a lease's blocks, which the lease may give up in
+    /// the same step) until then.
     copies: Vec<BlockCopy>,
+    copy_sources: Vec<u32>,
     /// How many references leases and pins hold on each block they hold, and in all: kept on
     /// every change, so that reading them costs nothing however many sessions hold leases
     /// (`check()` recounts them).
@@ -142,6 +154,7 @@ impl KvManager {
             pinned: Vec::new(),
             pin_tails: Vec::new(),
             copies: Vec::new(),
+            copy_sources: Vec::new(),
             holds: HashMap::new(),
             held: HeldBlocks::default(),
         }
@@ -192,6 +205,7 @@ impl KvManager {
         let mut computed = blocks.table.len() * bs;
         if let Some(key) = lease {
             computed = self.continue_lease_tail(key, tokens, &mut blocks, computed);
+            computed = self.fork_lease_block(key, tokens, &mut blocks, computed);
             self.drop_lease(key);
         }
         computed = self.continue_pin_tail(tokens, &mut blocks, computed);
@@ -219,7 +233,7 @@ impl KvManager {
             .leases
             .get_mut(&order)
             .expect("lease_order points at a lease");
-        let Some(tail) = &lease.tail else {
+        let Some(tail) = lease.tail(bs) else {
             return computed;
         };
         let start = (lease.table.len() - 1) * bs;
@@ -228,7 +242,7 @@ impl KvManager {
             && tokens[start..start + tail.len()] == tail[..]
         {
             let computed = start + tail.len();
-            lease.tail = None;
+            lease.tokens.truncate(start);
             let b = lease
                 .table
                 .pop()
@@ -238,6 +252,58 @@ impl KvManager {
             return computed;
         }
         computed
+    }
+
+    /// Where the request forks from its session's lease inside a block (a regenerated reply, an
+    /// edited turn, a reply cut where the user stopped listening): when the cached run is the
+    /// lease's first blocks and the lease's next block begins with the request's next tokens, a
+    /// fresh block takes a copy of those slots (copy-on-write: the lease's block is left as it
+    /// is), always leaving a token to compute. Only the session's own lease is looked at, so
+    /// nothing crosses principals. Returns the tokens computed.
+    fn fork_lease_block(
+        &mut self,
+        key: LeaseKey,
+        tokens: &[u32],
+        blocks: &mut SeqBlocks,
+        computed: usize,
+    ) -> usize {
+        let bs = self.cfg.block_size;
+        let n = blocks.table.len();
+        let start = n * bs;
+        if computed != start || blocks.hashes.len() != n || tokens.len() <= start + 1 {
+            return computed;
+        }
+        let Some(lease) = self.lease_order.get(&key).and_then(|o| self.leases.get(o)) else {
+            return computed;
+        };
+        if lease.table.len() <= n || lease.table[..n] != blocks.table[..] {
+            return computed;
+        }
+        let theirs = &lease.tokens[start..lease.tokens.len().min(start + bs)];
+        let common = theirs
+            .iter()
+            .zip(&tokens[start..])
+            .take_while(|(a, b)| a == b)
+            .count();
+        let slots = common.min(tokens.len() - 1 - start);
+        if slots == 0 {
+            return computed;
+        }
+        let src = lease.table[n];
+        match self.pool.allocate(1) {
+            Some(b) => {
+                self.pool.retain(&[src]);
+                self.copy_sources.push(src);
+                self.copies.push(BlockCopy {
+                    src,
+                    dst: b[0],
+                    slots,
+                });
+                blocks.table.push(b[0]);
+                computed + slots
+            }
+            None => computed,
+        }
     }
 
     /// When the cached run ends exactly where a pinned prefix's full blocks end and the pin's
@@ -365,6 +431,7 @@ impl KvManager {
             && computed <= per_session
             && blocks.table.len() > keep;
         let held = keep + usize::from(tail);
+        let held_tokens = if tail { computed } else { keep * bs };
         // Kept blocks are findable before they are held.
         self.cache_full_blocks(&mut blocks, tokens, keep * bs);
         self.pool.release_table(&blocks.table[held..]);
@@ -381,7 +448,7 @@ impl KvManager {
             Lease {
                 key,
                 table: blocks.table[..held].to_vec(),
-                tail: tail.then(|| tokens[keep * bs..computed].to_vec()),
+                tokens: tokens[..held_tokens].to_vec(),
             },
         );
         self.lease_order.insert(key, order);
@@ -466,8 +533,11 @@ impl KvManager {
         }
     }
 
-    /// The copies the next step must make before it runs.
+    /// The copies the next step must make before it runs. Their sources' extra references go:
+    /// nothing allocates between now and the step that makes the copies.
     pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        let sources = std::mem::take(&mut self.copy_sources);
+        self.pool.release(&sources);
         std::mem::take(&mut self.copies)
     }
 
@@ -503,13 +573,12 @@ impl KvManager {
             if l.table.is_empty() {
                 return Err(format!("lease {:?} holds no block", l.key));
             }
-            if l.tail
-                .as_ref()
-                .is_some_and(|t| t.is_empty() || t.len() >= bs)
-            {
+            if l.tokens.len().div_ceil(bs) != l.table.len() {
                 return Err(format!(
-                    "lease {:?}: a tail is a partly filled block",
-                    l.key
+                    "lease {:?}: {} tokens in {} blocks",
+                    l.key,
+                    l.tokens.len(),
+                    l.table.len()
                 ));
             }
         }
@@ -706,5 +775,56 @@ mod tests {
         assert_eq!(c.tokens, 0);
         kv.free(c.blocks);
         kv.check().unwrap();
+    }
+
+    #[test]
+    fn a_request_that_forks_from_its_lease_inside_a_block_gets_a_copy_of_the_common_slots() {
+        let mut kv = manager(16, 64);
+        let scope = CacheScope::private(Salt(1));
+        // A turn: prompt 0..6, reply 100..105; its lease holds all 11 tokens (3 blocks of 4).
+        let prompt: Vec<u32> = (0..6).collect();
+        let mut turn = prompt.clone();
+        turn.extend(100..105);
+        let b = computed(&mut kv, &turn, scope);
+        kv.finish(b, &turn, turn.len(), Some(LeaseKey(7)));
+        let lease_blocks = kv.held_blocks().leased;
+        assert_eq!(lease_blocks, 3);
+        // Regenerate: the same prompt again. One full block is cached; the lease's second block
+        // starts with tokens 4, 5: one copied slot, the last token left to compute.
+        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(7)));
+        assert_eq!(c.tokens, prompt.len() - 1);
+        let copies = kv.take_copies();
+        assert_eq!(copies.len(), 1);
+        assert_eq!((copies[0].dst, copies[0].slots), (c.blocks.table()[1], 1));
+        assert_eq!(kv.held_blocks().leased, 0, "the lease has served");
+        kv.check().unwrap();
+        kv.free(c.blocks);
+        assert_eq!(
+            kv.pool().used_count(),
+            0,
+            "the copy's source was given back"
+        );
+
+        // Edit: a turn whose tokens leave the lease at token 9 (inside its third block).
+        let b = computed(&mut kv, &turn, scope);
+        kv.finish(b, &turn, turn.len(), Some(LeaseKey(7)));
+        let mut edited = turn[..9].to_vec();
+        edited.extend([200, 201, 202]);
+        let c = kv.computed_blocks(&edited, scope, Some(LeaseKey(7)));
+        assert_eq!(c.tokens, 9, "everything before the fork");
+        let copies = kv.take_copies();
+        assert_eq!((copies[0].dst, copies[0].slots), (c.blocks.table()[2], 1));
+        kv.free(c.blocks);
+
+        // Another session's lease is never a source.
+        let b = computed(&mut kv, &turn, scope);
+        kv.finish(b, &turn, turn.len(), Some(LeaseKey(7)));
+        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(8)));
+        assert_eq!(c.tokens, 4, "the shared full block only");
+        assert!(kv.take_copies().is_empty());
+        kv.free(c.blocks);
+        kv.drop_lease(LeaseKey(7));
+        kv.check().unwrap();
+        assert_eq!(kv.pool().used_count(), 0);
     }
 }

@@ -145,8 +145,12 @@ pub struct Cancel {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CancelReason {
-    /// The client asked; the session reports `done` with `cancelled`.
-    Client,
+    /// The client asked; the session reports `done` with `cancelled`. With `keep`, the
+    /// session's lease keeps only the first `keep` tokens (prompt, then the reply as far as the
+    /// user heard it).
+    Client {
+        keep: Option<usize>,
+    },
     /// A stop string matched; the session reports `done` with `stop`.
     StopString,
     Disconnected,
@@ -340,7 +344,12 @@ impl Batcher {
 
     /// Removes a request and tells its session how it ended.
     fn finish(&mut self, id: RequestId, reason: FinishReason) {
-        for fork in self.core.finish(id) {
+        self.finish_at(id, reason, usize::MAX);
+    }
+
+    /// `finish`, the lease keeping at most the first `keep` tokens.
+    fn finish_at(&mut self, id: RequestId, reason: FinishReason, keep: usize) {
+        for fork in self.core.finish_at(id, keep) {
             self.report_finished(fork, reason);
         }
         self.report_finished(id, reason);
@@ -780,7 +789,11 @@ impl Handler<Cancel> for Batcher {
     fn handle(&mut self, m: Cancel, ctx: &mut Context<Self>) {
         match m.reason {
             CancelReason::Disconnected => self.remove(m.request),
-            CancelReason::Client => self.finish(m.request, FinishReason::Cancelled),
+            CancelReason::Client { keep } => self.finish_at(
+                m.request,
+                FinishReason::Cancelled,
+                keep.unwrap_or(usize::MAX),
+            ),
             CancelReason::StopString => self.finish(m.request, FinishReason::Stop),
         }
         // The gauges follow at the next step (at most once a step, however many cancels come).

@@ -31,11 +31,31 @@ use crate::tokenizer::Message;
 struct Current {
     client_id: String,
     request: RequestId,
+    /// Where the conversation is cut when the reply ends (its length for a new turn; earlier
+    /// for a regenerated reply or an edited turn), and the messages that follow the cut.
+    replace_from: usize,
     new_messages: Vec<Message>,
     text: ReplyText,
     deltas: usize,
+    /// For each delta sent: the reply's tokens so far, and the sent text's length after it.
+    delta_ends: Vec<(usize, usize)>,
+    /// The prompt's length in tokens, once `started` has reported it.
+    prompt_tokens: Option<usize>,
     /// A stop string matched or a cancel was sent: ignore further tokens.
     ending: bool,
+    /// The last delta the user heard, from a `cancel` with `heard_index`.
+    heard: Option<usize>,
+}
+
+impl Current {
+    /// The reply as the conversation records it: all that was sent, or what the user heard.
+    fn recorded_text(&self) -> &str {
+        let sent = self.text.sent();
+        match self.heard {
+            Some(h) => &sent[..self.delta_ends[h].1],
+            None => sent,
+        }
+    }
 }
 
 pub struct Session {
@@ -157,27 +177,32 @@ impl Session {
                 messages,
                 params,
             } => {
-                let cfg = &self.state.session;
-                match cfg.limits.validate_chat(
-                    id.clone(),
-                    messages,
-                    params,
-                    &cfg.sampling,
-                    cfg.default_max_tokens,
-                ) {
-                    Ok(chat) => self.start_chat(chat, ctx),
-                    Err(e) => self.error(ctx, Some(id), e),
-                }
+                let end = self.conversation.len();
+                self.validated_turn(id, messages, params, end, ctx);
             }
-            ClientFrame::Cancel { id } => match &mut self.current {
+            ClientFrame::Cancel { id, heard_index } => match &mut self.current {
                 Some(c) if c.client_id == id => {
+                    if let Some(h) = heard_index.filter(|&h| h >= c.deltas) {
+                        let e = RequestError::InvalidParam {
+                            param: "heard_index".into(),
+                            reason: format!(
+                                "is {h}; {} deltas of `{id}` were sent (indexes from 0)",
+                                c.deltas
+                            ),
+                        };
+                        return self.error(ctx, Some(id), e);
+                    }
                     // Once is enough: repeats of a cancel (or a cancel of a reply already
                     // ending) never reach the batcher.
                     if !c.ending {
                         c.ending = true;
+                        c.heard = heard_index;
+                        // The lease keeps the prompt and the heard deltas' tokens.
+                        let keep = heard_index
+                            .and_then(|h| c.prompt_tokens.map(|p| p + c.delta_ends[h].0));
                         self.ready.batcher.do_send(Cancel {
                             request: c.request,
-                            reason: CancelReason::Client,
+                            reason: CancelReason::Client { keep },
                         });
                     }
                 }
@@ -187,6 +212,50 @@ impl Session {
                     RequestError::InvalidRequest("`id` names no running request".into()),
                 ),
             },
+            ClientFrame::Regenerate { id, params } => {
+                let Some(last) = self
+                    .conversation
+                    .iter()
+                    .rposition(|m| m.role == "assistant")
+                else {
+                    let e = RequestError::InvalidRequest("there is no reply to regenerate".into());
+                    return self.error(ctx, Some(id), e);
+                };
+                // The turn that reply answered: the messages since the reply before it.
+                let start = self.conversation[..last]
+                    .iter()
+                    .rposition(|m| m.role == "assistant")
+                    .map_or(0, |i| i + 1);
+                let messages = self.conversation[start..last].to_vec();
+                self.validated_turn(id, messages, params, start, ctx);
+            }
+            ClientFrame::Edit {
+                id,
+                turn,
+                messages,
+                params,
+            } => {
+                let users = self.conversation.iter().enumerate();
+                let Some(at) = users
+                    .filter(|(_, m)| m.role == "user")
+                    .nth(turn)
+                    .map(|(i, _)| i)
+                else {
+                    let n = self
+                        .conversation
+                        .iter()
+                        .filter(|m| m.role == "user")
+                        .count();
+                    let e = RequestError::InvalidParam {
+                        param: "turn".into(),
+                        reason: format!(
+                            "is {turn}; the conversation has {n} user turns (numbered from 0)"
+                        ),
+                    };
+                    return self.error(ctx, Some(id), e);
+                };
+                self.validated_turn(id, messages, params, at, ctx);
+            }
             ClientFrame::Reset => {
                 if let Some(c) = &self.current {
                     let id = c.client_id.clone();
@@ -210,7 +279,35 @@ impl Session {
         Ok(())
     }
 
-    fn start_chat(&mut self, chat: ValidChat, ctx: &mut ws::WebsocketContext<Self>) {
+    /// Validates a turn's messages and parameters and starts it: its reply replaces the
+    /// conversation from `replace_from` on.
+    fn validated_turn(
+        &mut self,
+        id: String,
+        messages: Vec<Message>,
+        params: crate::protocol::ChatParams,
+        replace_from: usize,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        let cfg = &self.state.session;
+        match cfg.limits.validate_chat(
+            id.clone(),
+            messages,
+            params,
+            &cfg.sampling,
+            cfg.default_max_tokens,
+        ) {
+            Ok(chat) => self.start_chat(chat, replace_from, ctx),
+            Err(e) => self.error(ctx, Some(id), e),
+        }
+    }
+
+    fn start_chat(
+        &mut self,
+        chat: ValidChat,
+        replace_from: usize,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
         if let Some(c) = &self.current {
             let busy = RequestError::Busy(c.client_id.clone());
             return self.error(ctx, Some(chat.id), busy);
@@ -228,7 +325,7 @@ impl Session {
             self.id,
         );
         let (history, messages, key) = (
-            self.conversation.clone(),
+            self.conversation[..replace_from].to_vec(),
             chat.messages.clone(),
             chat.cache_key.clone(),
         );
@@ -248,7 +345,7 @@ impl Session {
             let res = res
                 .unwrap_or_else(|e| Err(RequestError::Internal(format!("tokenizing failed: {e}"))));
             match res {
-                Ok(prompt) => act.submit_chat(chat, prompt, ctx),
+                Ok(prompt) => act.submit_chat(chat, prompt, replace_from, ctx),
                 Err(e) => act.error(ctx, Some(chat.id), e),
             }
         })
@@ -260,16 +357,21 @@ impl Session {
         &mut self,
         chat: ValidChat,
         prompt: super::prompt::Prompt,
+        replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         let request = next_request_id();
         self.current = Some(Current {
             client_id: chat.id.clone(),
             request,
+            replace_from,
             new_messages: chat.messages,
             text: ReplyText::new(chat.stop),
             deltas: 0,
+            delta_ends: Vec::new(),
+            prompt_tokens: None,
             ending: false,
+            heard: None,
         });
         let submit = Submit {
             request,
@@ -336,6 +438,7 @@ impl Session {
                 text,
             };
             c.deltas += 1;
+            c.delta_ends.push((c.text.tokens(), c.text.sent().len()));
             self.send(ctx, &frame);
         }
     }
@@ -451,6 +554,7 @@ impl Handler<GenerationEvent> for Session {
                 prompt_tokens,
                 cached_tokens,
             } => {
+                c.prompt_tokens = Some(prompt_tokens);
                 let f = ServerFrame::Started {
                     id: c.client_id.clone(),
                     prompt_tokens,
@@ -482,9 +586,10 @@ impl Handler<GenerationEvent> for Session {
                     generated = usage.completion_tokens, queue_ms = timings.queue_ms,
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"
                 );
+                let reply = Message::new("assistant", c.recorded_text());
+                self.conversation.truncate(c.replace_from);
                 self.conversation.extend(c.new_messages);
-                self.conversation
-                    .push(Message::new("assistant", c.text.sent()));
+                self.conversation.push(reply);
                 self.send(
                     ctx,
                     &ServerFrame::Done {

@@ -150,6 +150,73 @@ test("renderText and the reply path render hostile text inertly", async () => {
   await context.close();
 });
 
+test("Stop sends what was shown, Regenerate and Edit send their frames and undo on an error", async () => {
+  const { page, context, errors } = await newPage();
+  await page.setContent("<div id='log'></div><div id='live'></div>" +
+    "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>");
+  await page.addScriptTag({ path: WIDGET_JS });
+  const out = await page.evaluate(async () => {
+    const sent = [];
+    let sock;
+    class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
+    const $ = (id) => document.getElementById(id);
+    const c = new window.LlamaRelay.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
+      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
+    c.start();
+    await new Promise((r) => setTimeout(r, 0));
+    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    const done = (id, reason) => frame({ type: "done", id, finish_reason: reason,
+      usage: { prompt_tokens: 9, completion_tokens: 3, cached_tokens: 8 }, timings: { queue_ms: 1, ttft_ms: 5, decode_tokens_per_s: 40 } });
+    const bodies = () => [...$("log").querySelectorAll(".body")].map((b) => b.textContent);
+    frame({ type: "ready", session_id: "s", model: "m", limits: {} });
+    $("input").value = "Tell a story";
+    c.send();
+    const id1 = sent[0].id;
+    ["Once ", "upon ", "a "].forEach((t, i) => frame({ type: "delta", id: id1, index: i, text: t }));
+    c.stop();
+    // A delta already on its way when Stop was pressed is not shown: the user never saw it.
+    frame({ type: "delta", id: id1, index: 3, text: "time" });
+    done(id1, "cancelled");
+    const afterStop = bodies();
+    const buttons = { edit: $("log").querySelectorAll(".user button.edit").length,
+      regenerate: $("log").querySelectorAll(".assistant .actions button").length };
+    $("log").querySelector(".actions button").click();
+    const id2 = sent[2].id;
+    frame({ type: "delta", id: id2, index: 0, text: "Another story." });
+    done(id2, "stop");
+    const afterRegenerate = bodies();
+    // A refused regenerate leaves the reply as it was.
+    $("log").querySelector(".actions button").click();
+    frame({ type: "error", id: sent[3].id, error_type: "overloaded", message: "full" });
+    const afterRefusal = bodies();
+    $("input").value = "Go on";
+    c.send();
+    frame({ type: "delta", id: sent[4].id, index: 0, text: "More." });
+    done(sent[4].id, "stop");
+    const regenerateButtons = $("log").querySelectorAll(".actions button").length;
+    $("log").querySelector(".user button.edit").click();
+    const editing = $("input").value;
+    $("input").value = "Tell a joke";
+    c.send();
+    const edit = sent[5];
+    frame({ type: "delta", id: edit.id, index: 0, text: "A joke." });
+    done(edit.id, "stop");
+    return { sent, afterStop, buttons, afterRegenerate, afterRefusal, regenerateButtons, editing, afterEdit: bodies() };
+  });
+  assert.deepEqual(out.sent[1], { type: "cancel", id: out.sent[0].id, heard_index: 2 });
+  assert.deepEqual(out.afterStop, ["Tell a story", "Once upon a "]);
+  assert.deepEqual(out.buttons, { edit: 1, regenerate: 1 });
+  assert.deepEqual(out.sent[2], { type: "regenerate", id: out.sent[2].id });
+  assert.deepEqual(out.afterRegenerate, ["Tell a story", "Another story."]);
+  assert.deepEqual(out.afterRefusal.slice(0, 2), ["Tell a story", "Another story."]);
+  assert.equal(out.regenerateButtons, 1, "only the last reply can be regenerated");
+  assert.equal(out.editing, "Tell a story");
+  assert.deepEqual(out.sent[5], { type: "edit", id: out.sent[5].id, turn: 0, messages: [{ role: "user", content: "Tell a joke" }] });
+  assert.deepEqual(out.afterEdit.filter((b) => !b.startsWith("overloaded")), ["Tell a joke", "A joke."]);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
 // ---- The chat page on the real server --------------------------------------------------------
 
 test("chat page streams a reply with TTFT and tok/s, and a second turn hits the cache", async () => {
@@ -191,6 +258,43 @@ test("Stop ends the reply at once and the KV pool returns to idle", async () => 
   await kvIdle();
   assert.deepEqual(errors, []);
   console.log(`# stop to cancelled: ${stopMs} ms`);
+});
+
+test("after Stop the next question follows the shown text; Regenerate and Edit on the page", async () => {
+  const { page, context, errors } = await newPage();
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("Write a long story about a lighthouse keeper and a storm.");
+  await page.locator("#send").click();
+  await until(page, () => (document.querySelector("#log .assistant:last-child .body") || {}).textContent?.length > 40);
+  await page.locator("#stop").click();
+  await page.locator("#log .assistant .stats", { hasText: "finished: cancelled" }).waitFor({ timeout: 5_000 });
+  const shown = await page.locator("#log .assistant .body").first().textContent();
+  await page.waitForTimeout(300);
+  assert.equal(await page.locator("#log .assistant .body").first().textContent(), shown, "nothing more shown after Stop");
+  await page.locator("#input").fill("What happened next?");
+  await page.keyboard.press("Enter");
+  const next = await watchReply(page, "#log");
+  const cachedNext = Number(next.stats.match(/(\d+) cached tokens/)[1]);
+  assert.ok(cachedNext > 0, `the next turn reuses the heard turn: ${next.stats}`);
+  // Regenerate the last reply: the same prompt, all but its last token from the KV.
+  await page.locator("#log .assistant .actions button").click();
+  const again = await watchReply(page, "#log");
+  assert.ok(again.text.length > 0, "a regenerated reply");
+  assert.ok(Number(again.stats.match(/(\d+) cached tokens/)[1]) >= cachedNext, again.stats);
+  assert.equal(await page.locator("#log .user").count(), 2);
+  // Edit the first message: it and everything after it are replaced.
+  await page.locator("#log .user button.edit").first().click();
+  assert.equal(await page.locator("#input").inputValue(), "Write a long story about a lighthouse keeper and a storm.");
+  await page.locator("#input").fill("Write a haiku about the sea.");
+  await page.keyboard.press("Enter");
+  const edited = await watchReply(page, "#log");
+  assert.ok(edited.text.length > 0, "a reply to the edited message");
+  assert.deepEqual(await page.locator("#log .user .body").allTextContents(), ["Write a haiku about the sea."]);
+  assert.equal(await page.locator("#log .assistant").count(), 1);
+  await page.screenshot({ path: path.join(ARTIFACTS, "chat-edit.png") });
+  assert.deepEqual(errors, []);
+  await context.close();
 });
 
 test("hostile user text shows as characters on the chat page", async () => {

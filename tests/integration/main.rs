@@ -4,6 +4,7 @@
 mod abuse;
 mod browser;
 mod common;
+mod conversation;
 mod detokenizer;
 mod fuzz_corpus;
 mod gateway;

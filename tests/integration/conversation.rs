@@ -1,0 +1,262 @@
+//! Conversation frames beyond `chat` (docs/protocol.md): barge-in (`cancel` with `heard_index`),
+//! `regenerate` and `edit`, against the real server with the tiny Llama 3 model. Replies are
+//! greedy, so a conversation's next reply shows exactly what the conversation holds: a fresh
+//! session sent the same messages explicitly must get the same prompt length and text.
+
+use serde_json::{json, Value};
+
+use crate::common::*;
+use crate::gateway::{spawn_app, App, Client, Reply};
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    actix_web::rt::System::new().block_on(f);
+}
+
+fn greedy(max_tokens: u64) -> Value {
+    json!({"temperature": 0, "max_tokens": max_tokens})
+}
+
+fn user(text: &str) -> Value {
+    json!({"role": "user", "content": text})
+}
+
+/// `started`'s (prompt_tokens, cached_tokens).
+fn started(r: &Reply) -> (u64, u64) {
+    let s = r.started.as_ref().expect("a started frame");
+    (
+        s["prompt_tokens"].as_u64().unwrap(),
+        s["cached_tokens"].as_u64().unwrap(),
+    )
+}
+
+async fn ask(c: &mut Client, id: &str, text: &str, max_tokens: u64) -> Reply {
+    c.chat(id, text, greedy(max_tokens)).await;
+    let r = c.reply(id).await;
+    assert_eq!(r.done["type"], "done", "{}", r.done);
+    r
+}
+
+/// A fresh session sends `messages` as one chat: the reply a conversation holding them gets.
+async fn explicit(app: &App, messages: Value, max_tokens: u64) -> Reply {
+    let mut c = app.connect().await;
+    c.send(json!({"type": "chat", "id": "x", "messages": messages, "params": greedy(max_tokens)}))
+        .await;
+    let r = c.reply("x").await;
+    assert_eq!(r.done["type"], "done", "{}", r.done);
+    r
+}
+
+#[test]
+fn regenerate_replaces_the_last_reply_over_the_cached_prompt() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut c = app.connect().await;
+        let first = ask(&mut c, "q1", "Hello there, how are you?", 8).await;
+        let (p1, _) = started(&first);
+        // A sampled reply to the same prompt: everything but the prompt's last token is cached.
+        c.send(json!({"type": "regenerate", "id": "q2", "params": {"temperature": 1.0, "seed": 7, "max_tokens": 8}}))
+            .await;
+        let second = c.reply("q2").await;
+        assert_eq!(second.done["type"], "done", "{}", second.done);
+        assert_eq!(started(&second), (p1, p1 - 1));
+        // Again, greedy: the conversation holds one turn (the sampled reply was replaced, not
+        // appended), so the reply is the first one again.
+        c.send(json!({"type": "regenerate", "id": "q3", "params": greedy(8)}))
+            .await;
+        let third = c.reply("q3").await;
+        assert_eq!(started(&third), (p1, p1 - 1));
+        assert_eq!(third.text, first.text);
+        // The next turn sees [user, that reply, user].
+        let next = ask(&mut c, "q4", "Tell me more.", 8).await;
+        let want = explicit(
+            &app,
+            json!([user("Hello there, how are you?"), {"role": "assistant", "content": first.text}, user("Tell me more.")]),
+            8,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
+        // Nothing to regenerate in a new session.
+        let mut d = app.connect().await;
+        d.send(json!({"type": "regenerate", "id": "r"})).await;
+        let e = d.recv().await;
+        assert_eq!(
+            (e["type"].as_str(), e["error_type"].as_str()),
+            (Some("error"), Some("invalid_request")),
+            "{e}"
+        );
+    });
+}
+
+#[test]
+fn edit_replaces_a_turn_and_what_follows_reusing_the_kv_before_it() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut c = app.connect().await;
+        let a = ask(&mut c, "a", "What is the capital of France?", 8).await;
+        ask(&mut c, "b", "And the capital of Germany?", 8).await;
+        ask(&mut c, "c", "And of Italy?", 8).await;
+        // Turn 1 ("Germany") and everything after it give way to a new question.
+        c.send(json!({"type": "edit", "id": "e", "turn": 1, "messages": [user("And the capital of Spain?")], "params": greedy(8)}))
+            .await;
+        let edited = c.reply("e").await;
+        assert_eq!(edited.done["type"], "done", "{}", edited.done);
+        let history = json!([user("What is the capital of France?"), {"role": "assistant", "content": a.text}, user("And the capital of Spain?")]);
+        let want = explicit(&app, history, 8).await;
+        let (prompt, cached) = started(&edited);
+        assert_eq!(prompt, started(&want).0);
+        assert_eq!(edited.text, want.text);
+        // Everything up to where "Germany" and "Spain" part is reused: at least the first turn
+        // and the header of the second, and not the whole prompt.
+        let (p_a, _) = started(&a);
+        eprintln!("edit: cached {cached} of {prompt} (first prompt {p_a})");
+        assert!(
+            cached > p_a && cached < prompt,
+            "cached {cached} of {prompt} (first prompt {p_a})"
+        );
+        // The next turn follows the edited conversation.
+        let next = ask(&mut c, "n", "Thanks.", 8).await;
+        let want = explicit(
+            &app,
+            json!([user("What is the capital of France?"), {"role": "assistant", "content": a.text},
+                   user("And the capital of Spain?"), {"role": "assistant", "content": edited.text},
+                   user("Thanks.")]),
+            8,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
+        // A turn that does not exist.
+        c.send(json!({"type": "edit", "id": "z", "turn": 5, "messages": [user("?")]}))
+            .await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        assert!(e["message"].as_str().unwrap().contains("`turn`"), "{e}");
+    });
+}
+
+/// Reads a long reply until delta `upto`, then cancels it with `heard`; returns the deltas'
+/// texts and the `done`.
+async fn cut(c: &mut Client, id: &str, upto: usize, heard: Option<usize>) -> (Vec<String>, Value) {
+    c.chat(
+        id,
+        "Count slowly to a thousand.",
+        json!({"temperature": 0, "max_tokens": 1000, "ignore_eos": true}),
+    )
+    .await;
+    let mut deltas = Vec::new();
+    loop {
+        let f = c.recv().await;
+        if f["type"] == "delta" {
+            deltas.push(f["text"].as_str().unwrap().to_string());
+            if deltas.len() > upto {
+                break;
+            }
+        }
+    }
+    let mut cancel = json!({"type": "cancel", "id": id});
+    if let Some(h) = heard {
+        cancel["heard_index"] = json!(h);
+    }
+    c.send(cancel).await;
+    loop {
+        let f = c.recv().await;
+        match f["type"].as_str().unwrap() {
+            "delta" => deltas.push(f["text"].as_str().unwrap().to_string()),
+            "done" => return (deltas, f),
+            _ => panic!("{f}"),
+        }
+    }
+}
+
+#[test]
+fn barge_in_keeps_only_what_was_heard_in_the_conversation_and_the_kv() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = 4096;
+        s.engine.cache_tokens = 16384;
+    });
+    run(async {
+        // Without heard_index the lease keeps the whole reply so far.
+        let mut all = app.connect().await;
+        let (_, done) = cut(&mut all, "w", 60, None).await;
+        assert_eq!(done["finish_reason"], "cancelled");
+        let held_all = app.wait_idle().await.kv_blocks_held;
+        drop(all);
+        app.wait_idle().await;
+
+        let mut c = app.connect().await;
+        let held_before = app.wait_idle().await.kv_blocks_held;
+        // heard_index past what was sent: refused, and the reply goes on.
+        c.chat(
+            "h",
+            "Count slowly to a thousand.",
+            json!({"temperature": 0, "max_tokens": 1000, "ignore_eos": true}),
+        )
+        .await;
+        loop {
+            if c.recv().await["type"] == "delta" {
+                break;
+            }
+        }
+        c.send(json!({"type": "cancel", "id": "h", "heard_index": 100000}))
+            .await;
+        let mut more = 0;
+        loop {
+            let f = c.recv().await;
+            if f["type"] == "error" {
+                assert_eq!(f["error_type"], "invalid_request", "{f}");
+                assert!(
+                    f["message"].as_str().unwrap().contains("heard_index"),
+                    "{f}"
+                );
+                break;
+            }
+        }
+        while more < 3 {
+            if c.recv().await["type"] == "delta" {
+                more += 1;
+            }
+        }
+        c.send(json!({"type": "cancel", "id": "h"})).await;
+        loop {
+            if c.recv().await["type"] == "done" {
+                break;
+            }
+        }
+        c.send(json!({"type": "reset"})).await;
+        app.wait_idle().await;
+
+        // The user heard deltas 0..=2 of 60.
+        let (deltas, done) = cut(&mut c, "q1", 60, Some(2)).await;
+        assert_eq!(done["finish_reason"], "cancelled");
+        let heard: String = deltas[..3].concat();
+        let held_heard = app.wait_idle().await.kv_blocks_held;
+        assert!(
+            held_heard - held_before < held_all,
+            "the lease keeps the heard part only: {held_heard} - {held_before} blocks against {held_all}"
+        );
+        // The next turn's prompt holds exactly the heard text as the assistant's message.
+        let next = ask(&mut c, "q2", "Go on.", 8).await;
+        let want = explicit(
+            &app,
+            json!([user("Count slowly to a thousand."), {"role": "assistant", "content": heard}, user("Go on.")]),
+            8,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
+        // Its cached part covers the first prompt and what the heard text re-tokenizes to.
+        let p1 = done["usage"]["prompt_tokens"].as_u64().unwrap();
+        let (prompt, cached) = started(&next);
+        eprintln!(
+            "barge-in: next turn cached {cached} of {prompt} (first prompt {p1}, heard {heard:?})"
+        );
+        assert!(
+            cached >= p1 && cached < prompt,
+            "{cached} of {prompt} (first prompt {p1})"
+        );
+    });
+}
