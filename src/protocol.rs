@@ -39,6 +39,15 @@ pub enum ClientFrame {
         #[serde(default)]
         params: ChatParams,
     },
+    /// The first frame of a new connection: carry on the session whose `ready` gave `token`,
+    /// replaying reply `id`'s deltas after `after_index` (all of them without it).
+    Resume {
+        token: String,
+        #[serde(default)]
+        id: Option<String>,
+        #[serde(default)]
+        after_index: Option<usize>,
+    },
     Reset,
 }
 
@@ -106,6 +115,12 @@ pub enum ServerFrame {
         session_id: String,
         model: String,
         limits: serde_json::Value,
+        /// Sent with a `resume` frame after the connection drops (absent when resuming is off).
+        #[serde(skip_serializing_if = "Option::is_none")]
+        resume_token: Option<String>,
+        /// This `ready` answers a `resume`: the session carries on.
+        #[serde(skip_serializing_if = "std::ops::Not::not")]
+        resumed: bool,
     },
     Queued {
         id: String,
@@ -181,6 +196,9 @@ pub enum RequestError {
     /// The client read nothing while its reply queued up.
     #[error("{0}")]
     SlowReader(String),
+    /// A `resume` that cannot be honoured; the connection goes on as a fresh session.
+    #[error("{0}")]
+    ResumeFailed(String),
     #[error("{0}")]
     Internal(String),
 }
@@ -197,6 +215,7 @@ impl RequestError {
             RequestError::NotReady(_) => "not_ready",
             RequestError::RateLimited(_) => "rate_limited",
             RequestError::SlowReader(_) => "slow_reader",
+            RequestError::ResumeFailed(_) => "resume_failed",
             RequestError::Internal(_) => "internal",
         }
     }

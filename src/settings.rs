@@ -58,6 +58,8 @@ pub struct ServerSettings {
     pub shutdown_grace_s: u64,
     /// A connection whose client takes none of the bytes it is sent for this long is reset.
     pub write_timeout_s: u64,
+    /// How long a session whose connection dropped can be resumed; 0 = not at all.
+    pub resume_grace_s: u64,
     /// Frames queued for a client that is not reading them before its reply is cancelled.
     pub max_queued_frames: usize,
     /// Each accepted socket's kernel send buffer in KiB; 0 = the kernel's autotuning.

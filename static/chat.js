@@ -12,5 +12,7 @@
     }
   });
   conversation.start();
+  // For the browser tests and the console.
+  window.llamaRelayChat = conversation;
   $("input").focus();
 }());

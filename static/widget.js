@@ -53,6 +53,9 @@
     this.turns = [];
     this.lastReply = null;
     this.editing = null;
+    // The session's resume token (from `ready`), and the one to resume with after a drop.
+    this.resumeToken = null;
+    this.pendingResume = null;
   }
 
   Conversation.prototype.start = function () {
@@ -111,10 +114,14 @@
     ws.onclose = function () {
       if (self.ws !== ws) { return; }
       self.ws = null;
-      if (self.current) { self.finish(null, "connection lost"); }
-      // The server's conversation went with the session: nothing on screen can be edited or
-      // regenerated there any more.
-      self.forgetTurns();
+      if (self.resumeToken) {
+        // The session waits on the server: the next connection resumes it, the running reply
+        // included (docs/protocol.md, "Resume").
+        self.pendingResume = self.resumeToken;
+        if (self.current) { renderText(self.current.stats, "reconnecting…"); }
+      } else {
+        self.lostSession();
+      }
       self.retry("disconnected");
     };
   };
@@ -146,14 +153,34 @@
     return { div: div, body: body };
   };
 
+  /** The server's conversation is gone: a running reply ends here, and nothing on screen can be
+   * edited or regenerated there any more. */
+  Conversation.prototype.lostSession = function () {
+    if (this.current) { this.finish(null, "connection lost"); }
+    this.forgetTurns();
+  };
+
   Conversation.prototype.handle = function (f) {
     var c = this.current;
     var mine = c && f.id === c.id;
+    if (f.type === "error" && f.error_type === "resume_failed") {
+      this.lostSession();
+      return;
+    }
     switch (f.type) {
       case "ready":
         this.backoff = BACKOFF_MIN_MS;
         this.setConn("connected", "ok");
         if (this.els.model) { renderText(this.els.model, f.model || ""); }
+        this.resumeToken = f.resume_token || null;
+        if (f.resumed) {
+          if (c) { renderText(c.stats, ""); }
+        } else if (this.pendingResume) {
+          var resume = { type: "resume", token: this.pendingResume };
+          if (c) { resume.id = c.id; if (c.lastIndex >= 0) { resume.after_index = c.lastIndex; } }
+          this.ws.send(JSON.stringify(resume));
+        }
+        this.pendingResume = null;
         break;
       case "queued":
         if (mine && f.position > 0) { renderText(c.stats, "queued, position " + f.position); }
@@ -163,7 +190,7 @@
         break;
       case "delta":
         // After Stop, nothing more is shown: the conversation keeps what was (heard_index).
-        if (mine && !c.stopped) {
+        if (mine && !c.stopped && f.index > c.lastIndex) {
           c.lastIndex = f.index;
           c.text += f.text;
           renderText(c.body, c.text);
@@ -326,6 +353,7 @@
     }
     this.els.log.textContent = "";
     this.forgetTurns();
+    this.pendingResume = null;
     this.greet();
     this.els.input.focus();
   };

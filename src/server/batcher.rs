@@ -9,7 +9,7 @@
 //! cancel (TGI, mistral.rs). It runs on its own Arbiter because a forward step blocks the thread.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,6 +65,9 @@ pub enum EventKind {
 pub struct ReplyTo {
     sink: Sink,
     backlog: Arc<Backlog>,
+    /// Set by a session whose connection dropped and which waits to be resumed: its request goes
+    /// on and nothing is sent (the batcher keeps the reply's token ids for the resume).
+    parked: Option<Arc<AtomicBool>>,
 }
 
 #[derive(Clone)]
@@ -79,7 +82,20 @@ impl ReplyTo {
         ReplyTo {
             sink: Sink::Session(to),
             backlog,
+            parked: None,
         }
+    }
+
+    /// This sink, parked while `flag` is set (a session that can be resumed).
+    pub fn parkable(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.parked = Some(flag);
+        self
+    }
+
+    fn is_parked(&self) -> bool {
+        self.parked
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
     }
 
     /// A response stream, whose reader calls `backlog.taken()` for each event it receives.
@@ -90,10 +106,14 @@ impl ReplyTo {
         ReplyTo {
             sink: Sink::Stream(to),
             backlog,
+            parked: None,
         }
     }
 
     fn send(&self, ev: GenerationEvent) {
+        if self.is_parked() {
+            return;
+        }
         self.backlog.posted();
         match &self.sink {
             Sink::Session(r) => r.do_send(ev),
@@ -105,11 +125,35 @@ impl ReplyTo {
     }
 
     fn connected(&self) -> bool {
+        if self.is_parked() {
+            return true;
+        }
         match &self.sink {
             Sink::Session(r) => r.connected(),
             Sink::Stream(s) => !s.is_closed(),
         }
     }
+}
+
+/// A session's connection dropped and it waits to be resumed (its `ReplyTo`'s flag is already
+/// set): its request goes on for `grace`, then ends as if disconnected.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Park {
+    pub request: RequestId,
+    pub grace: Duration,
+}
+
+/// A resumed session takes over a parked request: its events from now on go to `reply_to`, and
+/// the answer is the request's events so far (`started`, every token, and its end if it ended
+/// while parked), for the session to rebuild the reply from. `None`: the request is gone (it
+/// failed, or the grace ran out).
+#[derive(Message)]
+#[rtype(result = "Option<Vec<EventKind>>")]
+pub struct Resume {
+    pub request: Option<RequestId>,
+    pub lease: LeaseKey,
+    pub reply_to: ReplyTo,
 }
 
 /// Queue a generation.
@@ -208,6 +252,25 @@ struct Active {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     generated: usize,
+    /// The reply's token ids, for a session that resumes.
+    ids: Vec<u32>,
+}
+
+impl Active {
+    /// What the client has been told so far, as events.
+    fn history(&self) -> Vec<EventKind> {
+        let started = self.scheduled.map(|_| EventKind::Started {
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+        });
+        started
+            .into_iter()
+            .chain(self.ids.iter().map(|&t| EventKind::Token {
+                id: t,
+                logprobs: None,
+            }))
+            .collect()
+    }
 }
 
 pub struct BatcherConfig {
@@ -274,6 +337,10 @@ pub struct Batcher {
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
+    /// Replies of parked sessions that ended while parked, whole, until resumed or expired, and
+    /// when each parked request's grace ends.
+    parked_done: HashMap<RequestId, Vec<EventKind>>,
+    park_expiry: Expiry<RequestId>,
     max_queued_frames: usize,
     on_failure: Option<OnFailure>,
     /// Set when the engine failed for good: every request is refused with this reason.
@@ -296,6 +363,8 @@ impl Batcher {
             reported: [0; 6],
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
+            parked_done: HashMap::new(),
+            park_expiry: Expiry::default(),
             max_queued_frames: cfg.max_queued_frames,
             on_failure: cfg.on_failure,
             failed: None,
@@ -392,13 +461,25 @@ impl Batcher {
                 completion_tokens: a.generated,
                 cached_tokens: a.cached_tokens,
             };
+            let end = EventKind::Finished {
+                reason,
+                usage,
+                timings,
+            };
+            self.end(id, a, end);
+        }
+    }
+
+    /// Sends a request's last event; a parked session's reply is kept whole for its resume.
+    fn end(&mut self, id: RequestId, a: Active, end: EventKind) {
+        if a.reply_to.is_parked() {
+            let mut events = a.history();
+            events.push(end);
+            self.parked_done.insert(id, events);
+        } else {
             a.reply_to.send(GenerationEvent {
                 request: id,
-                kind: EventKind::Finished {
-                    reason,
-                    usage,
-                    timings,
-                },
+                kind: end,
             });
         }
     }
@@ -411,10 +492,7 @@ impl Batcher {
                     continue;
                 };
                 self.metrics.error(err.error_type());
-                a.reply_to.send(GenerationEvent {
-                    request: id,
-                    kind: EventKind::Failed(err.clone()),
-                });
+                self.end(id, a, EventKind::Failed(err.clone()));
             }
         }
     }
@@ -425,8 +503,19 @@ impl Batcher {
         }
     }
 
+    /// Parked requests whose session was not resumed in time end as if disconnected.
+    fn expire_parked(&mut self) {
+        for id in self.park_expiry.due(Instant::now()) {
+            self.parked_done.remove(&id);
+            if self.active.get(&id).is_some_and(|a| a.reply_to.is_parked()) {
+                self.remove(id);
+            }
+        }
+    }
+
     fn step(&mut self) -> bool {
         self.expire_leases();
+        self.expire_parked();
         if self.drain_deadline.is_some_and(|d| Instant::now() >= d) {
             let ids: Vec<RequestId> = self.active.keys().copied().collect();
             for id in ids {
@@ -629,6 +718,9 @@ impl Batcher {
             Some(l) => self.metrics.inter_token.observe((now - l).as_secs_f64()),
         }
         a.last_token = Some(now);
+        if a.reply_to.parked.is_some() {
+            a.ids.push(token);
+        }
         self.metrics.generation_tokens.inc();
         a.reply_to.send(GenerationEvent {
             request: id,
@@ -640,28 +732,39 @@ impl Batcher {
     }
 }
 
-/// When the leases of closed sessions go, in time order: each step looks only at the ones due.
-#[derive(Default)]
-struct LeaseExpiry {
-    by_time: std::collections::BTreeSet<(Instant, LeaseKey)>,
-    at: HashMap<LeaseKey, Instant>,
+/// When things go (closed sessions' leases, parked sessions' requests), in time order: each step
+/// looks only at the ones due.
+struct Expiry<K> {
+    by_time: std::collections::BTreeSet<(Instant, K)>,
+    at: HashMap<K, Instant>,
 }
 
-impl LeaseExpiry {
-    fn set(&mut self, k: LeaseKey, t: Instant) {
+type LeaseExpiry = Expiry<LeaseKey>;
+
+impl<K> Default for Expiry<K> {
+    fn default() -> Self {
+        Expiry {
+            by_time: Default::default(),
+            at: HashMap::new(),
+        }
+    }
+}
+
+impl<K: Copy + Ord + std::hash::Hash> Expiry<K> {
+    fn set(&mut self, k: K, t: Instant) {
         self.remove(&k);
         self.by_time.insert((t, k));
         self.at.insert(k, t);
     }
 
-    fn remove(&mut self, k: &LeaseKey) {
+    fn remove(&mut self, k: &K) {
         if let Some(t) = self.at.remove(k) {
             self.by_time.remove(&(t, *k));
         }
     }
 
-    /// Removes and returns the leases due at `now`.
-    fn due(&mut self, now: Instant) -> Vec<LeaseKey> {
+    /// Removes and returns the keys due at `now`.
+    fn due(&mut self, now: Instant) -> Vec<K> {
         let mut out = Vec::new();
         while let Some(&(t, k)) = self.by_time.first() {
             if t > now {
@@ -775,6 +878,7 @@ impl Handler<Submit> for Batcher {
                     first_token: None,
                     last_token: None,
                     generated: 0,
+                    ids: Vec::new(),
                 },
             );
         }
@@ -844,6 +948,38 @@ impl Handler<EndLease> for Batcher {
         self.lease_expiry
             .set(m.lease, Instant::now() + self.lease_grace);
         self.expire_leases();
+    }
+}
+
+impl Handler<Park> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: Park, ctx: &mut Context<Self>) {
+        self.park_expiry.set(m.request, Instant::now() + m.grace);
+        self.expire_parked();
+        self.wake(ctx);
+    }
+}
+
+impl Handler<Resume> for Batcher {
+    type Result = Option<Vec<EventKind>>;
+
+    fn handle(&mut self, m: Resume, _: &mut Context<Self>) -> Self::Result {
+        self.expire_parked();
+        self.lease_expiry.remove(&m.lease);
+        let Some(request) = m.request else {
+            return Some(Vec::new());
+        };
+        self.park_expiry.remove(&request);
+        if let Some(events) = self.parked_done.remove(&request) {
+            return Some(events);
+        }
+        let a = self.active.get_mut(&request)?;
+        if !a.reply_to.is_parked() {
+            return None;
+        }
+        a.reply_to = m.reply_to;
+        Some(a.history())
     }
 }
 

@@ -193,6 +193,7 @@ impl Settings {
             heartbeat: std::time::Duration::from_secs(self.server.heartbeat_s),
             client_timeout: std::time::Duration::from_secs(self.server.client_timeout_s),
             write_timeout: std::time::Duration::from_secs(self.server.write_timeout_s),
+            resume_grace: std::time::Duration::from_secs(self.server.resume_grace_s),
         }
     }
 

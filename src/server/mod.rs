@@ -8,6 +8,7 @@ pub mod batcher;
 mod config;
 pub mod openai;
 pub mod outbox;
+pub mod parked;
 pub mod prompt;
 pub mod rate;
 pub mod reply;
@@ -63,6 +64,8 @@ pub struct SessionConfig {
     pub client_timeout: Duration,
     /// A connection whose body is not polled for this long is reset (`outbox`).
     pub write_timeout: Duration,
+    /// How long a session whose connection dropped can be resumed (zero: not at all).
+    pub resume_grace: Duration,
 }
 
 pub struct AppState {
@@ -71,6 +74,8 @@ pub struct AppState {
     pub access: access::Access,
     /// Places for sessions and API requests (connection caps).
     pub admission: admission::Admission,
+    /// Sessions whose connection dropped, waiting to be resumed.
+    pub parked: parked::Parked,
     pub metrics: Arc<Metrics>,
     pub session: SessionConfig,
     pub static_dir: std::path::PathBuf,
@@ -289,6 +294,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         tenants,
         access,
         admission,
+        parked: parked::Parked::new(max_connections),
         metrics: metrics.clone(),
         session: settings.session_config(),
         static_dir: settings.server.static_dir.clone().into(),
@@ -297,6 +303,16 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .map(|d| d.as_secs())
             .unwrap_or(0),
     });
+    // Parked sessions past their grace give back their connection places.
+    if !settings.session_config().resume_grace.is_zero() {
+        let sweep = state.clone();
+        actix_web::rt::spawn(async move {
+            loop {
+                actix_web::rt::time::sleep(Duration::from_secs(1)).await;
+                sweep.parked.sweep(std::time::Instant::now());
+            }
+        });
+    }
     let (failed_tx, failed) = tokio::sync::watch::channel(None);
     let failure_state = state.clone();
     let batcher_cfg = crate::server::batcher::BatcherConfig {

@@ -18,7 +18,7 @@
 //! none, so both are here; the socket is reached through the descriptor `Peer` records.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -99,6 +99,7 @@ pub fn watched<S>(
     peer: Option<Peer>,
     timeout: Duration,
     metrics: Arc<Metrics>,
+    on_reset: Option<Arc<AtomicBool>>,
 ) -> Watched<S> {
     let origin = Instant::now();
     let last = Arc::new(LastPoll {
@@ -106,7 +107,13 @@ pub fn watched<S>(
         ms: AtomicU64::new(0),
     });
     if let Some(peer) = peer {
-        actix_web::rt::spawn(watch(Arc::downgrade(&last), peer, timeout, metrics));
+        actix_web::rt::spawn(watch(
+            Arc::downgrade(&last),
+            peer,
+            timeout,
+            metrics,
+            on_reset,
+        ));
     }
     Watched { inner: body, last }
 }
@@ -115,7 +122,14 @@ pub fn watched<S>(
 /// the connection's dispatcher, which owns the socket: while `last` can be upgraded the
 /// descriptor is the connection's own (not closed, not reused), and since this task runs on the
 /// same thread nothing can drop the connection between the upgrade and `abort`.
-async fn watch(last: Weak<LastPoll>, peer: Peer, timeout: Duration, metrics: Arc<Metrics>) {
+/// `on_reset` is set before the reset (a session reset for not reading is not kept for a resume).
+async fn watch(
+    last: Weak<LastPoll>,
+    peer: Peer,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    on_reset: Option<Arc<AtomicBool>>,
+) {
     let tick = (timeout / 4).max(Duration::from_millis(50));
     loop {
         actix_web::rt::time::sleep(tick).await;
@@ -129,6 +143,9 @@ async fn watch(last: Weak<LastPoll>, peer: Peer, timeout: Duration, metrics: Arc
                 idle_ms = last.idle().as_millis() as u64,
                 "a client read nothing for server.write_timeout_s; resetting its connection"
             );
+            if let Some(f) = on_reset {
+                f.store(true, Ordering::SeqCst);
+            }
             peer.abort();
             return;
         }

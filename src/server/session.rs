@@ -7,6 +7,7 @@
 //! Token ids become text through the incremental detokenizer (complete UTF-8 only), stop strings
 //! are applied here, and the reply is streamed as `delta` frames the moment tokens arrive.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,6 +15,7 @@ use actix::prelude::*;
 use actix_web_actors::ws;
 
 use super::outbox::{watched, Backlog};
+use super::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
 use super::prompt::chat_prompt;
 use super::rate::TokenBucket;
 use super::reply::ReplyText;
@@ -23,7 +25,8 @@ use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
-    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, ReplyTo, Submit,
+    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Park, ReplyTo,
+    Resume, Submit,
 };
 use crate::tokenizer::Message;
 
@@ -45,9 +48,55 @@ struct Current {
     ending: bool,
     /// The last delta the user heard, from a `cancel` with `heard_index`.
     heard: Option<usize>,
+    /// The reply's stop strings (to rebuild its text on a resume).
+    stop: Vec<String>,
+    /// A `cancel` was sent after this many of the reply's tokens.
+    cancelled_at: Option<usize>,
+    /// Resumed: deltas up to this index were sent before, and `started` too.
+    skip: Option<usize>,
+    started: Option<ServerFrame>,
 }
 
 impl Current {
+    fn new(
+        client_id: String,
+        request: RequestId,
+        replace_from: usize,
+        new_messages: Vec<Message>,
+        stop: Vec<String>,
+    ) -> Self {
+        Current {
+            client_id,
+            request,
+            replace_from,
+            new_messages,
+            text: ReplyText::new(stop.clone()),
+            deltas: 0,
+            delta_ends: Vec::new(),
+            prompt_tokens: None,
+            ending: false,
+            heard: None,
+            stop,
+            cancelled_at: None,
+            skip: None,
+            started: None,
+        }
+    }
+
+    /// The deltas sent so far, by index.
+    fn delta_texts(&self) -> Vec<String> {
+        let sent = self.text.sent();
+        let mut from = 0;
+        self.delta_ends
+            .iter()
+            .map(|&(_, end)| {
+                let t = sent[from..end].to_string();
+                from = end;
+                t
+            })
+            .collect()
+    }
+
     /// The reply as the conversation records it: all that was sent, or what the user heard.
     fn recorded_text(&self) -> &str {
         let sent = self.text.sent();
@@ -67,13 +116,26 @@ pub struct Session {
     conversation: Vec<Message>,
     current: Option<Current>,
     last_heard: Instant,
-    /// The session's place under the connection caps, given back when it ends.
-    _permit: super::admission::Permit,
+    /// The session's place under the connection caps, given back when it ends (a parked
+    /// session keeps it: its reply still runs).
+    permit: Option<super::admission::Permit>,
     /// Text frames it may send, and refused frames it may send before it is closed.
     frames: TokenBucket,
     rejected: TokenBucket,
     /// Events the batcher posted to this session and it has not handled yet.
     backlog: Arc<Backlog>,
+    /// The token a new connection sends to carry this session on (`parked`), and the flag that
+    /// tells the batcher the session is parked.
+    token: String,
+    parked: Arc<AtomicBool>,
+    /// A frame other than `resume` has been handled (`resume` must come first).
+    used: bool,
+    /// The last reply that ended, for a resume that lost its tail.
+    last: Option<LastReply>,
+    /// The server closed the connection for what the client did (or reset it for reading
+    /// nothing): such a session is not parked.
+    closed_for_policy: bool,
+    reset_for_not_reading: Arc<AtomicBool>,
 }
 
 impl Session {
@@ -97,8 +159,14 @@ impl Session {
             conversation: Vec::new(),
             current: None,
             last_heard: Instant::now(),
-            _permit: permit,
+            permit: Some(permit),
             backlog: Backlog::new(),
+            token: super::parked::new_token(),
+            parked: Arc::new(AtomicBool::new(false)),
+            used: false,
+            last: None,
+            closed_for_policy: false,
+            reset_for_not_reading: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -113,10 +181,11 @@ impl Session {
         let l = &self.state.session;
         let codec = actix_http::ws::Codec::new().max_size(l.limits.max_frame_bytes);
         let (timeout, metrics) = (l.write_timeout, self.state.metrics.clone());
+        let reset = self.reset_for_not_reading.clone();
         let mut resp = ws::handshake(req)?;
         let body = Box::pin(ws::WebsocketContext::with_codec(self, stream, codec));
         let peer = req.conn_data::<super::Peer>().copied();
-        Ok(resp.streaming(watched(body, peer, timeout, metrics)))
+        Ok(resp.streaming(watched(body, peer, timeout, metrics, Some(reset))))
     }
 
     /// The session's KV lease key (its id, as a number).
@@ -147,6 +216,7 @@ impl Session {
                 | RequestError::RateLimited(_)
         );
         if clients_fault && !self.rejected.take(Instant::now()) {
+            self.closed_for_policy = true;
             self.state.metrics.error("too_many_rejected");
             tracing::info!(session = %self.id, "too many refused frames; closing");
             ctx.close(Some(ws::CloseReason {
@@ -171,7 +241,15 @@ impl Session {
                 );
             }
         };
+        if !matches!(frame, ClientFrame::Resume { .. }) {
+            self.used = true;
+        }
         match frame {
+            ClientFrame::Resume {
+                token,
+                id,
+                after_index,
+            } => self.resume(token, id, after_index, ctx),
             ClientFrame::Chat {
                 id,
                 messages,
@@ -197,6 +275,7 @@ impl Session {
                     if !c.ending {
                         c.ending = true;
                         c.heard = heard_index;
+                        c.cancelled_at = Some(c.text.tokens());
                         // The lease keeps the prompt and the heard deltas' tokens.
                         let keep = heard_index
                             .and_then(|h| c.prompt_tokens.map(|p| p + c.delta_ends[h].0));
@@ -361,18 +440,14 @@ impl Session {
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         let request = next_request_id();
-        self.current = Some(Current {
-            client_id: chat.id.clone(),
+        self.last = None;
+        self.current = Some(Current::new(
+            chat.id.clone(),
             request,
             replace_from,
-            new_messages: chat.messages,
-            text: ReplyText::new(chat.stop),
-            deltas: 0,
-            delta_ends: Vec::new(),
-            prompt_tokens: None,
-            ending: false,
-            heard: None,
-        });
+            chat.messages,
+            chat.stop,
+        ));
         let submit = Submit {
             request,
             prompt: prompt.ids,
@@ -387,7 +462,7 @@ impl Session {
             lease: Some(self.lease_key()),
             logprobs: None,
             forks: Vec::new(),
-            reply_to: ReplyTo::session(ctx.address().recipient(), self.backlog.clone()),
+            reply_to: self.reply_to(ctx),
             quota: self.identity.quota,
         };
         let id = chat.id;
@@ -432,14 +507,17 @@ impl Session {
             });
         }
         if !text.is_empty() {
+            let index = c.deltas;
             let frame = ServerFrame::Delta {
                 id: c.client_id.clone(),
-                index: c.deltas,
+                index,
                 text,
             };
             c.deltas += 1;
             c.delta_ends.push((c.text.tokens(), c.text.sent().len()));
-            self.send(ctx, &frame);
+            if c.skip.is_none_or(|s| index > s) {
+                self.send(ctx, &frame);
+            }
         }
     }
 }
@@ -450,12 +528,14 @@ impl Actor for Session {
     fn started(&mut self, ctx: &mut Self::Context) {
         self.state.metrics.sessions.inc();
         let cfg = self.state.session.clone();
-        let ready = ServerFrame::Ready {
-            session_id: self.id.to_string(),
-            model: self.ready.model.clone(),
-            limits: serde_json::to_value(&cfg.limits).unwrap_or_default(),
-        };
-        self.send(ctx, &ready);
+        self.send_ready(ctx, false);
+        if !cfg.resume_grace.is_zero() {
+            self.state.parked.register(
+                self.token.clone(),
+                self.identity.clone(),
+                ctx.address().recipient(),
+            );
+        }
         ctx.run_interval(cfg.heartbeat, move |act, ctx| {
             if act.last_heard.elapsed() > cfg.client_timeout {
                 tracing::info!(session = %act.id, "no pong within the timeout; closing");
@@ -469,6 +549,14 @@ impl Actor for Session {
 
     fn stopped(&mut self, _: &mut Self::Context) {
         self.state.metrics.sessions.dec();
+        if self.parked.load(Ordering::SeqCst) || self.park() {
+            tracing::debug!(session = %self.id, "connection gone; session parked for a resume");
+            self.ready.batcher.do_send(EndLease {
+                lease: self.lease_key(),
+            });
+            return;
+        }
+        self.state.parked.unregister(&self.token);
         if let Some(c) = self.current.take() {
             self.ready.batcher.do_send(Cancel {
                 request: c.request,
@@ -518,6 +606,7 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for Session {
             ),
             Ok(ws::Message::Nop) => {}
             Err(ws::ProtocolError::Overflow) => {
+                self.closed_for_policy = true;
                 self.state.metrics.error("frame_too_large");
                 ctx.close(Some(ws::CloseReason {
                     code: ws::CloseCode::Size,
@@ -529,6 +618,9 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for Session {
                 ctx.stop();
             }
             Err(e) => {
+                // A connection that broke (an I/O error) may be resumed; one that broke the
+                // protocol may not.
+                self.closed_for_policy = !matches!(e, ws::ProtocolError::Io(_));
                 tracing::info!(session = %self.id, error = %e, "protocol error; closing");
                 ctx.close(Some(ws::CloseReason {
                     code: ws::CloseCode::Protocol,
@@ -540,16 +632,45 @@ impl StreamHandler<Result<ws::Message, ws::ProtocolError>> for Session {
     }
 }
 
+/// A new connection resumes this session while this one still looks alive: park now and close.
+impl Handler<Takeover> for Session {
+    type Result = bool;
+
+    fn handle(&mut self, _: Takeover, ctx: &mut Self::Context) -> bool {
+        if !self.park() {
+            return false;
+        }
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Normal,
+            description: Some("the session was resumed on another connection".into()),
+        }));
+        ctx.stop();
+        true
+    }
+}
+
 impl Handler<GenerationEvent> for Session {
     type Result = ();
 
     fn handle(&mut self, ev: GenerationEvent, ctx: &mut Self::Context) {
         self.backlog.taken();
+        self.on_event(ev.request, ev.kind, ctx);
+    }
+}
+
+impl Session {
+    /// What the batcher reports of the request in flight (live, or replayed on a resume).
+    fn on_event(
+        &mut self,
+        request: RequestId,
+        kind: EventKind,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
         let Some(c) = &mut self.current else { return };
-        if c.request != ev.request {
+        if c.request != request {
             return;
         }
-        match ev.kind {
+        match kind {
             EventKind::Started {
                 prompt_tokens,
                 cached_tokens,
@@ -560,7 +681,10 @@ impl Handler<GenerationEvent> for Session {
                     prompt_tokens,
                     cached_tokens,
                 };
-                self.send(ctx, &f);
+                c.started = Some(f.clone());
+                if c.skip.is_none() {
+                    self.send(ctx, &f);
+                }
             }
             EventKind::Token { id: t, .. } => {
                 if c.ending {
@@ -587,24 +711,282 @@ impl Handler<GenerationEvent> for Session {
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"
                 );
                 let reply = Message::new("assistant", c.recorded_text());
+                let done = ServerFrame::Done {
+                    id: c.client_id.clone(),
+                    finish_reason: reason,
+                    usage,
+                    timings,
+                };
+                self.send(ctx, &done);
+                self.last = Some(LastReply {
+                    deltas: c.delta_texts(),
+                    client_id: c.client_id,
+                    started: c.started,
+                    end: done,
+                });
                 self.conversation.truncate(c.replace_from);
                 self.conversation.extend(c.new_messages);
                 self.conversation.push(reply);
-                self.send(
-                    ctx,
-                    &ServerFrame::Done {
-                        id: c.client_id,
-                        finish_reason: reason,
-                        usage,
-                        timings,
-                    },
-                );
             }
             EventKind::Failed(e) => {
                 let id = c.client_id.clone();
+                self.last = Some(LastReply {
+                    deltas: c.delta_texts(),
+                    client_id: id.clone(),
+                    started: c.started.clone(),
+                    end: e.to_frame(Some(id.clone())),
+                });
                 self.current = None;
                 self.error(ctx, Some(id), e);
             }
         }
+    }
+
+    fn send_ready(&self, ctx: &mut ws::WebsocketContext<Self>, resumed: bool) {
+        let cfg = &self.state.session;
+        let ready = ServerFrame::Ready {
+            session_id: self.id.to_string(),
+            model: self.ready.model.clone(),
+            limits: serde_json::to_value(&cfg.limits).unwrap_or_default(),
+            resume_token: (!cfg.resume_grace.is_zero()).then(|| self.token.clone()),
+            resumed,
+        };
+        self.send(ctx, &ready);
+    }
+
+    /// Where the batcher sends this session's events.
+    fn reply_to(&self, ctx: &mut ws::WebsocketContext<Self>) -> ReplyTo {
+        ReplyTo::session(ctx.address().recipient(), self.backlog.clone())
+            .parkable(self.parked.clone())
+    }
+
+    /// The connection is gone: unless resuming is off, the registry is full or the server
+    /// closed the connection for what the client did, the session waits `resume_grace` for a
+    /// new connection with its token, its reply going on meanwhile. True if parked.
+    fn park(&mut self) -> bool {
+        let grace = self.state.session.resume_grace;
+        if grace.is_zero()
+            || self.closed_for_policy
+            || self.reset_for_not_reading.load(Ordering::SeqCst)
+        {
+            return false;
+        }
+        // First: from here the batcher keeps the reply going and sends it nowhere.
+        self.parked.store(true, Ordering::SeqCst);
+        let reply = self.current.take().map(|c| ParkedReply {
+            client_id: c.client_id,
+            request: c.request,
+            replace_from: c.replace_from,
+            new_messages: c.new_messages,
+            stop: c.stop,
+            cancelled_at: c.cancelled_at,
+            heard: c.heard,
+        });
+        let request = reply.as_ref().map(|r| r.request);
+        // A running reply keeps its place under the connection caps while parked (one client
+        // cannot start replies and drop them to run more than its share); an idle session's
+        // place comes back at once.
+        let permit = request.and_then(|_| self.permit.take());
+        let now = Instant::now();
+        let parked = ParkedSession {
+            id: self.id,
+            identity: self.identity.clone(),
+            conversation: std::mem::take(&mut self.conversation),
+            reply,
+            last: self.last.take(),
+            permit,
+            expires: now + grace,
+        };
+        if !self.state.parked.park(self.token.clone(), parked, now) {
+            tracing::info!(session = %self.id, "too many parked sessions; this one ends");
+            self.parked.store(false, Ordering::SeqCst);
+            if let Some(request) = request {
+                self.ready.batcher.do_send(Cancel {
+                    request,
+                    reason: CancelReason::Disconnected,
+                });
+            }
+            return false;
+        }
+        if let Some(request) = request {
+            self.ready.batcher.do_send(Park { request, grace });
+        }
+        true
+    }
+
+    /// `resume`: takes over the parked session `token` names (same client identity), and
+    /// replays reply `id` after `after_index`: the running reply rebuilt from the batcher's
+    /// token ids (the same deltas, with the same indexes), or the last one as it was sent.
+    fn resume(
+        &mut self,
+        token: String,
+        id: Option<String>,
+        after_index: Option<usize>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        if self.used {
+            let e =
+                RequestError::InvalidRequest("`resume` must be a connection's first frame".into());
+            return self.error(ctx, None, e);
+        }
+        self.used = true;
+        let failed = || {
+            RequestError::ResumeFailed(
+                "no session to resume with this token (unknown, expired or already resumed); this connection is a fresh session".into(),
+            )
+        };
+        match self
+            .state
+            .parked
+            .take(&token, &self.identity, Instant::now())
+        {
+            Found::Parked(p) => self.resume_parked(*p, id, after_index, ctx),
+            Found::Live(old) => {
+                old.send(Takeover)
+                    .into_actor(self)
+                    .map(move |parked, act, ctx| {
+                        let found = match parked {
+                            Ok(true) => {
+                                act.state.parked.take(&token, &act.identity, Instant::now())
+                            }
+                            _ => Found::Nothing,
+                        };
+                        match found {
+                            Found::Parked(p) => act.resume_parked(*p, id, after_index, ctx),
+                            _ => act.error(ctx, None, failed()),
+                        }
+                    })
+                    .wait(ctx);
+            }
+            Found::Nothing => self.error(ctx, None, failed()),
+        }
+    }
+
+    /// Carries on a parked session on this connection.
+    fn resume_parked(
+        &mut self,
+        p: ParkedSession,
+        id: Option<String>,
+        after_index: Option<usize>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        tracing::debug!(session = %p.id, "session resumed");
+        self.id = p.id;
+        self.conversation = p.conversation;
+        self.last = p.last;
+        let reply = p.reply;
+        let resume = Resume {
+            request: reply.as_ref().map(|r| r.request),
+            lease: self.lease_key(),
+            reply_to: self.reply_to(ctx),
+        };
+        self.ready
+            .batcher
+            .send(resume)
+            .into_actor(self)
+            .map(move |events, act, ctx| {
+                act.send_ready(ctx, true);
+                let events = events.ok().flatten();
+                match (reply, events) {
+                    (Some(r), Some(events)) => act.replay(r, events, id, after_index, ctx),
+                    (Some(r), None) => {
+                        let e = RequestError::ResumeFailed(
+                            "the reply ended while the connection was down and was not kept".into(),
+                        );
+                        act.error(ctx, Some(r.client_id), e)
+                    }
+                    (None, _) => {
+                        if !act.replay_last(id.as_deref(), after_index, ctx) {
+                            if let Some(id) = id {
+                                let e = RequestError::ResumeFailed(format!(
+                                    "request `{id}` was not running when the connection dropped; send it again"
+                                ));
+                                act.error(ctx, Some(id), e);
+                            }
+                        }
+                    }
+                }
+            })
+            .wait(ctx);
+    }
+
+    /// Rebuilds a parked reply from its events so far, sending what the client has not seen.
+    fn replay(
+        &mut self,
+        r: ParkedReply,
+        events: Vec<EventKind>,
+        id: Option<String>,
+        after_index: Option<usize>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        let mut c = Current::new(
+            r.client_id,
+            r.request,
+            r.replace_from,
+            r.new_messages,
+            r.stop,
+        );
+        c.skip = if id.as_deref() == Some(c.client_id.as_str()) {
+            after_index
+        } else {
+            None
+        };
+        let request = c.request;
+        self.current = Some(c);
+        let mut tokens = 0;
+        for kind in events {
+            if matches!(kind, EventKind::Token { .. }) {
+                if r.cancelled_at.is_some_and(|n| tokens == n) {
+                    // Where the client's cancel stopped the reply: as the old session did.
+                    if let Some(c) = &mut self.current {
+                        c.ending = true;
+                        c.heard = r.heard;
+                        c.cancelled_at = r.cancelled_at;
+                    }
+                }
+                tokens += 1;
+            }
+            self.on_event(request, kind, ctx);
+        }
+        if let (Some(n), Some(c)) = (r.cancelled_at, &mut self.current) {
+            if tokens <= n && !c.ending {
+                c.ending = true;
+                c.heard = r.heard;
+                c.cancelled_at = Some(n);
+            }
+        }
+    }
+
+    /// Resends the end of the last reply (after `after_index`) when `id` names it; false when
+    /// it does not.
+    fn replay_last(
+        &mut self,
+        id: Option<&str>,
+        after_index: Option<usize>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) -> bool {
+        let Some(last) = self.last.clone() else {
+            return false;
+        };
+        if id != Some(last.client_id.as_str()) {
+            return false;
+        }
+        if after_index.is_none() {
+            if let Some(f) = &last.started {
+                self.send(ctx, f);
+            }
+        }
+        for (index, text) in last.deltas.into_iter().enumerate() {
+            if after_index.is_none_or(|a| index > a) {
+                let f = ServerFrame::Delta {
+                    id: last.client_id.clone(),
+                    index,
+                    text,
+                };
+                self.send(ctx, &f);
+            }
+        }
+        self.send(ctx, &last.end);
+        true
     }
 }

@@ -128,7 +128,7 @@ test("renderText and the reply path render hostile text inertly", async () => {
     const id = sent[0].id;
     frame({ type: "started", id, prompt_tokens: 9, cached_tokens: 0 });
     // The hostile reply arrives split across deltas, as tokens do.
-    for (const piece of [hostile[1].slice(0, 9), hostile[1].slice(9), hostile[2]]) { frame({ type: "delta", id, index: 0, text: piece }); }
+    [hostile[1].slice(0, 9), hostile[1].slice(9), hostile[2]].forEach((piece, index) => frame({ type: "delta", id, index, text: piece }));
     frame({ type: "done", id, finish_reason: "length", usage: { prompt_tokens: 9, completion_tokens: 3, cached_tokens: 4 },
       timings: { queue_ms: 1, ttft_ms: 12.4, decode_tokens_per_s: 40 } });
     frame({ type: "error", error_type: "invalid_request", message: hostile[0] });
@@ -293,6 +293,39 @@ test("after Stop the next question follows the shown text; Regenerate and Edit o
   assert.deepEqual(await page.locator("#log .user .body").allTextContents(), ["Write a haiku about the sea."]);
   assert.equal(await page.locator("#log .assistant").count(), 1);
   await page.screenshot({ path: path.join(ARTIFACTS, "chat-edit.png") });
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("a socket killed mid-reply resumes: the page finishes the same reply without loss or duplicates", async () => {
+  const { page, context, errors } = await newPage();
+  // Every frame the page receives, on every socket.
+  await page.addInitScript(() => {
+    const Real = window.WebSocket;
+    window.__frames = [];
+    window.WebSocket = function (url, protocols) {
+      const ws = protocols ? new Real(url, protocols) : new Real(url);
+      ws.addEventListener("message", (ev) => { try { window.__frames.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
+      return ws;
+    };
+    window.WebSocket.prototype = Real.prototype;
+  });
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("Write a long story about a lighthouse keeper and a storm.");
+  await page.locator("#send").click();
+  await until(page, () => (document.querySelector("#log .assistant:last-child .body") || {}).textContent?.length > 40);
+  await page.evaluate(() => window.llamaRelayChat.ws.close());
+  const reply = await watchReply(page, "#log");
+  assert.match(reply.stats, /^TTFT/, `the reply finished after the resume: ${reply.stats}`);
+  const frames = await page.evaluate(() => window.__frames);
+  const readies = frames.filter((f) => f.type === "ready");
+  assert.equal(readies.length, 3, "ready, ready on the new socket, ready resumed");
+  assert.equal(readies[2].resumed, true);
+  const deltas = frames.filter((f) => f.type === "delta");
+  assert.deepEqual(deltas.map((d) => d.index), deltas.map((_, i) => i), "every index once, in order");
+  assert.equal(deltas.map((d) => d.text).join(""), reply.text);
+  assert.equal(frames.filter((f) => f.type === "done").length, 1);
   assert.deepEqual(errors, []);
   await context.close();
 });

@@ -260,3 +260,205 @@ fn barge_in_keeps_only_what_was_heard_in_the_conversation_and_the_kv() {
         );
     });
 }
+
+/// A WebSocket client and its `ready` frame.
+async fn connect_ready(app: &App) -> (Client, Value) {
+    let (_, framed) = awc::Client::new()
+        .ws(format!("ws://{}/ws", app.addr))
+        .max_frame_size(1 << 20)
+        .connect()
+        .await
+        .unwrap();
+    let mut c = Client::from_framed(framed);
+    let ready = c.recv().await;
+    assert_eq!(ready["type"], "ready", "{ready}");
+    (c, ready)
+}
+
+/// Sends `resume` on a new connection; returns it once its `ready` says resumed.
+async fn resume(app: &App, token: &str, id: &str, after: Option<usize>) -> (Client, Value) {
+    let (mut c, _) = connect_ready(app).await;
+    let mut frame = json!({"type": "resume", "token": token, "id": id});
+    if let Some(a) = after {
+        frame["after_index"] = json!(a);
+    }
+    c.send(frame).await;
+    let ready = c.recv().await;
+    assert_eq!(
+        (ready["type"].as_str(), ready["resumed"].as_bool()),
+        (Some("ready"), Some(true)),
+        "{ready}"
+    );
+    (c, ready)
+}
+
+/// Deltas (index, text) and the end frame of reply `id`.
+async fn rest_of(c: &mut Client, id: &str) -> (Vec<(u64, String)>, Value) {
+    let mut deltas = Vec::new();
+    loop {
+        let f = c.recv().await;
+        match f["type"].as_str().unwrap() {
+            "delta" => {
+                assert_eq!(f["id"], id);
+                deltas.push((
+                    f["index"].as_u64().unwrap(),
+                    f["text"].as_str().unwrap().to_string(),
+                ));
+            }
+            "done" | "error" => return (deltas, f),
+            "started" | "queued" => {}
+            _ => panic!("{f}"),
+        }
+    }
+}
+
+const LONG: &str = "Count slowly to a thousand.";
+
+fn long(max_tokens: u64) -> Value {
+    json!({"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true})
+}
+
+#[test]
+fn a_dropped_connection_resumes_its_reply_without_loss_or_duplicates() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        // The reply as it streams without interruption, and the next turn after it.
+        let mut control = app.connect().await;
+        control.chat("q", LONG, long(200)).await;
+        let whole = control.reply("q").await;
+        let control_next = ask(&mut control, "n", "Go on.", 8).await;
+        app.wait_idle().await;
+
+        let (mut c, ready) = connect_ready(&app).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        assert!(token.len() >= 60, "{ready}");
+        c.chat("q", LONG, long(200)).await;
+        let mut got = Vec::new();
+        while got.len() < 20 {
+            let f = c.recv().await;
+            if f["type"] == "delta" {
+                got.push(f["text"].as_str().unwrap().to_string());
+            }
+        }
+        // The connection drops without a close frame (a phone leaving Wi-Fi).
+        drop(c);
+        let (mut c, ready) = resume(&app, &token, "q", Some(19)).await;
+        let new_token = ready["resume_token"].as_str().unwrap().to_string();
+        assert_ne!(new_token, token, "a resume hands out a fresh token");
+        let (rest, done) = rest_of(&mut c, "q").await;
+        assert_eq!(done["type"], "done", "{done}");
+        let indexes: Vec<u64> = rest.iter().map(|(i, _)| *i).collect();
+        assert_eq!(
+            indexes,
+            (20..20 + rest.len() as u64).collect::<Vec<_>>(),
+            "contiguous after 19"
+        );
+        let text = got.concat() + &rest.iter().map(|(_, t)| t.as_str()).collect::<String>();
+        assert_eq!(text, whole.text);
+        assert_eq!(got.len() + rest.len(), whole.deltas);
+        // The conversation and its KV carried over: the next turn follows the reply.
+        let next = ask(&mut c, "n", "Go on.", 8).await;
+        let want = explicit(
+            &app,
+            json!([user(LONG), {"role": "assistant", "content": whole.text}, user("Go on.")]),
+            8,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
+        assert_eq!(
+            started(&next),
+            started(&control_next),
+            "the lease carried over"
+        );
+        // The old token is spent.
+        let (mut d, _) = connect_ready(&app).await;
+        d.send(json!({"type": "resume", "token": token})).await;
+        let e = d.recv().await;
+        assert_eq!(e["error_type"], "resume_failed", "{e}");
+    });
+}
+
+#[test]
+fn a_reply_that_ends_while_disconnected_is_replayed_whole_on_resume() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut whole = app.connect().await;
+        whole.chat("q", LONG, long(40)).await;
+        let whole = whole.reply("q").await;
+        app.wait_idle().await;
+
+        let (mut c, ready) = connect_ready(&app).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        c.chat("q", LONG, long(40)).await;
+        loop {
+            if c.recv().await["type"] == "started" {
+                break;
+            }
+        }
+        drop(c);
+        // The reply finishes while nobody is connected; then the client comes back, having
+        // seen no delta.
+        app.wait_idle().await;
+        let (mut c, ready) = resume(&app, &token, "q", None).await;
+        let (deltas, done) = rest_of(&mut c, "q").await;
+        assert_eq!(done["type"], "done", "{done}");
+        assert_eq!(
+            deltas.iter().map(|(_, t)| t.as_str()).collect::<String>(),
+            whole.text
+        );
+        // A drop after a reply ended but before its `done` was read: resuming with the last
+        // index seen gives the rest of that reply as it was sent, just `done` here.
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        let r = ask(&mut c, "q2", "Go on.", 8).await;
+        drop(c);
+        let (mut c, _) = resume(&app, &token, "q2", Some(r.deltas - 1)).await;
+        let (deltas, done) = rest_of(&mut c, "q2").await;
+        assert!(deltas.is_empty(), "{deltas:?}");
+        assert_eq!(done, r.done);
+    });
+}
+
+#[test]
+fn resume_refuses_unknown_tokens_late_frames_and_expired_sessions() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| s.server.resume_grace_s = 1);
+    run(async {
+        // An unknown token: an error, and the connection works as a fresh session.
+        let (mut c, _) = connect_ready(&app).await;
+        c.send(json!({"type": "resume", "token": "nope", "id": "q"}))
+            .await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "resume_failed", "{e}");
+        ask(&mut c, "a", "Hi", 4).await;
+        // Not as the first frame.
+        c.send(json!({"type": "resume", "token": "nope"})).await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("first frame"),
+            "{e}"
+        );
+        // Past the grace: the parked reply is cancelled (its KV freed) and the token is dead.
+        let (mut c, ready) = connect_ready(&app).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        c.chat("q", LONG, long(4000)).await;
+        loop {
+            if c.recv().await["type"] == "delta" {
+                break;
+            }
+        }
+        drop(c);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert_eq!(app.status().await.running, 1, "the parked reply goes on");
+        let idle = app.wait_idle().await;
+        assert_eq!(idle.running, 0);
+        let (mut c, _) = connect_ready(&app).await;
+        c.send(json!({"type": "resume", "token": token, "id": "q"}))
+            .await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "resume_failed", "{e}");
+    });
+}

@@ -311,6 +311,8 @@ fn cancel_and_disconnects_free_the_kv_cache() {
         s.scheduler.max_running = 4;
         // A closed session's lease goes at once (the default keeps it for a reconnect).
         s.cache.lease_grace_s = 0;
+        // Dropped sessions end at once (resuming is tested in `conversation`).
+        s.server.resume_grace_s = 0;
     });
     run(async {
         // Cancel mid-decode.

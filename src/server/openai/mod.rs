@@ -153,6 +153,9 @@ impl From<RequestError> for ApiError {
                 Some("slow_reader"),
                 m,
             ),
+            RequestError::ResumeFailed(_) => {
+                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
+            }
             RequestError::Internal(_) => {
                 Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, m)
             }
@@ -640,6 +643,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
             req.conn_data::<Peer>().copied(),
             state.session.write_timeout,
             state.metrics.clone(),
+            None,
         );
         return HttpResponse::Ok()
             .insert_header(("Content-Type", "text/event-stream"))
