@@ -102,7 +102,9 @@ struct BenchArgs {
     /// run with prefix caching on and off when the server is started here) or `overhead` (one
     /// stream's gap through the server against the engine's own step), `mixed` (`--users`
     /// streams and long prompts arriving while they stream) or `flood` (an API-key user's TTFT
-    /// alone and while `--users` keyless clients keep the server full of `--max-tokens` replies).
+    /// alone and while `--users` keyless clients keep the server full of `--max-tokens` replies)
+    /// or `resume` (`--requests` forced disconnects of greedy replies, each resumed on a new
+    /// connection and compared with the uninterrupted reply).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -276,10 +278,10 @@ fn bench(
 ) -> anyhow::Result<()> {
     if !matches!(
         a.workload.as_str(),
-        "throughput" | "chat" | "overhead" | "mixed" | "flood"
+        "throughput" | "chat" | "overhead" | "mixed" | "flood" | "resume"
     ) {
         anyhow::bail!(
-            "--workload must be `throughput`, `chat`, `overhead`, `mixed` or `flood`, not `{}`",
+            "--workload must be `throughput`, `chat`, `overhead`, `mixed`, `flood` or `resume`, not `{}`",
             a.workload
         );
     }
@@ -303,6 +305,23 @@ fn bench(
     }
     if a.workload == "flood" {
         return bench_flood(settings, opts, a);
+    }
+    if a.workload == "resume" {
+        settings.server.port = 0;
+        return actix_web::rt::System::new().block_on(async move {
+            let url = match &a.url {
+                Some(u) => u.clone(),
+                None => start_in_process(&settings, opts.clone()).await?,
+            };
+            let n = if a.requests == 0 { 100 } else { a.requests };
+            let s = llama_relay::bench::run_resume(&url, n, a.max_tokens)
+                .await
+                .map_err(|e| anyhow::anyhow!(e))?;
+            if s.equal != s.disconnects || s.lost > 0 || s.duplicated > 0 {
+                anyhow::bail!("resumed replies differ from the uninterrupted ones: {s:?}");
+            }
+            Ok(())
+        });
     }
     let server_prompt = match a.system_prompt.as_str() {
         "server" => true,

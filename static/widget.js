@@ -164,6 +164,12 @@
     var c = this.current;
     var mine = c && f.id === c.id;
     if (f.type === "error" && f.error_type === "resume_failed") {
+      if (mine && c.kind === "chat" && c.lastIndex < 0 && this.isOpen()) {
+        // The session came back but the question never reached it: ask again.
+        this.ws.send(JSON.stringify({ type: "chat", id: c.id,
+          messages: [{ role: "user", content: c.userDiv.querySelector(".body").textContent }] }));
+        return;
+      }
       this.lostSession();
       return;
     }

@@ -56,6 +56,8 @@ pub struct ParkedSession {
     pub conversation: Vec<Message>,
     pub reply: Option<ParkedReply>,
     pub last: Option<LastReply>,
+    /// A turn whose prompt was being built when the connection dropped: it starts on resume.
+    pub preparing: Option<(crate::protocol::ValidChat, usize)>,
     /// Its place under the connection caps while its reply still runs: a parked session with a
     /// running reply counts as a connection until it is resumed or expires.
     pub permit: Option<super::admission::Permit>,
@@ -192,6 +194,7 @@ mod tests {
             conversation: vec![Message::new("user", "hi")],
             reply: None,
             last: None,
+            preparing: None,
             permit: None,
             expires,
         }

@@ -136,6 +136,9 @@ pub struct Session {
     /// nothing): such a session is not parked.
     closed_for_policy: bool,
     reset_for_not_reading: Arc<AtomicBool>,
+    /// A turn whose prompt is being built (not yet submitted), and where it replaces the
+    /// conversation.
+    preparing: Option<(ValidChat, usize)>,
 }
 
 impl Session {
@@ -167,6 +170,7 @@ impl Session {
             last: None,
             closed_for_policy: false,
             reset_for_not_reading: Arc::new(AtomicBool::new(false)),
+            preparing: None,
         }
     }
 
@@ -408,6 +412,8 @@ impl Session {
             chat.messages.clone(),
             chat.cache_key.clone(),
         );
+        // Until it is submitted, a parked session keeps it to start on resume.
+        self.preparing = Some((chat.clone(), replace_from));
         actix_web::rt::task::spawn_blocking(move || {
             chat_prompt(
                 &ready,
@@ -421,6 +427,7 @@ impl Session {
         })
         .into_actor(self)
         .map(move |res, act, ctx| {
+            act.preparing = None;
             let res = res
                 .unwrap_or_else(|e| Err(RequestError::Internal(format!("tokenizing failed: {e}"))));
             match res {
@@ -794,6 +801,7 @@ impl Session {
             conversation: std::mem::take(&mut self.conversation),
             reply,
             last: self.last.take(),
+            preparing: self.preparing.take(),
             permit,
             expires: now + grace,
         };
@@ -842,19 +850,29 @@ impl Session {
         {
             Found::Parked(p) => self.resume_parked(*p, id, after_index, ctx),
             Found::Live(old) => {
-                old.send(Takeover)
-                    .into_actor(self)
-                    .map(move |parked, act, ctx| {
-                        let found = match parked {
-                            Ok(true) => {
-                                act.state.parked.take(&token, &act.identity, Instant::now())
-                            }
-                            _ => Found::Nothing,
-                        };
-                        match found {
-                            Found::Parked(p) => act.resume_parked(*p, id, after_index, ctx),
-                            _ => act.error(ctx, None, failed()),
+                // The old connection parks when told to; one already closing parks on its own
+                // in a moment (its mailbox no longer takes the message): look again meanwhile.
+                let (state, identity) = (self.state.clone(), self.identity.clone());
+                let takeover = async move {
+                    let mut live = Some(old);
+                    for _ in 0..40 {
+                        if let Some(old) = live.take() {
+                            let _ = old.send(Takeover).await;
                         }
+                        match state.parked.take(&token, &identity, Instant::now()) {
+                            Found::Parked(p) => return Some(p),
+                            Found::Live(old) => live = Some(old),
+                            Found::Nothing => {}
+                        }
+                        actix_web::rt::time::sleep(std::time::Duration::from_millis(25)).await;
+                    }
+                    None
+                };
+                takeover
+                    .into_actor(self)
+                    .map(move |found, act, ctx| match found {
+                        Some(p) => act.resume_parked(*p, id, after_index, ctx),
+                        None => act.error(ctx, None, failed()),
                     })
                     .wait(ctx);
             }
@@ -875,6 +893,7 @@ impl Session {
         self.conversation = p.conversation;
         self.last = p.last;
         let reply = p.reply;
+        let preparing = p.preparing;
         let resume = Resume {
             request: reply.as_ref().map(|r| r.request),
             lease: self.lease_key(),
@@ -894,6 +913,12 @@ impl Session {
                             "the reply ended while the connection was down and was not kept".into(),
                         );
                         act.error(ctx, Some(r.client_id), e)
+                    }
+                    (None, _) if preparing.is_some() => {
+                        // The turn had not reached the batcher: it starts now.
+                        if let Some((chat, replace_from)) = preparing {
+                            act.start_chat(chat, replace_from, ctx);
+                        }
                     }
                     (None, _) => {
                         if !act.replay_last(id.as_deref(), after_index, ctx) {
