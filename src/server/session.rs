@@ -6,6 +6,12 @@
 //! and the connection stays usable; an oversized one closes with 1009. One generation at a time.
 //! Token ids become text through the incremental detokenizer (complete UTF-8 only), stop strings
 //! are applied here, and the reply is streamed as `delta` frames the moment tokens arrive.
+//!
+//! The conversation is the session's: a turn may replace its tail (`regenerate`, `edit`: the
+//! reply's `replace_from`), and a `cancel` with `heard_index` records only what the user heard.
+//! When the connection drops, the session parks (`parked`) and a new connection's `resume`
+//! carries it on: a running reply is rebuilt from the token ids the batcher kept, through the
+//! same event handler, so its deltas come out with the same pieces and indexes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
