@@ -290,20 +290,7 @@ impl KvManager {
             return computed;
         }
         let src = lease.table[n];
-        match self.pool.allocate(1) {
-            Some(b) => {
-                self.pool.retain(&[src]);
-                self.copy_sources.push(src);
-                self.copies.push(BlockCopy {
-                    src,
-                    dst: b[0],
-                    slots,
-                });
-                blocks.table.push(b[0]);
-                computed + slots
-            }
-            None => computed,
-        }
+        computed + self.copy_into_fresh_block(src, slots, blocks)
     }
 
     /// When the cached run ends exactly where a pinned prefix's full blocks end and the pin's
@@ -331,18 +318,25 @@ impl KvManager {
             return computed;
         };
         let (src, slots) = (t.block, t.tokens.len());
-        match self.pool.allocate(1) {
-            Some(b) => {
-                self.copies.push(BlockCopy {
-                    src,
-                    dst: b[0],
-                    slots,
-                });
-                blocks.table.push(b[0]);
-                computed + slots
-            }
-            None => computed,
-        }
+        computed + self.copy_into_fresh_block(src, slots, blocks)
+    }
+
+    /// Appends a fresh block to `blocks` that the step will fill with the first `slots` slots of
+    /// `src`; the source stays referenced until the copies are handed out. Returns the slots
+    /// gained (0 when no block is free).
+    fn copy_into_fresh_block(&mut self, src: u32, slots: usize, blocks: &mut SeqBlocks) -> usize {
+        let Some(b) = self.pool.allocate(1) else {
+            return 0;
+        };
+        self.pool.retain(&[src]);
+        self.copy_sources.push(src);
+        self.copies.push(BlockCopy {
+            src,
+            dst: b[0],
+            slots,
+        });
+        blocks.table.push(b[0]);
+        slots
     }
 
     /// Grows the table to hold `tokens` tokens (vLLM's `allocate_slots`), dropping leases oldest

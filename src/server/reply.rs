@@ -74,6 +74,11 @@ impl ReplyText {
         self.stopped
     }
 
+    /// The reply's stop strings.
+    pub fn stop_strings(&self) -> &[String] {
+        &self.stop
+    }
+
     /// The text sent so far.
     pub fn sent(&self) -> &str {
         &self.sent

@@ -45,8 +45,8 @@ struct Current {
     replace_from: usize,
     new_messages: Vec<Message>,
     text: ReplyText,
-    deltas: usize,
-    /// For each delta sent: the reply's tokens so far, and the sent text's length after it.
+    /// For each delta sent (its index is its place here): the reply's tokens so far, and the
+    /// sent text's length after it.
     delta_ends: Vec<(usize, usize)>,
     /// The prompt's length in tokens, once `started` has reported it.
     prompt_tokens: Option<usize>,
@@ -54,8 +54,6 @@ struct Current {
     ending: bool,
     /// The last delta the user heard, from a `cancel` with `heard_index`.
     heard: Option<usize>,
-    /// The reply's stop strings (to rebuild its text on a resume).
-    stop: Vec<String>,
     /// A `cancel` was sent after this many of the reply's tokens.
     cancelled_at: Option<usize>,
     /// Resumed: deltas up to this index were sent before, and `started` too.
@@ -76,13 +74,11 @@ impl Current {
             request,
             replace_from,
             new_messages,
-            text: ReplyText::new(stop.clone()),
-            deltas: 0,
+            text: ReplyText::new(stop),
             delta_ends: Vec::new(),
             prompt_tokens: None,
             ending: false,
             heard: None,
-            stop,
             cancelled_at: None,
             skip: None,
             started: None,
@@ -270,12 +266,12 @@ impl Session {
             }
             ClientFrame::Cancel { id, heard_index } => match &mut self.current {
                 Some(c) if c.client_id == id => {
-                    if let Some(h) = heard_index.filter(|&h| h >= c.deltas) {
+                    if let Some(h) = heard_index.filter(|&h| h >= c.delta_ends.len()) {
                         let e = RequestError::InvalidParam {
                             param: "heard_index".into(),
                             reason: format!(
                                 "is {h}; {} deltas of `{id}` were sent (indexes from 0)",
-                                c.deltas
+                                c.delta_ends.len()
                             ),
                         };
                         return self.error(ctx, Some(id), e);
@@ -493,7 +489,7 @@ impl Session {
                         if act
                             .current
                             .as_ref()
-                            .is_some_and(|c| c.request == request && c.deltas == 0)
+                            .is_some_and(|c| c.request == request && c.delta_ends.is_empty())
                         {
                             act.send(ctx, &ServerFrame::Queued { id, position });
                         }
@@ -520,13 +516,12 @@ impl Session {
             });
         }
         if !text.is_empty() {
-            let index = c.deltas;
+            let index = c.delta_ends.len();
             let frame = ServerFrame::Delta {
                 id: c.client_id.clone(),
                 index,
                 text,
             };
-            c.deltas += 1;
             c.delta_ends.push((c.text.tokens(), c.text.sent().len()));
             if c.skip.is_none_or(|s| index > s) {
                 self.send(ctx, &frame);
@@ -791,7 +786,7 @@ impl Session {
             request: c.request,
             replace_from: c.replace_from,
             new_messages: c.new_messages,
-            stop: c.stop,
+            stop: c.text.stop_strings().to_vec(),
             cancelled_at: c.cancelled_at,
             heard: c.heard,
         });
@@ -964,28 +959,26 @@ impl Session {
         };
         let request = c.request;
         self.current = Some(c);
+        // Where the client's cancel stopped the reply, the replay stops too, as the old session
+        // did: checked before every event, so that an end right after the cancel point sees it.
         let mut tokens = 0;
-        for kind in events {
-            if matches!(kind, EventKind::Token { .. }) {
-                if r.cancelled_at.is_some_and(|n| tokens == n) {
-                    // Where the client's cancel stopped the reply: as the old session did.
-                    if let Some(c) = &mut self.current {
-                        c.ending = true;
-                        c.heard = r.heard;
-                        c.cancelled_at = r.cancelled_at;
-                    }
+        let stop_at_cancel = |tokens: usize, current: &mut Option<Current>| {
+            if let (Some(n), Some(c)) = (r.cancelled_at, current) {
+                if tokens >= n && !c.ending {
+                    c.ending = true;
+                    c.heard = r.heard;
+                    c.cancelled_at = Some(n);
                 }
+            }
+        };
+        for kind in events {
+            stop_at_cancel(tokens, &mut self.current);
+            if matches!(kind, EventKind::Token { .. }) {
                 tokens += 1;
             }
             self.on_event(request, kind, ctx);
         }
-        if let (Some(n), Some(c)) = (r.cancelled_at, &mut self.current) {
-            if tokens <= n && !c.ending {
-                c.ending = true;
-                c.heard = r.heard;
-                c.cancelled_at = Some(n);
-            }
-        }
+        stop_at_cancel(tokens, &mut self.current);
     }
 
     /// Resends the end of the last reply (after `after_index`) when `id` names it; false when

@@ -29,6 +29,16 @@ fn started(r: &Reply) -> (u64, u64) {
     )
 }
 
+/// Reads frames up to the first of type `kind`.
+async fn until(c: &mut Client, kind: &str) -> Value {
+    loop {
+        let f = c.recv().await;
+        if f["type"] == kind {
+            return f;
+        }
+    }
+}
+
 async fn ask(c: &mut Client, id: &str, text: &str, max_tokens: u64) -> Reply {
     c.chat(id, text, greedy(max_tokens)).await;
     let r = c.reply(id).await;
@@ -196,11 +206,7 @@ fn barge_in_keeps_only_what_was_heard_in_the_conversation_and_the_kv() {
             json!({"temperature": 0, "max_tokens": 1000, "ignore_eos": true}),
         )
         .await;
-        loop {
-            if c.recv().await["type"] == "delta" {
-                break;
-            }
-        }
+        until(&mut c, "delta").await;
         c.send(json!({"type": "cancel", "id": "h", "heard_index": 100000}))
             .await;
         let mut more = 0;
@@ -221,11 +227,7 @@ fn barge_in_keeps_only_what_was_heard_in_the_conversation_and_the_kv() {
             }
         }
         c.send(json!({"type": "cancel", "id": "h"})).await;
-        loop {
-            if c.recv().await["type"] == "done" {
-                break;
-            }
-        }
+        until(&mut c, "done").await;
         c.send(json!({"type": "reset"})).await;
         app.wait_idle().await;
 
@@ -393,11 +395,7 @@ fn a_reply_that_ends_while_disconnected_is_replayed_whole_on_resume() {
         let (mut c, ready) = connect_ready(&app).await;
         let token = ready["resume_token"].as_str().unwrap().to_string();
         c.chat("q", LONG, long(40)).await;
-        loop {
-            if c.recv().await["type"] == "started" {
-                break;
-            }
-        }
+        until(&mut c, "started").await;
         drop(c);
         // The reply finishes while nobody is connected; then the client comes back, having
         // seen no delta.
@@ -445,11 +443,7 @@ fn resume_refuses_unknown_tokens_late_frames_and_expired_sessions() {
         let (mut c, ready) = connect_ready(&app).await;
         let token = ready["resume_token"].as_str().unwrap().to_string();
         c.chat("q", LONG, long(4000)).await;
-        loop {
-            if c.recv().await["type"] == "delta" {
-                break;
-            }
-        }
+        until(&mut c, "delta").await;
         drop(c);
         std::thread::sleep(std::time::Duration::from_millis(300));
         assert_eq!(app.status().await.running, 1, "the parked reply goes on");
@@ -460,5 +454,50 @@ fn resume_refuses_unknown_tokens_late_frames_and_expired_sessions() {
             .await;
         let e = c.recv().await;
         assert_eq!(e["error_type"], "resume_failed", "{e}");
+    });
+}
+
+/// A cancel with `heard_index`, then the connection drops before `done`: the resumed session
+/// records what the old one would have (the heard text only), and the reply ends `cancelled`.
+#[test]
+fn a_barge_in_survives_a_dropped_connection() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = 4096;
+        s.engine.cache_tokens = 16384;
+    });
+    run(async {
+        let (mut c, ready) = connect_ready(&app).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        c.chat("q", LONG, long(1000)).await;
+        let mut deltas = Vec::new();
+        while deltas.len() < 10 {
+            let f = c.recv().await;
+            if f["type"] == "delta" {
+                deltas.push(f["text"].as_str().unwrap().to_string());
+            }
+        }
+        c.send(json!({"type": "cancel", "id": "q", "heard_index": 3}))
+            .await;
+        // The server takes the cancel; its `done` is lost with the connection.
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(300)).await;
+        drop(c);
+        app.wait_idle().await;
+        let (mut c, _) = resume(&app, &token, "q", Some(9)).await;
+        let (rest, done) = rest_of(&mut c, "q").await;
+        assert_eq!(done["finish_reason"], "cancelled", "{done}");
+        // What the old connection sent before the cancel took effect, then nothing more.
+        let indexes: Vec<u64> = rest.iter().map(|(i, _)| *i).collect();
+        assert_eq!(indexes, (10..10 + rest.len() as u64).collect::<Vec<_>>());
+        let heard: String = deltas[..4].concat();
+        let next = ask(&mut c, "n", "Go on.", 8).await;
+        let want = explicit(
+            &app,
+            json!([user(LONG), {"role": "assistant", "content": heard}, user("Go on.")]),
+            8,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
     });
 }

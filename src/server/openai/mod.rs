@@ -291,7 +291,7 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
 }
 
 /// `caller`, with a place under the connection caps for a request that generates.
-fn caller_with(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready, Permit), ApiError> {
+fn caller_with(req: &HttpRequest, state: &AppState) -> Result<Caller, ApiError> {
     let (identity, ready) = caller(req, state)?;
     let permit = super::routes::admit(req, state, &identity).map_err(|full| {
         ApiError::new(
@@ -399,21 +399,14 @@ async fn chat_completions(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let job = match caller_with(&req, &state) {
-        Ok(caller) => {
-            let st = state.clone();
-            off_io(move || chat_job(&body, &st, caller)).await
-        }
-        Err(e) => Err(e),
-    };
-    respond(req, job, Shape::Chat, state).await
+    respond(req, body, state, Shape::Chat, chat_job).await
 }
 
 /// Parses, validates, renders and tokenizes a chat request.
 fn chat_job(
     body: &[u8],
     state: &AppState,
-    (identity, ready, permit): (Identity, Ready, Permit),
+    (identity, ready, permit): Caller,
 ) -> Result<Job, ApiError> {
     let r: ChatRequest = parse(body)?;
     check_model(r.common.model.as_deref(), &ready)?;
@@ -444,21 +437,14 @@ async fn completions(
     body: web::Bytes,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let job = match caller_with(&req, &state) {
-        Ok(caller) => {
-            let st = state.clone();
-            off_io(move || completion_job(&body, &st, caller)).await
-        }
-        Err(e) => Err(e),
-    };
-    respond(req, job, Shape::Completion, state).await
+    respond(req, body, state, Shape::Completion, completion_job).await
 }
 
 /// Parses, validates and tokenizes a completion request.
 fn completion_job(
     body: &[u8],
     state: &AppState,
-    (identity, ready, permit): (Identity, Ready, Permit),
+    (identity, ready, permit): Caller,
 ) -> Result<Job, ApiError> {
     let r: CompletionRequest = parse(body)?;
     check_model(r.common.model.as_deref(), &ready)?;
@@ -505,19 +491,8 @@ fn completion_job(
     })
 }
 
-/// Parsing a body of up to a megabyte, rendering its template and tokenizing it take
-/// milliseconds: on the blocking pool, not on the I/O thread that serves other sockets (as the
-/// WebSocket session does).
-async fn off_io<F>(build: F) -> Result<Job, ApiError>
-where
-    F: FnOnce() -> Result<Job, ApiError> + Send + 'static,
-{
-    actix_web::rt::task::spawn_blocking(build)
-        .await
-        .unwrap_or_else(|e| {
-            Err(RequestError::Internal(format!("preparing the request failed: {e}")).into())
-        })
-}
+/// Who sent a request, and its place under the connection caps.
+type Caller = (Identity, Ready, Permit);
 
 /// The request's cache partition: an API key's requests keep `prompt_cache_key` / `user`; a
 /// keyless request is its own principal, so a partition key has nothing to split.
@@ -528,13 +503,28 @@ fn partitioned(mut api: ValidApi, identity: &Identity) -> ValidApi {
     api
 }
 
-/// Runs a job, or answers its error.
+/// Admits the caller, builds its job with `build` and runs it, or answers the error. Parsing a
+/// body of up to a megabyte, rendering its template and tokenizing it take milliseconds: `build`
+/// runs on the blocking pool, not on the I/O thread that serves other sockets (as the WebSocket
+/// session does).
 async fn respond(
     req: HttpRequest,
-    job: Result<Job, ApiError>,
-    shape: Shape,
+    body: web::Bytes,
     state: web::Data<AppState>,
+    shape: Shape,
+    build: fn(&[u8], &AppState, Caller) -> Result<Job, ApiError>,
 ) -> HttpResponse {
+    let job = match caller_with(&req, &state) {
+        Ok(caller) => {
+            let st = state.clone();
+            actix_web::rt::task::spawn_blocking(move || build(&body, &st, caller))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(RequestError::Internal(format!("preparing the request failed: {e}")).into())
+                })
+        }
+        Err(e) => Err(e),
+    };
     match job {
         Ok(job) => run(req, job, shape, state).await,
         Err(e) => e.response(&state),
