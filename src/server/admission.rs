@@ -7,6 +7,12 @@
 //! ends). Written here because the caps are about identities the server decides (tenants), not
 //! about TCP connections, which actix-server can only stop accepting.
 //!
+//! A session whose connection dropped keeps its place while its reply runs (it is parked for a
+//! resume, `parked.rs`). So that its own client can come back even when that place was its
+//! last under a cap, an address holding parked places may open as many connections past the
+//! caps, each with a `Ticket` instead of a permit: such a connection may only resume, and takes
+//! over the parked session's place when it does.
+//!
 //! The process's soft file limit is raised to its hard limit at start, and the total cap is
 //! sized under it (`fit_to_file_limit`).
 
@@ -58,6 +64,18 @@ struct Counts {
     total: usize,
     by_address: HashMap<IpAddr, usize>,
     by_tenant: HashMap<String, usize>,
+    /// Places held by parked sessions, and tickets handed out against them, by address.
+    parked: HashMap<IpAddr, usize>,
+    tickets: HashMap<IpAddr, usize>,
+}
+
+fn dec(map: &mut HashMap<IpAddr, usize>, key: &IpAddr) {
+    if let Some(n) = map.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(key);
+        }
+    }
 }
 
 /// The live counts behind the caps (shared by every worker).
@@ -73,6 +91,22 @@ pub struct Permit {
     counts: Arc<Mutex<Counts>>,
     address: IpAddr,
     tenant: String,
+    parked: bool,
+}
+
+/// A connection let in past the caps to resume a parked session of its address (see the
+/// module doc); dropping it gives the allowance back.
+#[derive(Debug)]
+pub struct Ticket {
+    counts: Arc<Mutex<Counts>>,
+    address: IpAddr,
+}
+
+/// What an admitted connection holds.
+#[derive(Debug)]
+pub enum Place {
+    Permit(Permit),
+    Ticket(Ticket),
 }
 
 impl Admission {
@@ -109,6 +143,25 @@ impl Admission {
             counts: self.counts.clone(),
             address,
             tenant: tenant.into(),
+            parked: false,
+        })
+    }
+
+    /// A ticket past the caps for `address`, while it holds more parked places than tickets.
+    pub fn admit_to_resume(&self, address: IpAddr) -> Option<Ticket> {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let parked = c.parked.get(&address).copied().unwrap_or(0);
+        let tickets = c.tickets.entry(address).or_default();
+        if *tickets >= parked {
+            if *tickets == 0 {
+                c.tickets.remove(&address);
+            }
+            return None;
+        }
+        *tickets += 1;
+        Some(Ticket {
+            counts: self.counts.clone(),
+            address,
         })
     }
 
@@ -134,20 +187,56 @@ impl Admission {
         if c.total > self.caps.total || c.by_address.values().any(|&n| n > self.caps.per_address) {
             return Err("a cap is exceeded".into());
         }
+        for (a, &n) in &c.parked {
+            if n == 0 || n > c.by_address.get(a).copied().unwrap_or(0) {
+                return Err(format!("{n} parked places at {a} it does not hold"));
+            }
+        }
+        // Tickets may outnumber parked places for a moment (a parked session expired while
+        // its client was reconnecting); they are only handed out below them.
+        if c.tickets.values().any(|&n| n == 0) {
+            return Err("an empty ticket count is kept".into());
+        }
         Ok(())
+    }
+}
+
+impl Permit {
+    /// The place is now held by a parked session (true) or by a connection again (false).
+    pub fn set_parked(&mut self, parked: bool) {
+        if self.parked == parked {
+            return;
+        }
+        self.parked = parked;
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        if parked {
+            *c.parked.entry(self.address).or_default() += 1;
+        } else {
+            dec(&mut c.parked, &self.address);
+        }
+    }
+}
+
+impl Ticket {
+    pub fn address(&self) -> IpAddr {
+        self.address
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        dec(&mut c.tickets, &self.address);
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
+        // A parked place goes before its tickets' allowance would outlive it.
+        self.set_parked(false);
         let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         c.total -= 1;
-        if let Some(n) = c.by_address.get_mut(&self.address) {
-            *n -= 1;
-            if *n == 0 {
-                c.by_address.remove(&self.address);
-            }
-        }
+        dec(&mut c.by_address, &self.address);
         if let Some(n) = c.by_tenant.get_mut(&self.tenant) {
             *n -= 1;
             if *n == 0 {
@@ -216,6 +305,42 @@ mod tests {
         assert_eq!(a.held(), 3);
         let _p5 = a.admit(ip(1), "default").unwrap();
         a.check().unwrap();
+    }
+
+    #[test]
+    fn parked_places_let_as_many_tickets_past_the_caps_for_their_address_only() {
+        let a = Admission::new(Caps {
+            total: 2,
+            per_address: 1,
+            per_tenant: HashMap::new(),
+        });
+        let mut p1 = a.admit(ip(1), "default").unwrap();
+        assert!(a.admit_to_resume(ip(1)).is_none(), "nothing parked");
+        p1.set_parked(true);
+        a.check().unwrap();
+        assert!(a.admit(ip(1), "default").is_err(), "still a place held");
+        let t = a.admit_to_resume(ip(1)).expect("one ticket");
+        assert!(a.admit_to_resume(ip(1)).is_none(), "one per parked place");
+        assert!(
+            a.admit_to_resume(ip(2)).is_none(),
+            "not for another address"
+        );
+        assert_eq!(t.address(), ip(1));
+        // The resume takes the parked place over; the ticket goes.
+        p1.set_parked(false);
+        drop(t);
+        a.check().unwrap();
+        assert!(a.admit_to_resume(ip(1)).is_none());
+        // A parked place that expires while its ticket is out leaves no count behind.
+        p1.set_parked(true);
+        let t = a.admit_to_resume(ip(1)).unwrap();
+        drop(p1);
+        a.check().unwrap();
+        drop(t);
+        a.check().unwrap();
+        assert_eq!(a.held(), 0);
+        let c = a.counts.lock().unwrap();
+        assert!(c.parked.is_empty() && c.tickets.is_empty());
     }
 
     #[test]

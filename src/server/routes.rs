@@ -10,6 +10,7 @@ use actix_web::middleware::Next;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
 
+use super::admission::Place;
 use super::session::Session;
 use super::tenants::{Identity, Refusal};
 use super::{AppState, Status};
@@ -124,9 +125,16 @@ async fn ws(
             );
         }
     };
-    let permit = match admit(&req, &state, &identity) {
-        Ok(p) => p,
-        Err(full) => {
+    // An address whose dropped sessions hold its places may come back to resume them.
+    let place = match admit(&req, &state, &identity).map_err(|full| {
+        let ticket = (!state.session.resume_grace.is_zero())
+            .then(|| state.admission.admit_to_resume(peer_ip(&req)))
+            .flatten();
+        ticket.ok_or(full)
+    }) {
+        Ok(p) => Place::Permit(p),
+        Err(Ok(t)) => Place::Ticket(t),
+        Err(Err(full)) => {
             state.metrics.error("connection_limit");
             tracing::info!(reason = %full, "WebSocket upgrade refused: connection cap");
             return Ok(HttpResponse::ServiceUnavailable()
@@ -134,7 +142,7 @@ async fn ws(
                 .json(json!({"error_type": "overloaded", "message": full.to_string()})));
         }
     };
-    Session::new(state.into_inner(), ready, identity, permit).start(&req, stream)
+    Session::new(state.into_inner(), ready, identity, place).start(&req, stream)
 }
 
 /// Seconds a client refused by a connection cap is told to wait.
@@ -146,10 +154,12 @@ pub(super) fn admit(
     state: &AppState,
     identity: &Identity,
 ) -> Result<super::admission::Permit, super::admission::Full> {
-    let ip = req
-        .peer_addr()
-        .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |a| a.ip());
-    state.admission.admit(ip, &identity.tenant)
+    state.admission.admit(peer_ip(req), &identity.tenant)
+}
+
+fn peer_ip(req: &HttpRequest) -> std::net::IpAddr {
+    req.peer_addr()
+        .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |a| a.ip())
 }
 
 /// Who an upgrade is, from its headers and query (`widget`, `prefix`) alone: an API key

@@ -20,6 +20,7 @@ use std::time::Instant;
 use actix::prelude::*;
 use actix_web_actors::ws;
 
+use super::admission::Place;
 use super::outbox::{watched, Backlog};
 use super::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
 use super::prompt::chat_prompt;
@@ -119,8 +120,10 @@ pub struct Session {
     current: Option<Current>,
     last_heard: Instant,
     /// The session's place under the connection caps, given back when it ends (a parked
-    /// session keeps it: its reply still runs).
+    /// session keeps it: its reply still runs). A connection let in past the caps holds a
+    /// ticket instead, and may only resume (it then takes over the parked session's place).
     permit: Option<super::admission::Permit>,
+    ticket: Option<super::admission::Ticket>,
     /// Text frames it may send, and refused frames it may send before it is closed.
     frames: TokenBucket,
     rejected: TokenBucket,
@@ -148,13 +151,13 @@ impl Session {
         state: Arc<AppState>,
         ready: Ready,
         identity: Identity,
-        permit: super::admission::Permit,
+        place: super::admission::Place,
     ) -> Self {
         let l = &state.session.limits;
         let now = Instant::now();
         let frames = TokenBucket::new(l.frames_per_s, l.frame_burst, now);
         let rejected = TokenBucket::new(l.rejected_frames_per_s, l.rejected_frame_burst, now);
-        Session {
+        let mut session = Session {
             frames,
             rejected,
             id: uuid::Uuid::new_v4(),
@@ -164,7 +167,8 @@ impl Session {
             conversation: Vec::new(),
             current: None,
             last_heard: Instant::now(),
-            permit: Some(permit),
+            permit: None,
+            ticket: None,
             backlog: Backlog::new(),
             token: super::parked::new_token(),
             parked: Arc::new(AtomicBool::new(false)),
@@ -173,7 +177,12 @@ impl Session {
             closed_for_policy: false,
             reset_for_not_reading: Arc::new(AtomicBool::new(false)),
             preparing: None,
+        };
+        match place {
+            Place::Permit(p) => session.permit = Some(p),
+            Place::Ticket(t) => session.ticket = Some(t),
         }
+        session
     }
 
     /// Answers the upgrade and starts the session. Its outgoing stream is `watched`: the ping
@@ -249,6 +258,9 @@ impl Session {
         };
         if !matches!(frame, ClientFrame::Resume { .. }) {
             self.used = true;
+            if self.ticket.is_some() {
+                return self.refuse_ticket(ctx);
+            }
         }
         match frame {
             ClientFrame::Resume {
@@ -544,6 +556,14 @@ impl Actor for Session {
                 ctx.address().recipient(),
             );
         }
+        if self.ticket.is_some() {
+            // Let in only to resume: it does so at once or goes.
+            ctx.run_later(cfg.heartbeat, |act, ctx| {
+                if act.ticket.is_some() {
+                    act.refuse_ticket(ctx);
+                }
+            });
+        }
         ctx.run_interval(cfg.heartbeat, move |act, ctx| {
             if act.last_heard.elapsed() > cfg.client_timeout {
                 tracing::info!(session = %act.id, "no pong within the timeout; closing");
@@ -774,6 +794,7 @@ impl Session {
     fn park(&mut self) -> bool {
         let grace = self.state.session.resume_grace;
         if grace.is_zero()
+            || self.permit.is_none()
             || self.closed_for_policy
             || self.reset_for_not_reading.load(Ordering::SeqCst)
         {
@@ -794,7 +815,10 @@ impl Session {
         // A running reply keeps its place under the connection caps while parked (one client
         // cannot start replies and drop them to run more than its share); an idle session's
         // place comes back at once.
-        let permit = request.and_then(|_| self.permit.take());
+        let mut permit = request.and_then(|_| self.permit.take());
+        if let Some(p) = &mut permit {
+            p.set_parked(true);
+        }
         let now = Instant::now();
         let parked = ParkedSession {
             id: self.id,
@@ -849,11 +873,12 @@ impl Session {
             .parked
             .take(&token, &self.identity, Instant::now())
         {
-            Found::Parked(p) => self.resume_parked(*p, id, after_index, ctx),
+            Found::Parked(p) => self.resume_parked(token, *p, id, after_index, ctx),
             Found::Live(old) => {
                 // The old connection parks when told to; one already closing parks on its own
                 // in a moment (its mailbox no longer takes the message): look again meanwhile.
                 let (state, identity) = (self.state.clone(), self.identity.clone());
+                let token2 = token.clone();
                 let takeover = async move {
                     let mut live = Some(old);
                     for _ in 0..40 {
@@ -872,24 +897,83 @@ impl Session {
                 takeover
                     .into_actor(self)
                     .map(move |found, act, ctx| match found {
-                        Some(p) => act.resume_parked(*p, id, after_index, ctx),
-                        None => act.error(ctx, None, failed()),
+                        Some(p) => act.resume_parked(token2, *p, id, after_index, ctx),
+                        None => act.resume_failed(ctx, failed()),
                     })
                     .wait(ctx);
             }
-            Found::Nothing => self.error(ctx, None, failed()),
+            Found::Nothing => self.resume_failed(ctx, failed()),
         }
+    }
+
+    /// A connection let in past the caps that did not resume: it ends, asked to come back
+    /// later (1013).
+    fn refuse_ticket(&mut self, ctx: &mut ws::WebsocketContext<Self>) {
+        let e = RequestError::Overloaded(
+            "this connection was let in past the connection caps only to resume a session of this address (`resume` first); its caps are full: try again shortly".into(),
+        );
+        self.send(ctx, &e.to_frame(None));
+        self.state.metrics.error("connection_limit");
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Again,
+            description: Some("connection caps full".into()),
+        }));
+        ctx.stop();
+    }
+
+    /// A place under the caps for a connection let in on a ticket whose resume brought none:
+    /// false (and the connection ends) when the caps are still full.
+    fn claim_place(&mut self, ctx: &mut ws::WebsocketContext<Self>) -> bool {
+        let Some(ticket) = &self.ticket else {
+            return true;
+        };
+        match self
+            .state
+            .admission
+            .admit(ticket.address(), &self.identity.tenant)
+        {
+            Ok(p) => {
+                self.permit = Some(p);
+                self.ticket = None;
+                true
+            }
+            Err(_) => {
+                self.refuse_ticket(ctx);
+                false
+            }
+        }
+    }
+
+    /// A resume that finds nothing: the connection goes on as a fresh session, if it has a
+    /// place for one.
+    fn resume_failed(&mut self, ctx: &mut ws::WebsocketContext<Self>, e: RequestError) {
+        self.error(ctx, None, e);
+        self.claim_place(ctx);
     }
 
     /// Carries on a parked session on this connection.
     fn resume_parked(
         &mut self,
-        p: ParkedSession,
+        token: String,
+        mut p: ParkedSession,
         id: Option<String>,
         after_index: Option<usize>,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         tracing::debug!(session = %p.id, "session resumed");
+        // The parked place comes back to a connection: this one's, if it came in on a ticket.
+        if let Some(mut permit) = p.permit.take() {
+            permit.set_parked(false);
+            if self.permit.is_none() {
+                self.permit = Some(permit);
+                self.ticket = None;
+            }
+        }
+        if !self.claim_place(ctx) {
+            // The session stays parked for another try while its grace lasts.
+            self.state.parked.park(token, p, Instant::now());
+            return;
+        }
         self.id = p.id;
         self.conversation = p.conversation;
         self.last = p.last;

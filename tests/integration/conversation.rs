@@ -501,3 +501,94 @@ fn a_barge_in_survives_a_dropped_connection() {
         assert_eq!(next.text, want.text);
     });
 }
+
+/// Opens a WebSocket; the upgrade's status when it is refused.
+async fn try_connect(app: &App) -> Result<(Client, Value), u16> {
+    match awc::Client::new()
+        .ws(format!("ws://{}/ws", app.addr))
+        .max_frame_size(1 << 20)
+        .connect()
+        .await
+    {
+        Ok((_, framed)) => {
+            let mut c = Client::from_framed(framed);
+            let ready = c.recv().await;
+            assert_eq!(ready["type"], "ready", "{ready}");
+            Ok((c, ready))
+        }
+        Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Waits until `n` sessions are parked.
+async fn parked(app: &App, n: usize) {
+    for _ in 0..400 {
+        if app.state.parked.len() == n {
+            return;
+        }
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{} sessions parked, not {n}", app.state.parked.len());
+}
+
+#[test]
+fn a_parked_running_reply_keeps_its_place_and_only_its_client_takes_it_back() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.server.max_connections_per_address = 1;
+    });
+    run(async {
+        let (mut c, ready) = connect_ready(&app).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        c.chat("q", LONG, long(600)).await;
+        until(&mut c, "delta").await;
+        // While it is connected, its address has no other place.
+        assert_eq!(try_connect(&app).await.err(), Some(503));
+        drop(c);
+        parked(&app, 1).await;
+        // Parked with its reply running, it still holds the address's one place: a connection
+        // past the cap is let in only to resume, and one that does anything else is told so
+        // and closed (1013) without becoming a session.
+        let (mut other, _) = try_connect(&app).await.expect("let in to resume");
+        other.chat("x", "Hello", greedy(4)).await;
+        let e = other.recv().await;
+        assert_eq!(
+            (e["type"].as_str(), e["error_type"].as_str()),
+            (Some("error"), Some("overloaded")),
+            "{e}"
+        );
+        assert_eq!(app.state.parked.len(), 1, "the parked session is untouched");
+        drop(other);
+        // Its own client comes back through the same cap and carries on.
+        let (mut c, ready) = resume(&app, &token, "q", Some(0)).await;
+        let token = ready["resume_token"].as_str().unwrap().to_string();
+        assert_eq!(app.state.parked.len(), 0);
+        until(&mut c, "delta").await;
+        assert_eq!(app.state.admission.held(), 1, "one place, taken over");
+        app.state.admission.check().unwrap();
+        assert_eq!(try_connect(&app).await.err(), Some(503));
+        // Cancelled, the reply ends; dropped now, the idle session gives its place back.
+        c.send(json!({"type": "cancel", "id": "q"})).await;
+        until(&mut c, "done").await;
+        drop(c);
+        parked(&app, 1).await;
+        let (mut d, _) = try_connect(&app).await.expect("the place came back");
+        let r = ask(&mut d, "y", "Hello", 4).await;
+        assert_eq!(r.done["type"], "done");
+        drop(d);
+        // The idle parked session resumes like any other.
+        for _ in 0..100 {
+            if app.state.admission.held() == 0 {
+                break;
+            }
+            actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let (mut c, _) = resume(&app, &token, "q", None).await;
+        // (The cancelled reply's end, replayed: the client said it saw none of it.)
+        assert_eq!(until(&mut c, "done").await["id"], "q");
+        let next = ask(&mut c, "n", "Go on.", 4).await;
+        assert!(started(&next).1 > 0, "the conversation's KV carried over");
+        app.state.admission.check().unwrap();
+    });
+}
