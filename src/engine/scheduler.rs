@@ -94,6 +94,9 @@ pub struct Sequence {
     quota: Quota,
     /// A prefix to prefill and keep (no sampling).
     pin: bool,
+    /// Prefill only (a draft of a message being typed): no sampling; it ends once its prompt
+    /// is computed, and only ever takes what the step-time target leaves.
+    prefill_only: bool,
 }
 
 impl Sequence {
@@ -110,6 +113,7 @@ impl Sequence {
             priority: Priority::Interactive,
             quota: Quota::default(),
             pin,
+            prefill_only: false,
         }
     }
 
@@ -162,6 +166,8 @@ pub struct Scheduled {
     pub preempted: Vec<RequestId>,
     /// Slots to copy between blocks before the step runs.
     pub copies: Vec<BlockCopy>,
+    /// Prefill-only requests whose prompt this step completes (they end after it).
+    pub prefilled: Vec<RequestId>,
     /// The step's shape, for the cost model (`Scheduler::observe_step` with its measured time).
     pub shape: StepShape,
 }
@@ -229,6 +235,13 @@ impl Scheduler {
 
     pub fn waiting_len(&self) -> usize {
         self.waiting.len()
+    }
+
+    /// Queued interactive requests.
+    pub fn waiting_interactive(&self) -> usize {
+        (self.waiting.iter())
+            .filter(|s| s.priority == Priority::Interactive)
+            .count()
     }
 
     pub fn preemptions(&self) -> u64 {
@@ -339,6 +352,13 @@ impl Scheduler {
     pub fn set_priority(&mut self, id: RequestId, priority: Priority) {
         if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
             s.priority = priority;
+        }
+    }
+
+    /// Makes a queued request prefill-only (see `Sequence::prefill_only`).
+    pub fn set_prefill_only(&mut self, id: RequestId) {
+        if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
+            s.prefill_only = true;
         }
     }
 
@@ -514,11 +534,15 @@ impl Scheduler {
             return 0;
         }
         let Some(limit) = b.limit else { return max };
-        if s.tokens.len() - s.cached_tokens <= self.cfg.step_tokens {
-            // A request whose whole prefill fits the token budget (a chat turn, an ordinary
-            // prompt) is not cut to the time target: that would delay its first token by steps
-            // to save the streams milliseconds. The target is for long prompts, which would
-            // otherwise fill many whole steps.
+        if !b.prefilled
+            && !s.prefill_only
+            && s.tokens.len() - s.cached_tokens <= self.cfg.step_tokens
+        {
+            // The step's first prefill, when the request's whole prefill fits the token budget
+            // (a chat turn, an ordinary prompt), is not cut to the time target: that would
+            // delay its first token by steps to save the streams milliseconds. Later ones in
+            // the same step are: several whole prompts beside a full batch of decodes make the
+            // step that everyone, the next request included, waits for.
             return max;
         }
         let fits = |n: usize| self.cost.predict(&b.shape.with_run(start, n)) <= limit;
@@ -535,7 +559,7 @@ impl Scheduler {
                 hi = mid;
             }
         }
-        if lo == 0 && !b.prefilled {
+        if lo == 0 && !b.prefilled && !s.prefill_only {
             MIN_CHUNK.min(max)
         } else {
             lo
@@ -758,7 +782,10 @@ fn push_chunk(
     if !kv.allocate_slots(&mut s.blocks, end) {
         return false;
     }
-    let sample = end == s.tokens.len() && !s.pin;
+    let sample = end == s.tokens.len() && !s.pin && !s.prefill_only;
+    if s.prefill_only && end == s.tokens.len() {
+        out.prefilled.push(s.id);
+    }
     out.batch.seqs.push(SeqChunk {
         tokens: s.tokens[s.computed..end].to_vec(),
         start_pos: s.computed,
@@ -1439,6 +1466,80 @@ mod tests {
         let out = step(&mut s);
         assert_eq!(out.batch.num_tokens(), 512);
         assert_eq!(s.itl_misses(), 0);
+    }
+
+    #[test]
+    fn beside_decodes_one_short_prompt_a_step_goes_whole_and_the_rest_fit_the_target() {
+        // 20 decodes are predicted at about 20 ms; the 50 ms target plans for 40.
+        let mut s = timed(4096, 512, 50, 64);
+        for i in 0..20 {
+            s.add(id(i), vec![1; 4], 100, scope(0)).unwrap();
+        }
+        step(&mut s);
+        for i in 100..103 {
+            s.add(id(i), vec![2; 16], 20, scope(0)).unwrap();
+        }
+        let out = step(&mut s);
+        let prompts: Vec<usize> = out.batch.seqs[20..]
+            .iter()
+            .map(|q| q.tokens.len())
+            .collect();
+        assert_eq!(prompts[0], 16, "the first goes whole: {prompts:?}");
+        assert!(prompts.iter().skip(1).all(|&n| n < 16), "{prompts:?}");
+        assert!(
+            FixedCost.predict(&out.shape) <= 0.040 + 1e-9,
+            "{:?}",
+            out.shape
+        );
+        assert_eq!(s.itl_misses(), 0);
+        // The others follow in the next steps, each step's first whole again.
+        let mut steps = 1;
+        while (100..103).any(|i| s.get(id(i)).is_some_and(|r| r.computed < 16)) {
+            step(&mut s);
+            steps += 1;
+            assert!(steps <= 3, "all three prompts within three steps");
+        }
+        assert_eq!(s.itl_misses(), 0);
+    }
+
+    #[test]
+    fn a_prefill_only_request_takes_only_what_the_target_leaves_and_reports_when_computed() {
+        let mut s = timed(4096, 512, 50, 64);
+        // 45 decodes are predicted over the 40 ms plan: nothing is left for a draft, not even
+        // the smallest chunk an interactive prompt would get.
+        for i in 0..45 {
+            s.add(id(i), vec![1; 4], 100, scope(0)).unwrap();
+        }
+        step(&mut s);
+        s.add(id(99), vec![2; 64], 64, scope(0)).unwrap();
+        s.set_priority(id(99), Priority::Batch);
+        s.set_prefill_only(id(99));
+        let out = step(&mut s);
+        assert_eq!(out.batch.seqs.len(), 45);
+        assert!(out.prefilled.is_empty());
+        // With fewer decodes it takes chunks; the last one samples nothing and is reported.
+        for i in 0..40 {
+            s.finish(id(i), None);
+        }
+        let mut chunks = Vec::new();
+        loop {
+            let out = step(&mut s);
+            let mine = out.entries.iter().position(|e| e.id == id(99));
+            if let Some(k) = mine {
+                assert!(!out.entries[k].sample, "a draft samples nothing");
+                chunks.push(out.batch.seqs[k].tokens.len());
+                assert!(FixedCost.predict(&out.shape) <= 0.040 + 1e-9);
+            }
+            if !out.prefilled.is_empty() {
+                assert_eq!(out.prefilled, vec![id(99)]);
+                break;
+            }
+            assert!(chunks.len() < 20, "{chunks:?}");
+        }
+        assert_eq!(chunks.iter().sum::<usize>(), 64, "{chunks:?}");
+        assert_eq!(s.get(id(99)).unwrap().computed, 64);
+        s.finish(id(99), None);
+        assert_eq!(s.itl_misses(), 1, "only the step the decodes alone overran");
     }
 
     #[test]
