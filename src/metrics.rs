@@ -29,6 +29,7 @@ pub struct Metrics {
     pub prefix_hits: IntCounter,
     pub errors: IntCounterVec,
     pub slow_readers: IntCounterVec,
+    pub drafts: IntCounterVec,
     pub sessions: IntGauge,
     pub engine_failures: IntCounter,
 }
@@ -87,8 +88,20 @@ impl Metrics {
         registry
             .register(Box::new(slow_readers.clone()))
             .expect("unique metric");
+        let drafts = IntCounterVec::new(
+            Opts::new(
+                "llama_relay_drafts_total",
+                "Type-ahead drafts by how they ended: prefilled whole, used by the chat that followed, replaced by a newer draft, yielded to waiting requests, or ended with the session",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(drafts.clone()))
+            .expect("unique metric");
         Metrics {
             slow_readers,
+            drafts,
             requests_running: gauge("vllm:num_requests_running", "Requests in the running batch"),
             requests_waiting: gauge(
                 "vllm:num_requests_waiting",

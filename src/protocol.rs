@@ -48,6 +48,12 @@ pub enum ClientFrame {
         #[serde(default)]
         after_index: Option<usize>,
     },
+    /// What the user is typing (the next user message so far): the server prefills the
+    /// conversation plus this text with capacity running replies leave unused, so that the
+    /// `chat` that follows finds it computed. Answers nothing.
+    Draft {
+        text: String,
+    },
     Reset,
 }
 
@@ -311,6 +317,21 @@ impl Limits {
             cache_key: p.cache_key,
             priority,
         })
+    }
+
+    /// Validates a `draft` frame's text (a user message's content so far).
+    pub fn validate_draft(&self, text: String) -> Result<String, RequestError> {
+        let n = text.chars().count();
+        if n > self.max_message_chars {
+            return Err(bad(
+                "text",
+                format!(
+                    "must be at most {} characters. Given: {n}",
+                    self.max_message_chars
+                ),
+            ));
+        }
+        Ok(text)
     }
 
     fn check_messages(&self, messages: &[Message]) -> Result<(), RequestError> {

@@ -18,6 +18,9 @@
 
   /** Backoff bounds for reconnecting, in ms. */
   var BACKOFF_MIN_MS = 500, BACKOFF_MAX_MS = 15000;
+  // While the user types, what is in the input goes to the server at most this often as a
+  // `draft` (type-ahead prefill: the reply to it starts sooner).
+  var DRAFT_MS = 500;
 
   /** The one rendering function for user and model text: inert text, never markup. */
   function renderText(el, text) {
@@ -56,6 +59,9 @@
     // The session's resume token (from `ready`), and the one to resume with after a drop.
     this.resumeToken = null;
     this.pendingResume = null;
+    // The draft timer, and the text last sent as a draft.
+    this.draftTimer = null;
+    this.draftSent = "";
   }
 
   Conversation.prototype.start = function () {
@@ -65,6 +71,7 @@
     e.input.addEventListener("keydown", function (ev) {
       if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); self.send(); }
     });
+    e.input.addEventListener("input", function () { self.typed(); });
     if (e.form) {
       e.form.addEventListener("submit", function (ev) { ev.preventDefault(); self.send(); });
     } else {
@@ -234,6 +241,20 @@
     this.els.log.scrollTop = this.els.log.scrollHeight;
   };
 
+  /** The input changed: its text goes out as a `draft` within DRAFT_MS (not for an edit,
+   * which replaces an earlier turn). */
+  Conversation.prototype.typed = function () {
+    if (this.draftTimer) { return; }
+    var self = this;
+    this.draftTimer = setTimeout(function () {
+      self.draftTimer = null;
+      var text = self.els.input.value;
+      if (self.editing || !self.isOpen() || text === self.draftSent || !text.trim()) { return; }
+      self.draftSent = text;
+      self.ws.send(JSON.stringify({ type: "draft", text: text }));
+    }, DRAFT_MS);
+  };
+
   Conversation.prototype.send = function () {
     var text = this.els.input.value;
     if (!text.trim() || this.current || !this.isOpen()) { return false; }
@@ -253,6 +274,9 @@
       removed: removed, lastIndex: -1 };
     var frame = { type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] };
     if (edit) { frame.type = "edit"; frame.turn = edit.turn; }
+    clearTimeout(this.draftTimer);
+    this.draftTimer = null;
+    this.draftSent = "";
     this.ws.send(JSON.stringify(frame));
     this.els.input.value = "";
     this.setBusy(true);

@@ -16,7 +16,9 @@ use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
 use crate::kv_cache::{BlockPool, CacheScope};
 use crate::sampler::{log_probs, Sampler, SamplingParams, TokenLogprobs};
 
-/// A request, validated by the caller: a non-empty prompt shorter than the context.
+/// A request, validated by the caller: a non-empty prompt shorter than the context. With
+/// `max_tokens` 0 it is prefill-only (a draft): its prompt is computed into the cache with what
+/// the step-time target leaves, left to its lease, and it ends with `Finish::Prefilled`.
 #[derive(Debug, Clone)]
 pub struct Request {
     pub id: RequestId,
@@ -53,6 +55,8 @@ pub enum Finish {
     EndOfTurn,
     /// `max_tokens` or the context was reached.
     Length,
+    /// A prefill-only request's prompt is computed.
+    Prefilled,
 }
 
 /// What a step did, per request, in order.
@@ -165,6 +169,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
             self.sched.set_lease(r.id, k);
         }
         self.sched.set_priority(r.id, r.priority);
+        if r.max_tokens == 0 {
+            self.sched.set_prefill_only(r.id);
+        }
         self.live.insert(
             r.id,
             Decoding {
@@ -296,6 +303,13 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 return Err(StepFailed { ids, error });
             }
         };
+        for &id in &sch.prefilled {
+            self.finish(id);
+            events.push(Event::Finished {
+                id,
+                reason: Finish::Prefilled,
+            });
+        }
         let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
         for (id, mut row) in sampled.zip(rows) {
             let Some(d) = self.live.get_mut(&id) else {

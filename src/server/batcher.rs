@@ -207,6 +207,19 @@ pub struct EndLease {
     pub lease: LeaseKey,
 }
 
+/// Prefill a session's draft (its conversation plus the message being typed) into its lease,
+/// with only what the step-time target leaves beside running replies. The session's next
+/// draft, its next `Submit` or its `EndLease` ends it, the lease keeping what was computed; it
+/// is dropped when interactive requests wait for a slot. Nothing is reported back.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Draft {
+    pub prompt: Vec<u32>,
+    pub scope: crate::kv_cache::CacheScope,
+    pub lease: LeaseKey,
+    pub quota: Quota,
+}
+
 /// Prefill a prefix (a configured system prompt) and keep it cached for good.
 #[derive(Message)]
 #[rtype(result = "()")]
@@ -346,6 +359,8 @@ pub struct Batcher {
     /// Set when the engine failed for good: every request is refused with this reason.
     failed: Option<String>,
     failed_steps: u32,
+    /// Each session's running draft.
+    drafts: HashMap<LeaseKey, RequestId>,
     #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
 }
@@ -369,6 +384,7 @@ impl Batcher {
             on_failure: cfg.on_failure,
             failed: None,
             failed_steps: 0,
+            drafts: HashMap::new(),
             #[cfg(feature = "fault-injection")]
             fault: Fault::from_env(),
         }
@@ -409,6 +425,25 @@ impl Batcher {
         m.preemptions.inc_by(now[3] - last[3]);
         m.itl_target_misses.inc_by(now[4] - last[4]);
         m.prefill_tokens.inc_by(now[5] - last[5]);
+    }
+
+    /// Ends `lease`'s draft, if one runs: the lease keeps what it computed.
+    fn end_draft(&mut self, lease: LeaseKey, outcome: &str) {
+        if let Some(id) = self.drafts.remove(&lease) {
+            self.core.finish(id);
+            self.metrics.drafts.with_label_values(&[outcome]).inc();
+        }
+    }
+
+    /// Interactive requests wait for a slot: drafts give theirs up.
+    fn yield_drafts(&mut self) {
+        if self.drafts.is_empty() || self.core.scheduler().waiting_interactive() == 0 {
+            return;
+        }
+        let leases: Vec<LeaseKey> = self.drafts.keys().copied().collect();
+        for lease in leases {
+            self.end_draft(lease, "yielded");
+        }
     }
 
     /// Removes a request and tells its session how it ended.
@@ -556,6 +591,7 @@ impl Batcher {
                 )),
             );
         }
+        self.yield_drafts();
         let events = match self.run_step() {
             Ok(Some(events)) => {
                 self.failed_steps = 0;
@@ -595,6 +631,11 @@ impl Batcher {
                     let reason = match reason {
                         Finish::EndOfTurn => FinishReason::Stop,
                         Finish::Length => FinishReason::Length,
+                        Finish::Prefilled => {
+                            self.drafts.retain(|_, d| *d != id);
+                            self.metrics.drafts.with_label_values(&["prefilled"]).inc();
+                            continue;
+                        }
                     };
                     self.report_finished(id, reason);
                 }
@@ -828,8 +869,10 @@ impl Handler<Submit> for Batcher {
         }
         self.expire_leases();
         if let Some(k) = m.lease {
-            // The session is back: its lease no longer expires.
+            // The session is back: its lease no longer expires. Its draft ends, leaving what it
+            // computed to the lease this request continues.
             self.lease_expiry.remove(&k);
+            self.end_draft(k, "used");
         }
         let request = Request {
             id: m.request,
@@ -945,9 +988,47 @@ impl Handler<EndLease> for Batcher {
     type Result = ();
 
     fn handle(&mut self, m: EndLease, _: &mut Context<Self>) {
+        self.end_draft(m.lease, "ended");
         self.lease_expiry
             .set(m.lease, Instant::now() + self.lease_grace);
         self.expire_leases();
+    }
+}
+
+impl Handler<Draft> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: Draft, ctx: &mut Context<Self>) {
+        self.end_draft(m.lease, "replaced");
+        let n = m.prompt.len();
+        if self.failed.is_some()
+            || self.drain_deadline.is_some()
+            || n == 0
+            || n >= self.max_context
+            || self.core.scheduler().waiting_interactive() > 0
+        {
+            return;
+        }
+        self.lease_expiry.remove(&m.lease);
+        let id = next_request_id();
+        let request = Request {
+            id,
+            prompt: m.prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 0,
+            ignore_eos: false,
+            priority: Priority::Batch,
+            scope: m.scope,
+            lease: Some(m.lease),
+            logprobs: None,
+            forks: Vec::new(),
+            quota: m.quota,
+        };
+        // A full queue has no capacity to spare: the draft is simply not prefilled.
+        if self.core.add(request).is_ok() {
+            self.drafts.insert(m.lease, id);
+            self.wake(ctx);
+        }
     }
 }
 

@@ -28,6 +28,39 @@ pub fn chat_prompt(
     new: &[Message],
     cache_key: Option<&str>,
 ) -> Result<Prompt, RequestError> {
+    build(
+        ready, tenants, identity, principal, history, new, cache_key, false,
+    )
+}
+
+/// The prompt of a draft: `history` and a user message holding `text` so far, rendered up to
+/// the end of that text (what the template adds after a message is left out, and the text's
+/// last token too: the next characters typed may join it).
+pub fn draft_prompt(
+    ready: &Ready,
+    tenants: &Tenants,
+    identity: &Identity,
+    principal: &uuid::Uuid,
+    history: &[Message],
+    text: &str,
+) -> Result<Prompt, RequestError> {
+    let new = [Message::new("user", text)];
+    build(
+        ready, tenants, identity, principal, history, &new, None, true,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn build(
+    ready: &Ready,
+    tenants: &Tenants,
+    identity: &Identity,
+    principal: &uuid::Uuid,
+    history: &[Message],
+    new: &[Message],
+    cache_key: Option<&str>,
+    open: bool,
+) -> Result<Prompt, RequestError> {
     if let Some((i, m)) = new
         .iter()
         .enumerate()
@@ -59,11 +92,18 @@ pub fn chat_prompt(
             ready.max_context
         )));
     }
-    let ids = ready
-        .tokenizer
-        .encode_chat(&all, true)
-        .map_err(|e| RequestError::InvalidRequest(e.to_string()))?
-        .1;
+    let ids = if open {
+        let mut ids = (ready.tokenizer.encode_chat_open(&all))
+            .map_err(|e| RequestError::InvalidRequest(e.to_string()))?;
+        ids.pop();
+        ids
+    } else {
+        ready
+            .tokenizer
+            .encode_chat(&all, true)
+            .map_err(|e| RequestError::InvalidRequest(e.to_string()))?
+            .1
+    };
     let shared = shared_tokens(ready, identity, &ids);
     let scope = tenants.scope(identity, principal, cache_key, shared);
     Ok(Prompt { ids, scope })

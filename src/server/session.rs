@@ -32,8 +32,8 @@ use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
-    next_request_id, Cancel, CancelReason, EndLease, EventKind, GenerationEvent, Park, ReplyTo,
-    Resume, Submit,
+    next_request_id, Cancel, CancelReason, Draft, EndLease, EventKind, GenerationEvent, Park,
+    ReplyTo, Resume, Submit,
 };
 use crate::tokenizer::Message;
 
@@ -144,6 +144,8 @@ pub struct Session {
     /// A turn whose prompt is being built (not yet submitted), and where it replaces the
     /// conversation.
     preparing: Option<(ValidChat, usize)>,
+    /// A draft sent while a reply ran: prefilled once the reply ends (the latest only).
+    pending_draft: Option<String>,
 }
 
 impl Session {
@@ -177,6 +179,7 @@ impl Session {
             closed_for_policy: false,
             reset_for_not_reading: Arc::new(AtomicBool::new(false)),
             preparing: None,
+            pending_draft: None,
         };
         match place {
             Place::Permit(p) => session.permit = Some(p),
@@ -268,11 +271,19 @@ impl Session {
                 id,
                 after_index,
             } => self.resume(token, id, after_index, ctx),
+            ClientFrame::Draft { text } => match self.state.session.limits.validate_draft(text) {
+                Ok(text) if self.current.is_some() || self.preparing.is_some() => {
+                    self.pending_draft = Some(text)
+                }
+                Ok(text) => self.start_draft(text, ctx),
+                Err(e) => self.error(ctx, None, e),
+            },
             ClientFrame::Chat {
                 id,
                 messages,
                 params,
             } => {
+                self.pending_draft = None;
                 let end = self.conversation.len();
                 self.validated_turn(id, messages, params, end, ctx);
             }
@@ -359,11 +370,46 @@ impl Session {
                     return self.error(ctx, None, RequestError::Busy(id));
                 }
                 self.conversation.clear();
+                self.pending_draft = None;
                 self.ready.batcher.do_send(EndLease {
                     lease: self.lease_key(),
                 });
             }
         }
+    }
+
+    /// Prefills the conversation plus `text` (the user's next message so far) into the
+    /// session's lease, with capacity running replies leave (`batcher::Draft`). Empty text, or
+    /// a client that may not send user messages, prefills nothing.
+    fn start_draft(&mut self, text: String, ctx: &mut ws::WebsocketContext<Self>) {
+        if text.trim().is_empty() || !self.identity.roles.allows("user") {
+            return;
+        }
+        let (ready, state, identity, id) = (
+            self.ready.clone(),
+            self.state.clone(),
+            self.identity.clone(),
+            self.id,
+        );
+        let history = self.conversation.clone();
+        // Like a chat's prompt, built on the blocking pool; `wait` keeps the session's frames in
+        // order, so a `chat` right after reaches the batcher after the draft it ends.
+        actix_web::rt::task::spawn_blocking(move || {
+            super::prompt::draft_prompt(&ready, &state.tenants, &identity, &id, &history, &text)
+        })
+        .into_actor(self)
+        .map(|res, act, _| {
+            // Too long for the context, or not renderable: the chat will say so, not the draft.
+            if let Ok(Ok(prompt)) = res {
+                act.ready.batcher.do_send(Draft {
+                    prompt: prompt.ids,
+                    scope: prompt.scope,
+                    lease: act.lease_key(),
+                    quota: act.identity.quota,
+                });
+            }
+        })
+        .wait(ctx);
     }
 
     /// `cache_key` is for API-key clients only (a browser session is its own partition).
@@ -687,8 +733,23 @@ impl Handler<GenerationEvent> for Session {
 }
 
 impl Session {
-    /// What the batcher reports of the request in flight (live, or replayed on a resume).
+    /// What the batcher reports of the request in flight (live, or replayed on a resume); a
+    /// draft typed meanwhile is prefilled once it ends.
     fn on_event(
+        &mut self,
+        request: RequestId,
+        kind: EventKind,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        self.on_reply_event(request, kind, ctx);
+        if self.current.is_none() {
+            if let Some(text) = self.pending_draft.take() {
+                self.start_draft(text, ctx);
+            }
+        }
+    }
+
+    fn on_reply_event(
         &mut self,
         request: RequestId,
         kind: EventKind,

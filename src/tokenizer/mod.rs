@@ -216,6 +216,29 @@ impl TextTokenizer {
         Ok((text, ids))
     }
 
+    /// The token ids of `messages` rendered with the chat template up to the end of the last
+    /// message's content, leaving out what the template adds after it: the prompt of a
+    /// conversation whose last message is still being written (a draft).
+    pub fn encode_chat_open(&self, messages: &[Message]) -> Result<Vec<u32>> {
+        let t = self
+            .template
+            .as_ref()
+            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
+        let spans = t.render_spans(messages, false)?;
+        let last = spans
+            .iter()
+            .rposition(|s| matches!(s, chat_template::Span::Content(_)))
+            .map_or(0, |i| i + 1);
+        let mut ids = Vec::new();
+        for span in &spans[..last] {
+            ids.extend(match span {
+                chat_template::Span::Template(s) => self.encode_raw(s)?,
+                chat_template::Span::Content(s) => self.encode_text(s)?,
+            });
+        }
+        Ok(ids)
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         self.inner
             .decode(ids, skip_special)

@@ -240,6 +240,38 @@ test("chat page streams a reply with TTFT and tok/s, and a second turn hits the 
   await context.close();
 });
 
+test("typing then sending shows cached tokens for the new message (type-ahead drafts)", async () => {
+  const text = "I would like to know how the tides work, why there are two of them every day, and what the moon has to do with it.";
+  const cachedOf = (stats) => Number(stats.match(/(\d+) cached tokens/)[1]);
+  // Pasted and sent at once: no draft goes out, little of the prompt is cached.
+  const { page, context, errors } = await newPage();
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill(text);
+  await page.locator("#input").press("Enter");
+  const pasted = await watchReply(page, "#log");
+  await context.close();
+  // Typed: drafts go out while the user types; the reply starts from what they computed.
+  const typed = await newPage();
+  const drafts = [];
+  typed.page.on("websocket", (ws) => ws.on("framesent", (f) => {
+    if (String(f.payload).includes('"draft"')) { drafts.push(JSON.parse(f.payload).text); }
+  }));
+  await typed.page.goto(RELAY + "/");
+  await typed.page.locator("#conn", { hasText: "connected" }).waitFor();
+  await typed.page.locator("#input").pressSequentially(text, { delay: 15 });
+  await typed.page.waitForTimeout(1_500);
+  await typed.page.locator("#input").press("Enter");
+  const reply = await watchReply(typed.page, "#log");
+  assert.ok(drafts.length >= 2 && drafts[drafts.length - 1] === text, `drafts sent: ${JSON.stringify(drafts)}`);
+  assert.ok(cachedOf(reply.stats) > cachedOf(pasted.stats) + 20,
+    `typed: ${reply.stats}; pasted: ${pasted.stats}`);
+  console.log(`# cached tokens: typed ${cachedOf(reply.stats)}, pasted ${cachedOf(pasted.stats)}`);
+  assert.deepEqual(errors, []);
+  assert.deepEqual(typed.errors, []);
+  await typed.context.close();
+});
+
 test("Stop ends the reply at once and the KV pool returns to idle", async () => {
   const { page, context, errors } = await newPage();
   await page.goto(RELAY + "/");

@@ -592,3 +592,121 @@ fn a_parked_running_reply_keeps_its_place_and_only_its_client_takes_it_back() {
         app.state.admission.check().unwrap();
     });
 }
+
+/// Drafts that ended `outcome` so far.
+fn drafts(app: &App, outcome: &str) -> u64 {
+    app.state.metrics.drafts.with_label_values(&[outcome]).get()
+}
+
+/// Waits until `n` drafts have ended `outcome`.
+async fn drafts_reach(app: &App, outcome: &str, n: u64) {
+    for _ in 0..1000 {
+        if drafts(app, outcome) >= n {
+            return;
+        }
+        actix_web::rt::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{} drafts {outcome}, not {n}", drafts(app, outcome));
+}
+
+const TYPED: &str = "I would like to know how the tides work, why there are two of them every day, and what the moon and the sun each have to do with it.";
+
+#[test]
+fn a_draft_is_prefilled_and_the_chat_that_follows_finds_it_computed() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        // Without drafts: the reply, and how little of its prompt is cached.
+        let mut control = app.connect().await;
+        let first_control = ask(&mut control, "a", "Hello!", 6).await;
+        let without = ask(&mut control, "b", TYPED, 8).await;
+        let (prompt, cached_without) = started(&without);
+
+        let mut c = app.connect().await;
+        let first = ask(&mut c, "a", "Hello!", 6).await;
+        assert_eq!(first.text, first_control.text);
+        // The user types: drafts of the message so far, the last one whole.
+        let words: Vec<&str> = TYPED.split(' ').collect();
+        for (k, n) in [5, 12, words.len()].into_iter().enumerate() {
+            c.send(json!({"type": "draft", "text": words[..n].join(" ")}))
+                .await;
+            drafts_reach(&app, "prefilled", k as u64 + 1).await;
+        }
+        let with = ask(&mut c, "b", TYPED, 8).await;
+        let (prompt_with, cached_with) = started(&with);
+        eprintln!(
+            "type-ahead: cached {cached_with} of {prompt_with} with drafts, {cached_without} without"
+        );
+        assert_eq!(prompt_with, prompt);
+        assert_eq!(
+            with.text, without.text,
+            "the same reply from the draft's KV"
+        );
+        // All but the message's last token or two and the template's end of turn.
+        assert!(
+            cached_with + 8 >= prompt && cached_with > cached_without + 20,
+            "{cached_with} of {prompt} (without drafts {cached_without})"
+        );
+        // The next turn still continues the conversation as a fresh session sees it.
+        let next = ask(&mut c, "c", "Thanks.", 6).await;
+        let want = explicit(
+            &app,
+            json!([user("Hello!"), {"role": "assistant", "content": first.text}, user(TYPED), {"role": "assistant", "content": with.text}, user("Thanks.")]),
+            6,
+        )
+        .await;
+        assert_eq!(started(&next).0, started(&want).0);
+        assert_eq!(next.text, want.text);
+    });
+}
+
+#[test]
+fn a_draft_typed_during_a_reply_waits_for_it_and_bad_drafts_are_refused() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut c = app.connect().await;
+        c.chat("q", LONG, long(60)).await;
+        until(&mut c, "delta").await;
+        // Typed while the reply streams: nothing to prefill on yet (the reply is not in the
+        // conversation); it is prefilled once the reply ends.
+        c.send(json!({"type": "draft", "text": TYPED})).await;
+        let (_, done) = rest_of(&mut c, "q").await;
+        assert_eq!(done["type"], "done");
+        drafts_reach(&app, "prefilled", 1).await;
+        let next = ask(&mut c, "n", TYPED, 4).await;
+        let (prompt, cached) = started(&next);
+        assert!(cached + 8 >= prompt, "{cached} of {prompt}");
+        assert_eq!(drafts(&app, "prefilled"), 1);
+        // A draft the server refuses, by its field; the session goes on.
+        let limit = app.state.session.limits.max_message_chars;
+        c.send(json!({"type": "draft", "text": "x".repeat(limit + 1)}))
+            .await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("`text` must be at most"),
+            "{e}"
+        );
+        c.send(json!({"type": "draft", "text": 5})).await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        // A newer draft replaces an older one; a chat ends the one still running.
+        c.send(json!({"type": "draft", "text": "Tell me"})).await;
+        c.send(json!({"type": "draft", "text": "Tell me about the sea"}))
+            .await;
+        let r = ask(&mut c, "m", "Tell me about the sea and the tides.", 4).await;
+        assert_eq!(r.done["type"], "done");
+        app.wait_idle().await;
+        let ended: u64 = ["prefilled", "replaced", "used"]
+            .iter()
+            .map(|o| drafts(&app, o))
+            .sum();
+        assert_eq!(ended, 3, "every draft ends once");
+        let st = app.wait_idle().await;
+        assert_eq!(st.kv_blocks_used, st.kv_blocks_held, "{st:?}");
+    });
+}
