@@ -104,7 +104,10 @@ struct BenchArgs {
     /// streams and long prompts arriving while they stream) or `flood` (an API-key user's TTFT
     /// alone and while `--users` keyless clients keep the server full of `--max-tokens` replies)
     /// or `resume` (`--requests` forced disconnects of greedy replies, each resumed on a new
-    /// connection and compared with the uninterrupted reply).
+    /// connection and compared with the uninterrupted reply) or `typeahead` (`--users` type a
+    /// `--prompt-words` message at `--chars-per-s`, without and then with drafts) or `paced`
+    /// (`--users` streaming users beside as many clients consuming `--max-tokens` replies at
+    /// `--acks-per-s` deltas a second, without and then with `--window`).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -128,6 +131,16 @@ struct BenchArgs {
     /// lease, while the stream is measured.
     #[arg(long, default_value_t = 0)]
     idle_sessions: usize,
+    /// typeahead: how fast each user types.
+    #[arg(long, default_value_t = 8.0)]
+    chars_per_s: f64,
+    /// paced: how fast each paced client consumes deltas, its window, and how long a run lasts.
+    #[arg(long, default_value_t = 10.0)]
+    acks_per_s: f64,
+    #[arg(long, default_value_t = 8)]
+    window: usize,
+    #[arg(long, default_value_t = 40.0)]
+    seconds: f64,
     /// throughput: `websocket`, `openai` (streamed chat completions over SSE) or `both` (each
     /// user count over both against the same server, the order alternating).
     #[arg(long, default_value = "websocket")]
@@ -278,10 +291,10 @@ fn bench(
 ) -> anyhow::Result<()> {
     if !matches!(
         a.workload.as_str(),
-        "throughput" | "chat" | "overhead" | "mixed" | "flood" | "resume"
+        "throughput" | "chat" | "overhead" | "mixed" | "flood" | "resume" | "typeahead" | "paced"
     ) {
         anyhow::bail!(
-            "--workload must be `throughput`, `chat`, `overhead`, `mixed`, `flood` or `resume`, not `{}`",
+            "--workload must be `throughput`, `chat`, `overhead`, `mixed`, `flood`, `resume`, `typeahead` or `paced`, not `{}`",
             a.workload
         );
     }
@@ -305,6 +318,12 @@ fn bench(
     }
     if a.workload == "flood" {
         return bench_flood(settings, opts, a);
+    }
+    if a.workload == "typeahead" {
+        return bench_typeahead(settings, opts, a);
+    }
+    if a.workload == "paced" {
+        return bench_paced(settings, opts, a);
     }
     if a.workload == "resume" {
         settings.server.port = 0;
@@ -607,6 +626,103 @@ fn bench_flood(
         llama_relay::bench::run_flood(cfg)
             .await
             .map_err(|e| anyhow::anyhow!(e))?;
+        Ok(())
+    })
+}
+
+/// For each user count: the type-ahead workload without drafts, then with, against the same
+/// server; prints the TTFT ratio and the decode rate ratio.
+fn bench_typeahead(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    settings.server.port = 0;
+    if !a.chars_per_s.is_finite() || a.chars_per_s <= 0.0 {
+        anyhow::bail!("--chars-per-s must be above 0");
+    }
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => start_in_process(&settings, opts.clone()).await?,
+        };
+        // One short exchange first, unmeasured: the first request of a process pays one-time costs.
+        let warm = llama_relay::bench::TypeaheadBenchConfig {
+            url: url.clone(),
+            users: 1,
+            message_words: 20,
+            chars_per_s: 1000.0,
+            max_tokens: 4,
+            drafts: true,
+            print: false,
+        };
+        llama_relay::bench::run_typeahead(warm)
+            .await
+            .map_err(|e| anyhow::anyhow!(e))?;
+        for &users in &a.users {
+            let run = |drafts| {
+                llama_relay::bench::run_typeahead(llama_relay::bench::TypeaheadBenchConfig {
+                    url: url.clone(),
+                    users,
+                    message_words: a.prompt_words,
+                    chars_per_s: a.chars_per_s,
+                    max_tokens: a.max_tokens,
+                    drafts,
+                    print: true,
+                })
+            };
+            let off = run(false).await.map_err(|e| anyhow::anyhow!(e))?;
+            let on = run(true).await.map_err(|e| anyhow::anyhow!(e))?;
+            let p = llama_relay::bench::percentile;
+            println!(
+                "typeahead users {users}: TTFT p50 with drafts / without {:.2}x, p99 {:.2}x; reply decode p50 {:.3}x",
+                p(&on.ttft, 50.0) / p(&off.ttft, 50.0),
+                p(&on.ttft, 99.0) / p(&off.ttft, 99.0),
+                p(&on.decode_tok_s, 50.0) / p(&off.decode_tok_s, 50.0),
+            );
+        }
+        Ok(())
+    })
+}
+
+/// For each user count: the paced workload without a window, then with `--window`, against the
+/// same server; prints the ratio of the ordinary users' aggregates.
+fn bench_paced(
+    mut settings: Settings,
+    opts: llama_relay::engine::EngineOptions,
+    a: BenchArgs,
+) -> anyhow::Result<()> {
+    settings.server.port = 0;
+    if !(a.acks_per_s.is_finite() && a.seconds.is_finite())
+        || a.acks_per_s <= 0.0
+        || a.window == 0
+        || a.seconds <= 0.0
+    {
+        anyhow::bail!("--acks-per-s, --window and --seconds must be above 0");
+    }
+    actix_web::rt::System::new().block_on(async move {
+        let url = match &a.url {
+            Some(u) => u.clone(),
+            None => start_in_process(&settings, opts.clone()).await?,
+        };
+        for &users in &a.users {
+            let run = |window| {
+                llama_relay::bench::run_paced(llama_relay::bench::PacedBenchConfig {
+                    url: url.clone(),
+                    users,
+                    max_tokens: a.max_tokens,
+                    acks_per_s: a.acks_per_s,
+                    window,
+                    seconds: a.seconds,
+                })
+            };
+            let off = run(None).await.map_err(|e| anyhow::anyhow!(e))?;
+            let on = run(Some(a.window)).await.map_err(|e| anyhow::anyhow!(e))?;
+            println!(
+                "paced users {users}: others' aggregate with window / without {:.2}x",
+                on.others_tok_s / off.others_tok_s
+            );
+        }
         Ok(())
     })
 }

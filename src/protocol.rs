@@ -54,6 +54,11 @@ pub enum ClientFrame {
     Draft {
         text: String,
     },
+    /// A paced stream's client has shown (or spoken) reply `id`'s deltas through `index`.
+    Ack {
+        id: String,
+        index: usize,
+    },
     Reset,
 }
 
@@ -81,7 +86,13 @@ pub struct ChatParams {
     /// `interactive` (default) or `batch`: batch requests are admitted and prefilled only with
     /// what interactive ones leave.
     pub priority: Option<String>,
+    /// A paced stream: at most this many deltas unacknowledged (`ack`); past it the reply stops
+    /// generating, its KV kept, until the client acks.
+    pub window: Option<usize>,
 }
+
+/// The largest `params.window`.
+pub const MAX_WINDOW: usize = 1024;
 
 /// A request's priority on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -131,6 +142,10 @@ pub enum ServerFrame {
     Queued {
         id: String,
         position: usize,
+        /// An estimate of the wait until the request starts, from how fast requests have been
+        /// starting.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        eta_ms: Option<u64>,
     },
     Started {
         id: String,
@@ -267,6 +282,7 @@ pub struct ValidChat {
     pub ignore_eos: bool,
     pub cache_key: Option<String>,
     pub priority: Priority,
+    pub window: Option<usize>,
 }
 
 fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
@@ -307,6 +323,12 @@ impl Limits {
                 ))
             }
         };
+        if let Some(w) = p.window.filter(|&w| w == 0 || w > MAX_WINDOW) {
+            return Err(bad(
+                "params.window",
+                format!("must be between 1 and {MAX_WINDOW}. Given: {w}"),
+            ));
+        }
         Ok(ValidChat {
             id,
             messages,
@@ -316,6 +338,7 @@ impl Limits {
             ignore_eos: p.ignore_eos,
             cache_key: p.cache_key,
             priority,
+            window: p.window,
         })
     }
 
@@ -506,6 +529,14 @@ mod tests {
         });
         assert!(
             s.contains("`params.stop`") && s.contains("at most 4"),
+            "{s}"
+        );
+        let s = e(ChatParams {
+            window: Some(0),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.window`") && s.contains("between 1 and 1024"),
             "{s}"
         );
         let s = e(ChatParams {

@@ -196,7 +196,14 @@
         this.pendingResume = null;
         break;
       case "queued":
-        if (mine && f.position > 0) { renderText(c.stats, "queued, position " + f.position); }
+        if (mine) {
+          // Position 0 is next; the estimate comes once the server has seen requests start.
+          var wait = f.eta_ms ? " · about " + Math.max(1, Math.round(f.eta_ms / 1000)) + " s" : "";
+          // (Every request is queued at 0 for a moment: that is not shown.)
+          if (f.position > 0 || wait) {
+            renderText(c.stats, "queued, " + (f.position > 0 ? f.position + " ahead" : "next") + wait);
+          }
+        }
         break;
       case "started":
         if (mine) { renderText(c.stats, ""); }

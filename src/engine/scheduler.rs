@@ -97,6 +97,8 @@ pub struct Sequence {
     /// Prefill only (a draft of a message being typed): no sampling; it ends once its prompt
     /// is computed, and only ever takes what the step-time target leaves.
     prefill_only: bool,
+    /// A paced reply at its window: it keeps its place and its blocks but does not decode.
+    paused: bool,
 }
 
 impl Sequence {
@@ -114,6 +116,7 @@ impl Sequence {
             quota: Quota::default(),
             pin,
             prefill_only: false,
+            paused: false,
         }
     }
 
@@ -237,6 +240,19 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// The queued requests in the order they would be admitted, roughly: interactive before
+    /// batch, then queue order (turns across tenants are not simulated). Drafts are left out.
+    pub fn waiting_order(&self) -> Vec<RequestId> {
+        let of = |p: Priority| {
+            (self.waiting.iter())
+                .filter(move |s| s.priority == p && !s.prefill_only)
+                .map(|s| s.id)
+        };
+        of(Priority::Interactive)
+            .chain(of(Priority::Batch))
+            .collect()
+    }
+
     /// Queued interactive requests.
     pub fn waiting_interactive(&self) -> usize {
         (self.waiting.iter())
@@ -352,6 +368,16 @@ impl Scheduler {
     pub fn set_priority(&mut self, id: RequestId, priority: Priority) {
         if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
             s.priority = priority;
+        }
+    }
+
+    /// Pauses or resumes a request's decoding (a paced reply at its window, or acked again).
+    pub fn set_paused(&mut self, id: RequestId, paused: bool) {
+        if let Some(s) = (self.running.iter_mut())
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
+        {
+            s.paused = paused;
         }
     }
 
@@ -591,7 +617,7 @@ impl Scheduler {
         let mut ids: Vec<(u64, RequestId)> = self
             .running
             .iter()
-            .filter(|s| s.computed > 0 && s.pending() == 1)
+            .filter(|s| s.computed > 0 && s.pending() == 1 && !s.paused && !s.prefill_only)
             .map(|s| (s.admitted, s.id))
             .collect();
         ids.sort();
@@ -630,7 +656,12 @@ impl Scheduler {
         let mut prefilling: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
                 let r = &self.running[i];
-                r.priority == priority && r.pending() > 0 && !decoding.contains(&r.id)
+                // (A paused reply's next token is a decode, not a prefill.)
+                let paused_decode = r.paused && r.computed > 0 && r.pending() == 1;
+                r.priority == priority
+                    && r.pending() > 0
+                    && !decoding.contains(&r.id)
+                    && !paused_decode
             })
             .collect();
         prefilling.sort_by_key(|&i| self.running[i].admitted);
@@ -1581,14 +1612,16 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 64, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
-        /// Random adds, steps and cancels never hand out a block twice, never exceed the budget,
-        /// and always end with the pool idle.
+        /// Random adds (drafts among them), steps, pauses and cancels never hand out a block
+        /// twice, never exceed the budget, never decode a paused request, and always end with
+        /// the pool idle.
         #[test]
-        fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..3, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
+        fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..5, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
             let cfg = SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, itl_target: None };
             let mut s = new_sched(12, cfg, caching, (16, 24));
             let mut next = 0u64;
             let mut gen: std::collections::HashMap<u64, (usize, usize)> = Default::default();
+            let mut paused = std::collections::HashSet::new();
             for (op, a, b) in ops {
                 match op {
                     0 => {
@@ -1598,6 +1631,20 @@ mod tests {
                         next += 1;
                     }
                     1 => { s.remove(id((a as u64) % next.max(1))); }
+                    2 => {
+                        let r = (a as u64) % next.max(1);
+                        s.set_paused(id(r), b % 2 == 0);
+                        if b % 2 == 0 { paused.insert(r); } else { paused.remove(&r); }
+                    }
+                    3 => {
+                        // A draft: prefill only, with what the rest leave.
+                        if s.add(id(next), vec![4; a], a, scope(next % 2)).is_ok() {
+                            s.set_priority(id(next), Priority::Batch);
+                            s.set_prefill_only(id(next));
+                            s.set_lease(id(next), LeaseKey(next % 3));
+                        }
+                        next += 1;
+                    }
                     _ => {
                         if let Some(out) = s.schedule() {
                             // Decodes (at most max_running = 3) never exceed the budget here.
@@ -1609,6 +1656,15 @@ mod tests {
                                 for blk in &c.block_table[first..last] {
                                     prop_assert!(seen.insert(*blk), "block written twice");
                                 }
+                            }
+                            for e in out.entries.iter().filter(|e| e.sample) {
+                                // Its prompt's last chunk samples the first token; after that
+                                // a paused request does not decode.
+                                prop_assert!(!paused.contains(&e.id.0) || gen[&e.id.0].0 == 0, "a paused request decoded");
+                            }
+                            for &p in &out.prefilled {
+                                prop_assert!(!out.entries.iter().any(|e| e.id == p && e.sample));
+                                s.finish(p, lease(p.0 % 3));
                             }
                             for e in &out.entries {
                                 if e.sample {

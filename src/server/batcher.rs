@@ -41,6 +41,12 @@ pub struct GenerationEvent {
 
 #[derive(Debug, Clone)]
 pub enum EventKind {
+    /// Still waiting: its place in the queue changed (at most every `QUEUE_UPDATE`), with an
+    /// estimate of the wait from how fast requests have been starting.
+    Queued {
+        position: usize,
+        eta_ms: Option<u64>,
+    },
     Started {
         prompt_tokens: usize,
         cached_tokens: usize,
@@ -177,6 +183,17 @@ pub struct Submit {
     pub reply_to: ReplyTo,
     /// The tenant's share of the scheduler.
     pub quota: Quota,
+    /// A paced reply: the tokens it may generate before its client allows more (`Allow`).
+    pub window: Option<usize>,
+}
+
+/// A paced reply may generate up to `tokens` tokens in all (its client acknowledged what it
+/// showed); it resumes decoding if it was paused below that.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Allow {
+    pub request: RequestId,
+    pub tokens: usize,
 }
 
 /// Stop a generation at the next step (idempotent).
@@ -267,7 +284,17 @@ struct Active {
     generated: usize,
     /// The reply's token ids, for a session that resumes.
     ids: Vec<u32>,
+    /// A paced reply: the tokens it may generate in all for now.
+    allowed: Option<usize>,
+    /// The queue position last reported.
+    position: Option<usize>,
 }
+
+/// How often waiting requests hear of their queue position (when it changed).
+pub const QUEUE_UPDATE: Duration = Duration::from_millis(500);
+
+/// Recent starts (first admissions) counted for the queue's wait estimate.
+const STARTS_KEPT: usize = 32;
 
 impl Active {
     /// What the client has been told so far, as events.
@@ -361,6 +388,9 @@ pub struct Batcher {
     failed_steps: u32,
     /// Each session's running draft.
     drafts: HashMap<LeaseKey, RequestId>,
+    /// When requests recently started, and when the queue was last reported.
+    starts: std::collections::VecDeque<Instant>,
+    queue_reported: Option<Instant>,
     #[cfg(feature = "fault-injection")]
     fault: Option<Fault>,
 }
@@ -385,6 +415,8 @@ impl Batcher {
             failed: None,
             failed_steps: 0,
             drafts: HashMap::new(),
+            starts: std::collections::VecDeque::new(),
+            queue_reported: None,
             #[cfg(feature = "fault-injection")]
             fault: Fault::from_env(),
         }
@@ -641,8 +673,50 @@ impl Batcher {
                 }
             }
         }
+        self.report_queue(now);
         self.update_gauges();
         !self.core.is_idle()
+    }
+
+    /// Tells waiting requests whose queue position changed where they are now, at most every
+    /// `QUEUE_UPDATE`. A position counts the requests ahead that would be admitted first
+    /// (interactive before batch; within a priority, queue order); the estimate is that many
+    /// starts at the recent rate of starts (none before two have been seen in the last minute).
+    fn report_queue(&mut self, now: Instant) {
+        if self.core.scheduler().waiting_len() == 0
+            || self.queue_reported.is_some_and(|t| now - t < QUEUE_UPDATE)
+        {
+            return;
+        }
+        self.queue_reported = Some(now);
+        while self
+            .starts
+            .front()
+            .is_some_and(|&t| now - t > Duration::from_secs(60))
+        {
+            self.starts.pop_front();
+        }
+        let per_start = match (self.starts.front(), self.starts.back()) {
+            (Some(&first), Some(&last)) if self.starts.len() >= 2 => {
+                Some((last - first).as_secs_f64() / (self.starts.len() - 1) as f64)
+            }
+            _ => None,
+        };
+        let waiting = self.core.scheduler().waiting_order();
+        for (position, id) in waiting.into_iter().enumerate() {
+            let Some(a) = self.active.get_mut(&id) else {
+                continue;
+            };
+            if a.position == Some(position) || a.scheduled.is_some() {
+                continue;
+            }
+            a.position = Some(position);
+            let eta_ms = per_start.map(|s| ((position + 1) as f64 * s * 1e3).round() as u64);
+            a.reply_to.send(GenerationEvent {
+                request: id,
+                kind: EventKind::Queued { position, eta_ms },
+            });
+        }
     }
 
     /// One core step, with a panic inside it caught: the engine is then failed for good (its
@@ -726,6 +800,10 @@ impl Batcher {
         a.cached_tokens = cached_tokens;
         if a.scheduled.is_none() {
             a.scheduled = Some(now);
+            if self.starts.len() == STARTS_KEPT {
+                self.starts.pop_front();
+            }
+            self.starts.push_back(now);
             self.metrics
                 .queue_time
                 .observe((now - a.submitted).as_secs_f64());
@@ -761,6 +839,9 @@ impl Batcher {
         a.last_token = Some(now);
         if a.reply_to.parked.is_some() {
             a.ids.push(token);
+        }
+        if a.allowed.is_some_and(|n| a.generated >= n) {
+            self.core.scheduler_mut().set_paused(id, true);
         }
         self.metrics.generation_tokens.inc();
         a.reply_to.send(GenerationEvent {
@@ -922,6 +1003,8 @@ impl Handler<Submit> for Batcher {
                     last_token: None,
                     generated: 0,
                     ids: Vec::new(),
+                    allowed: m.window.filter(|_| id == m.request),
+                    position: (id == m.request).then_some(position),
                 },
             );
         }
@@ -945,6 +1028,24 @@ impl Handler<Cancel> for Batcher {
         }
         // The gauges follow at the next step (at most once a step, however many cancels come).
         self.wake(ctx);
+    }
+}
+
+impl Handler<Allow> for Batcher {
+    type Result = ();
+
+    fn handle(&mut self, m: Allow, ctx: &mut Context<Self>) {
+        let Some(a) = self.active.get_mut(&m.request) else {
+            return;
+        };
+        let Some(allowed) = &mut a.allowed else {
+            return;
+        };
+        *allowed = (*allowed).max(m.tokens);
+        if a.generated < *allowed {
+            self.core.scheduler_mut().set_paused(m.request, false);
+            self.wake(ctx);
+        }
     }
 }
 

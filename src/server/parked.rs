@@ -33,6 +33,8 @@ pub struct ParkedReply {
     pub replace_from: usize,
     pub new_messages: Vec<Message>,
     pub stop: Vec<String>,
+    /// A paced reply's window.
+    pub window: Option<usize>,
     /// A `cancel` had been sent: after this many of the reply's tokens (later ones were never
     /// shown), with the last delta heard, if it said.
     pub cancelled_at: Option<usize>,

@@ -32,8 +32,8 @@ use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
 use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
-    next_request_id, Cancel, CancelReason, Draft, EndLease, EventKind, GenerationEvent, Park,
-    ReplyTo, Resume, Submit,
+    next_request_id, Allow, Cancel, CancelReason, Draft, EndLease, EventKind, GenerationEvent,
+    Park, ReplyTo, Resume, Submit,
 };
 use crate::tokenizer::Message;
 
@@ -60,6 +60,11 @@ struct Current {
     /// Resumed: deltas up to this index were sent before, and `started` too.
     skip: Option<usize>,
     started: Option<ServerFrame>,
+    /// A paced reply (`params.window`): the last delta the client acked, and the tokens the
+    /// batcher was last allowed to generate.
+    window: Option<usize>,
+    acked: Option<usize>,
+    allowed: usize,
 }
 
 impl Current {
@@ -83,7 +88,26 @@ impl Current {
             cancelled_at: None,
             skip: None,
             started: None,
+            window: None,
+            acked: None,
+            allowed: 0,
         }
+    }
+
+    fn paced(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self.allowed = window.unwrap_or(0);
+        self
+    }
+
+    /// The tokens a paced reply may generate now: through the acked delta, its window more,
+    /// and the tokens it generated that no delta holds yet (held for a stop string or an
+    /// incomplete character: the client cannot ack them).
+    fn allowance(&self) -> Option<usize> {
+        let w = self.window?;
+        let base = self.acked.map_or(0, |k| self.delta_ends[k].0);
+        let in_deltas = self.delta_ends.last().map_or(0, |d| d.0);
+        Some(base + w + self.text.tokens().saturating_sub(in_deltas))
     }
 
     /// The deltas sent so far, by index.
@@ -277,6 +301,37 @@ impl Session {
                 }
                 Ok(text) => self.start_draft(text, ctx),
                 Err(e) => self.error(ctx, None, e),
+            },
+            ClientFrame::Ack { id, index } => match &mut self.current {
+                Some(c) if c.client_id == id && c.window.is_some() => {
+                    if index >= c.delta_ends.len() {
+                        let e = RequestError::InvalidParam {
+                            param: "index".into(),
+                            reason: format!(
+                                "is {index}; {} deltas of `{id}` were sent (indexes from 0)",
+                                c.delta_ends.len()
+                            ),
+                        };
+                        return self.error(ctx, Some(id), e);
+                    }
+                    // Acks may come out of order: the furthest one counts.
+                    c.acked = c.acked.max(Some(index));
+                    self.allow_more();
+                }
+                Some(c) if c.client_id == id => self.error(
+                    ctx,
+                    Some(id),
+                    RequestError::InvalidRequest(
+                        "`ack` is for paced replies (`params.window`)".into(),
+                    ),
+                ),
+                // A reply that just ended: an ack in flight is not an error.
+                _ if self.last.as_ref().is_some_and(|l| l.client_id == id) => {}
+                _ => self.error(
+                    ctx,
+                    Some(id),
+                    RequestError::InvalidRequest("`id` names no running request".into()),
+                ),
             },
             ClientFrame::Chat {
                 id,
@@ -508,13 +563,16 @@ impl Session {
     ) {
         let request = next_request_id();
         self.last = None;
-        self.current = Some(Current::new(
-            chat.id.clone(),
-            request,
-            replace_from,
-            chat.messages,
-            chat.stop,
-        ));
+        self.current = Some(
+            Current::new(
+                chat.id.clone(),
+                request,
+                replace_from,
+                chat.messages,
+                chat.stop,
+            )
+            .paced(chat.window),
+        );
         let submit = Submit {
             request,
             prompt: prompt.ids,
@@ -531,6 +589,7 @@ impl Session {
             forks: Vec::new(),
             reply_to: self.reply_to(ctx),
             quota: self.identity.quota,
+            window: chat.window,
         };
         let id = chat.id;
         self.ready
@@ -549,7 +608,14 @@ impl Session {
                             .as_ref()
                             .is_some_and(|c| c.request == request && c.delta_ends.is_empty())
                         {
-                            act.send(ctx, &ServerFrame::Queued { id, position });
+                            act.send(
+                                ctx,
+                                &ServerFrame::Queued {
+                                    id,
+                                    position,
+                                    eta_ms: None,
+                                },
+                            );
                         }
                     }
                     Err(e) => {
@@ -561,6 +627,19 @@ impl Session {
                 }
             })
             .wait(ctx);
+    }
+
+    /// A paced reply whose allowance grew (an ack, or tokens held back from the client) tells
+    /// the batcher.
+    fn allow_more(&mut self) {
+        let Some(c) = &mut self.current else { return };
+        if let Some(n) = c.allowance().filter(|&n| n > c.allowed) {
+            c.allowed = n;
+            self.ready.batcher.do_send(Allow {
+                request: c.request,
+                tokens: n,
+            });
+        }
     }
 
     /// Sends `text` as the next delta; when a stop string matched, ends the request.
@@ -760,6 +839,16 @@ impl Session {
             return;
         }
         match kind {
+            EventKind::Queued { position, eta_ms } => {
+                if c.prompt_tokens.is_none() && c.skip.is_none() {
+                    let f = ServerFrame::Queued {
+                        id: c.client_id.clone(),
+                        position,
+                        eta_ms,
+                    };
+                    self.send(ctx, &f);
+                }
+            }
             EventKind::Started {
                 prompt_tokens,
                 cached_tokens,
@@ -781,6 +870,7 @@ impl Session {
                 }
                 let text = c.text.push(&self.ready.tokenizer, t);
                 self.forward(ctx, text);
+                self.allow_more();
             }
             EventKind::Finished {
                 reason,
@@ -869,6 +959,7 @@ impl Session {
             replace_from: c.replace_from,
             new_messages: c.new_messages,
             stop: c.text.stop_strings().to_vec(),
+            window: c.window,
             cancelled_at: c.cancelled_at,
             heard: c.heard,
         });
@@ -1096,7 +1187,8 @@ impl Session {
             r.replace_from,
             r.new_messages,
             r.stop,
-        );
+        )
+        .paced(r.window);
         c.skip = if id.as_deref() == Some(c.client_id.as_str()) {
             after_index
         } else {

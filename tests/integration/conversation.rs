@@ -710,3 +710,128 @@ fn a_draft_typed_during_a_reply_waits_for_it_and_bad_drafts_are_refused() {
         assert_eq!(st.kv_blocks_used, st.kv_blocks_held, "{st:?}");
     });
 }
+
+/// Nothing arrives on `c` for `ms` milliseconds.
+async fn quiet(c: &mut Client, ms: u64) -> bool {
+    actix_web::rt::time::timeout(std::time::Duration::from_millis(ms), c.recv())
+        .await
+        .is_err()
+}
+
+/// The indexes of the deltas that arrive until none has for 400 ms.
+async fn deltas_until_quiet(c: &mut Client) -> Vec<u64> {
+    let mut out = Vec::new();
+    while let Ok(f) =
+        actix_web::rt::time::timeout(std::time::Duration::from_millis(400), c.recv()).await
+    {
+        if f["type"] == "delta" {
+            out.push(f["index"].as_u64().unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn a_paced_reply_stops_at_its_window_until_the_client_acks() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    run(async {
+        let mut control = app.connect().await;
+        control.chat("q", LONG, long(60)).await;
+        let whole = control.reply("q").await;
+
+        let mut c = app.connect().await;
+        let mut params = long(60);
+        params["window"] = json!(4);
+        c.chat("q", LONG, params).await;
+        // Without acks: at most the window's deltas (fewer when one holds several tokens),
+        // then nothing; the reply waits, its KV kept.
+        let got = deltas_until_quiet(&mut c).await;
+        assert!(!got.is_empty() && got.len() <= 4, "{got:?}");
+        let st = app.status().await;
+        assert_eq!(st.running, 1, "{st:?}");
+        // Two acked: at most two more.
+        c.send(json!({"type": "ack", "id": "q", "index": 1})).await;
+        let more = deltas_until_quiet(&mut c).await;
+        assert!(!more.is_empty() && more.iter().all(|&i| i <= 5), "{more:?}");
+        let last = *more.last().unwrap();
+        // An older ack changes nothing; one past what was sent is refused, naming the field.
+        c.send(json!({"type": "ack", "id": "q", "index": 0})).await;
+        assert!(quiet(&mut c, 300).await);
+        c.send(json!({"type": "ack", "id": "q", "index": 99})).await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        assert!(e["message"].as_str().unwrap().starts_with("`index`"), "{e}");
+        // Acking every third delta (acks are frames within the session's frame budget, so a
+        // client acks in batches): the reply ends, the same as unpaced.
+        c.send(json!({"type": "ack", "id": "q", "index": last}))
+            .await;
+        let mut text = String::new();
+        let (mut n, mut acked) = (last + 1, last);
+        let done = loop {
+            let f = c.recv().await;
+            match f["type"].as_str().unwrap() {
+                "delta" => {
+                    assert_eq!(f["index"], n);
+                    text.push_str(f["text"].as_str().unwrap());
+                    if n >= acked + 3 {
+                        acked = n;
+                        c.send(json!({"type": "ack", "id": "q", "index": n})).await;
+                    }
+                    n += 1;
+                }
+                "error" => panic!("{f}"),
+                "done" => break f,
+                _ => {}
+            }
+        };
+        assert_eq!(done["usage"]["completion_tokens"], 60);
+        assert!(!text.is_empty() && whole.text.ends_with(&text), "{text:?}");
+        assert_eq!(n as usize, whole.deltas);
+        // An ack that crossed the end is not an error; `ack` without a window is.
+        c.send(json!({"type": "ack", "id": "q", "index": 3})).await;
+        assert!(quiet(&mut c, 200).await);
+        c.chat("r", "Hi", long(1000)).await;
+        until(&mut c, "delta").await;
+        c.send(json!({"type": "ack", "id": "r", "index": 0})).await;
+        let e = loop {
+            let f = c.recv().await;
+            if f["type"] == "error" || f["type"] == "done" {
+                break f;
+            }
+        };
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        c.send(json!({"type": "cancel", "id": "r"})).await;
+        until(&mut c, "done").await;
+    });
+}
+
+#[test]
+fn a_waiting_request_hears_when_its_queue_position_changes_with_an_estimate() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| s.scheduler.max_running = 1);
+    run(async {
+        let mut a = app.connect().await;
+        a.chat("a", LONG, long(400)).await;
+        until(&mut a, "delta").await;
+        let mut b = app.connect().await;
+        b.chat("b", LONG, long(400)).await;
+        let q = until(&mut b, "queued").await;
+        assert_eq!(q["position"], 0, "{q}");
+        let mut c = app.connect().await;
+        c.chat("c", LONG, long(4)).await;
+        let q = until(&mut c, "queued").await;
+        assert_eq!(q["position"], 1, "{q}");
+        // The running reply ends: b starts, and c moves up, told with an estimate (two starts
+        // have been seen).
+        a.send(json!({"type": "cancel", "id": "a"})).await;
+        until(&mut b, "started").await;
+        let q = c.recv().await;
+        assert_eq!(q["type"], "queued", "{q}");
+        assert_eq!(q["position"], 0, "{q}");
+        assert!(q["eta_ms"].as_u64().is_some(), "{q}");
+        b.send(json!({"type": "cancel", "id": "b"})).await;
+        let f = c.recv().await;
+        assert_eq!(f["type"], "started", "{f}");
+    });
+}

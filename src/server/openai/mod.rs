@@ -579,6 +579,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         forks,
         reply_to: ReplyTo::stream(tx, backlog.clone()),
         quota: identity.quota,
+        window: None,
     };
     let admitted = ready
         .batcher
@@ -761,6 +762,7 @@ impl Generation {
         let c = &mut self.choices[i];
         let mut out = Vec::new();
         match ev.kind {
+            EventKind::Queued { .. } => {}
             EventKind::Started { cached_tokens, .. } => {
                 if i == 0 {
                     self.cached_tokens = cached_tokens;

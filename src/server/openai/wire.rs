@@ -251,6 +251,7 @@ impl CommonFields {
             ignore_eos: self.ignore_eos.unwrap_or(false),
             cache_key: self.cache_key(),
             priority: self.priority.clone(),
+            window: None,
         };
         let chat = limits
             .validate_chat(id, messages, params, defaults, default_max_tokens)
