@@ -1066,6 +1066,21 @@ pub fn typed_message(user: usize, words: usize) -> String {
     s.trim_end().to_string()
 }
 
+/// Waits `d` while answering the server's pings (a session that answers none is closed after
+/// `server.client_timeout_s`).
+async fn idle(ws: &mut Socket, d: Duration) -> Result<(), String> {
+    let end = Instant::now() + d;
+    while let Ok(f) = actix_web::rt::time::timeout(
+        end.saturating_duration_since(Instant::now()),
+        next_frame(ws),
+    )
+    .await
+    {
+        f?;
+    }
+    Ok(())
+}
+
 async fn typist(
     cfg: TypeaheadBenchConfig,
     user: usize,
@@ -1074,12 +1089,12 @@ async fn typist(
     let mut ws = connect(&cfg.url).await?;
     let message = typed_message(user, cfg.message_words);
     let chars: Vec<char> = message.chars().collect();
-    actix_web::rt::time::sleep(delay).await;
+    idle(&mut ws, delay).await?;
     let start = Instant::now();
     let typing = Duration::from_secs_f64(chars.len() as f64 / cfg.chars_per_s);
     let mut sent_draft = 0;
     loop {
-        actix_web::rt::time::sleep(Duration::from_millis(500)).await;
+        idle(&mut ws, Duration::from_millis(500)).await?;
         let elapsed = start.elapsed();
         if elapsed >= typing {
             break;
@@ -1091,7 +1106,7 @@ async fn typist(
             send_json(&mut ws, &json!({"type": "draft", "text": text})).await?;
         }
     }
-    actix_web::rt::time::sleep(typing.saturating_sub(start.elapsed())).await;
+    idle(&mut ws, typing.saturating_sub(start.elapsed())).await?;
     let frame = json!({"type": "chat", "id": "m", "messages": [{"role": "user", "content": message}],
         "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
     let sent = Instant::now();

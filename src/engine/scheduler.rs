@@ -10,6 +10,13 @@
 //! blocks are freed and it goes back to the front of the queue to prefill its prompt and what it
 //! had generated again. Full blocks are handed to the manager to cache at the start of the next
 //! step, once their K/V have been written.
+//!
+//! While replies decode, a step's prefill is sized to the step-time target (Sarathi-Serve's
+//! stall-free batching, with a cost model learned from measured steps); only the step's first
+//! prompt, when it fits the token budget, goes whole. Two kinds of request exist for the
+//! conversation features: prefill-only requests (type-ahead drafts), which take only what the
+//! target leaves and end once computed (`Scheduled::prefilled`), and paused replies (a paced
+//! stream at its window), which keep their slot and blocks but do not decode.
 
 use std::collections::VecDeque;
 
@@ -70,6 +77,11 @@ pub struct Quota {
 /// The smallest prefill chunk a step takes when the time target cannot be met (so a long prompt
 /// always progresses).
 pub const MIN_CHUNK: usize = 16;
+
+/// How much slower than its decodes alone a step may become for prefill-only requests (drafts):
+/// on a CPU no step capacity is free, so a draft rides along only as far as it costs the
+/// streams little.
+const DRAFT_SLACK: f64 = 0.1;
 
 /// One request's tokens and progress.
 #[derive(Debug, Clone)]
@@ -536,6 +548,7 @@ impl Scheduler {
                 .cfg
                 .itl_target
                 .map(|t| t.as_secs_f64() * PLAN_FRACTION / safety);
+            b.spare = Some(self.cost.predict(&b.shape) * (1.0 + DRAFT_SLACK));
         }
         for priority in [Priority::Interactive, Priority::Batch] {
             self.schedule_running_prefills(&decoding, priority, &mut b, &mut out);
@@ -559,16 +572,23 @@ impl Scheduler {
         if max == 0 || b.full {
             return 0;
         }
-        let Some(limit) = b.limit else { return max };
-        if !b.prefilled
+        let limit = if s.prefill_only {
+            b.spare.map(|sp| b.limit.map_or(sp, |l| l.min(sp)))
+        } else {
+            b.limit
+        };
+        let Some(limit) = limit else { return max };
+        if !b.admitted
+            && !s.started
             && !s.prefill_only
             && s.tokens.len() - s.cached_tokens <= self.cfg.step_tokens
         {
-            // The step's first prefill, when the request's whole prefill fits the token budget
-            // (a chat turn, an ordinary prompt), is not cut to the time target: that would
-            // delay its first token by steps to save the streams milliseconds. Later ones in
-            // the same step are: several whole prompts beside a full batch of decodes make the
-            // step that everyone, the next request included, waits for.
+            // The step's first new request, when its whole prefill fits the token budget (a
+            // chat turn, an ordinary prompt), is not cut to the time target: that would delay
+            // its first token by steps to save the streams milliseconds. Later ones in the same
+            // step are (several whole prompts beside a full batch of decodes make the step that
+            // everyone, the next request included, waits for), and so are the rest of prompts
+            // cut before: they do not take the first new request's place.
             return max;
         }
         let fits = |n: usize| self.cost.predict(&b.shape.with_run(start, n)) <= limit;
@@ -795,8 +815,12 @@ struct StepBudget {
     shape: StepShape,
     /// The step-time target, in seconds, when the step carries decodes.
     limit: Option<f64>,
+    /// When the step carries decodes: the time drafts may bring it to (`DRAFT_SLACK`).
+    spare: Option<f64>,
     /// A prefill chunk is in the step.
     prefilled: bool,
+    /// A new request's first chunk is in the step.
+    admitted: bool,
     /// A chunk was cut to the time target: no more prefill this step.
     full: bool,
 }
@@ -825,6 +849,7 @@ fn push_chunk(
     });
     out.entries.push(Entry { id: s.id, sample });
     if !s.started {
+        b.admitted = true;
         s.started = true;
         out.started.push(Started {
             id: s.id,
@@ -1523,14 +1548,20 @@ mod tests {
             out.shape
         );
         assert_eq!(s.itl_misses(), 0);
-        // The others follow in the next steps, each step's first whole again.
-        let mut steps = 1;
+        // Next step: the second one's rest (cut to the target) does not take the place of the
+        // step's first new request: the third goes whole.
+        let out = step(&mut s);
+        let third = out.entries.iter().position(|e| e.id == id(102)).unwrap();
+        assert_eq!(out.batch.seqs[third].tokens.len(), 16);
+        let mut steps = 2;
         while (100..103).any(|i| s.get(id(i)).is_some_and(|r| r.computed < 16)) {
             step(&mut s);
             steps += 1;
             assert!(steps <= 3, "all three prompts within three steps");
         }
-        assert_eq!(s.itl_misses(), 0);
+        // (The second step, with the rest of the second prompt fitted to the target and the
+        // third whole on top, may overrun it: that is the one exemption's price.)
+        assert!(s.itl_misses() <= 1);
     }
 
     #[test]
@@ -1548,26 +1579,39 @@ mod tests {
         let out = step(&mut s);
         assert_eq!(out.batch.seqs.len(), 45);
         assert!(out.prefilled.is_empty());
-        // With fewer decodes it takes chunks; the last one samples nothing and is reported.
-        for i in 0..40 {
+        // Beside 20 decodes (about 20 ms) it adds at most a tenth to each step, however much
+        // the 40 ms plan would allow.
+        for i in 0..25 {
             s.finish(id(i), None);
         }
         let mut chunks = Vec::new();
-        loop {
+        for _ in 0..5 {
             let out = step(&mut s);
-            let mine = out.entries.iter().position(|e| e.id == id(99));
-            if let Some(k) = mine {
-                assert!(!out.entries[k].sample, "a draft samples nothing");
-                chunks.push(out.batch.seqs[k].tokens.len());
-                assert!(FixedCost.predict(&out.shape) <= 0.040 + 1e-9);
-            }
-            if !out.prefilled.is_empty() {
-                assert_eq!(out.prefilled, vec![id(99)]);
-                break;
-            }
-            assert!(chunks.len() < 20, "{chunks:?}");
+            let k = out.entries.iter().position(|e| e.id == id(99)).unwrap();
+            assert!(!out.entries[k].sample, "a draft samples nothing");
+            chunks.push(out.batch.seqs[k].tokens.len());
+            let decodes = FixedCost.predict(&out.shape) - 0.001 * chunks[chunks.len() - 1] as f64;
+            assert!(
+                FixedCost.predict(&out.shape) <= decodes * 1.1 + 1e-3,
+                "{:?}",
+                out.shape
+            );
         }
-        assert_eq!(chunks.iter().sum::<usize>(), 64, "{chunks:?}");
+        assert!(chunks.iter().all(|&n| (1..=3).contains(&n)), "{chunks:?}");
+        // With the decodes done it takes the rest at once; the last chunk samples nothing and
+        // is reported.
+        for i in 25..45 {
+            s.finish(id(i), None);
+        }
+        let out = step(&mut s);
+        assert_eq!(out.prefilled, vec![id(99)]);
+        assert_eq!(
+            out.entries,
+            vec![Entry {
+                id: id(99),
+                sample: false
+            }]
+        );
         assert_eq!(s.get(id(99)).unwrap().computed, 64);
         s.finish(id(99), None);
         assert_eq!(s.itl_misses(), 1, "only the step the decodes alone overran");
