@@ -496,7 +496,9 @@ impl Scheduler {
     }
 
     fn preempt_latest(&mut self) -> Option<RequestId> {
-        let i = (0..self.running.len()).max_by_key(|&i| self.running[i].admitted)?;
+        // A paused reply first: it is not decoding anyway.
+        let i = (0..self.running.len())
+            .max_by_key(|&i| (self.running[i].paused, self.running[i].admitted))?;
         Some(self.preempt(i))
     }
 
@@ -676,12 +678,8 @@ impl Scheduler {
         let mut prefilling: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
                 let r = &self.running[i];
-                // (A paused reply's next token is a decode, not a prefill.)
-                let paused_decode = r.paused && r.computed > 0 && r.pending() == 1;
-                r.priority == priority
-                    && r.pending() > 0
-                    && !decoding.contains(&r.id)
-                    && !paused_decode
+                // (A paused reply runs nothing, not even the recomputation of its tokens.)
+                r.priority == priority && r.pending() > 0 && !r.paused && !decoding.contains(&r.id)
             })
             .collect();
         prefilling.sort_by_key(|&i| self.running[i].admitted);
@@ -721,13 +719,32 @@ impl Scheduler {
         let running = |s: &Sequence| tenants.get(&s.tenant()).copied().unwrap_or(0);
         (self.waiting.iter().enumerate())
             .filter(|(_, s)| {
-                s.priority == priority && s.quota.max_running.is_none_or(|m| running(s) < m)
+                s.priority == priority
+                    && !s.paused
+                    && s.quota.max_running.is_none_or(|m| running(s) < m)
             })
             .min_by_key(|&(i, s)| {
                 let p = principals.get(&(s.tenant(), s.principal())).copied();
                 (running(s), p.unwrap_or(0), !s.started, i)
             })
             .map(|(i, _)| i)
+    }
+
+    /// With every running slot taken and a request of `priority` waiting, a paused reply (a
+    /// paced stream at its window) gives up its slot: it goes back to the queue, admitted again
+    /// once acked, so clients that stop acking cannot hold the running set. False if none.
+    fn unseat_paused(&mut self, priority: Priority, out: &mut Scheduled) -> bool {
+        if self.next_to_admit(priority).is_none() {
+            return false;
+        }
+        let Some(i) = (0..self.running.len())
+            .filter(|&i| self.running[i].paused)
+            .max_by_key(|&i| self.running[i].admitted)
+        else {
+            return false;
+        };
+        out.preempted.push(self.preempt(i));
+        true
     }
 
     /// With every running slot taken, an interactive request queued by a tenant that has
@@ -769,7 +786,10 @@ impl Scheduler {
     /// the running cap allow: each starts from the blocks the manager finds computed, then runs
     /// its first chunk.
     fn admit(&mut self, priority: Priority, b: &mut StepBudget, out: &mut Scheduled) {
-        while self.running.len() < self.cfg.max_running && b.tokens > 0 && !b.full {
+        while b.tokens > 0 && !b.full {
+            if self.running.len() >= self.cfg.max_running && !self.unseat_paused(priority, out) {
+                break;
+            }
             let Some(i) = self.next_to_admit(priority) else {
                 break;
             };
@@ -1618,6 +1638,39 @@ mod tests {
     }
 
     #[test]
+    fn a_paused_reply_gives_its_slot_to_a_waiting_request_and_comes_back_when_unpaused() {
+        let mut s = sched(64, 1, 64);
+        s.add(id(1), vec![1; 8], 40, scope(0)).unwrap();
+        step(&mut s);
+        s.set_paused(id(1), true);
+        assert!(
+            s.schedule().is_none(),
+            "a paused reply alone does not decode"
+        );
+        s.add(id(2), vec![2; 8], 16, scope(1)).unwrap();
+        let out = s.schedule().unwrap();
+        assert_eq!(out.preempted, vec![id(1)]);
+        assert_eq!(started(&out), vec![(2, 0)]);
+        // Still paused, it stays queued; acked, it comes back when a slot frees.
+        s.finish(id(2), None);
+        assert!(s.schedule().is_none());
+        s.set_paused(id(1), false);
+        let out = s.schedule().unwrap();
+        assert_eq!(
+            out.entries,
+            vec![Entry {
+                id: id(1),
+                sample: true
+            }]
+        );
+        assert_eq!(
+            s.get(id(1)).unwrap().computed,
+            9,
+            "recomputed, then decoding"
+        );
+    }
+
+    #[test]
     fn decodes_always_run_and_a_missed_target_is_counted() {
         // 60 decodes alone are predicted at 60 ms, over the 50 ms target.
         let mut s = timed(4096, 512, 50, 64);
@@ -1677,8 +1730,11 @@ mod tests {
                     1 => { s.remove(id((a as u64) % next.max(1))); }
                     2 => {
                         let r = (a as u64) % next.max(1);
-                        s.set_paused(id(r), b % 2 == 0);
-                        if b % 2 == 0 { paused.insert(r); } else { paused.remove(&r); }
+                        // (Only a request that exists is paused.)
+                        if s.get(id(r)).is_some() {
+                            s.set_paused(id(r), b % 2 == 0);
+                            if b % 2 == 0 { paused.insert(r); } else { paused.remove(&r); }
+                        }
                     }
                     3 => {
                         // A draft: prefill only, with what the rest leave.

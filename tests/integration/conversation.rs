@@ -835,3 +835,26 @@ fn a_waiting_request_hears_when_its_queue_position_changes_with_an_estimate() {
         assert_eq!(f["type"], "started", "{f}");
     });
 }
+
+#[test]
+fn paced_replies_that_are_never_acked_cannot_hold_the_running_slots() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| s.scheduler.max_running = 1);
+    run(async {
+        // The one running slot goes to a paced reply whose client never acks.
+        let mut idle = app.connect().await;
+        let mut params = long(200);
+        params["window"] = json!(2);
+        idle.chat("p", LONG, params).await;
+        deltas_until_quiet(&mut idle).await;
+        // Another client is served all the same: the paused reply gives its slot up.
+        let mut c = app.connect().await;
+        let r = ask(&mut c, "q", "Hello", 6).await;
+        assert_eq!(r.done["type"], "done");
+        // Acked, the paced reply comes back and goes on.
+        idle.send(json!({"type": "ack", "id": "p", "index": 1}))
+            .await;
+        let more = deltas_until_quiet(&mut idle).await;
+        assert!(!more.is_empty() && more.iter().all(|&i| i <= 3), "{more:?}");
+    });
+}
