@@ -395,6 +395,16 @@ mod tests {
     }
 
     #[test]
+    fn union_length_counts_overlaps_once() {
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // [0,10] and [5,20] overlap, [30,40] stands alone, [32,35] lies inside it.
+        let spans = vec![(at(30), at(40)), (at(5), at(20)), (at(0), at(10)), (at(32), at(35))];
+        assert_eq!(union_length(spans), Duration::from_millis(30));
+        assert_eq!(union_length(Vec::new()), Duration::ZERO);
+    }
+
+    #[test]
     fn the_api_lives_beside_the_socket() {
         assert_eq!(
             completions_url("ws://127.0.0.1:8080/ws"),
@@ -1047,6 +1057,39 @@ pub struct TypeaheadSummary {
     /// Cached / prompt tokens over all the messages.
     pub cached_fraction: f64,
     pub prompt_tokens: f64,
+    /// Reply tokens over the time some reply was being waited for or generated (the union of
+    /// the users' send-to-done intervals): the server's generation throughput while it had
+    /// replies to give, which drafts would lower if they took from the streams.
+    pub aggregate_tok_s: f64,
+}
+
+/// One typist's reply.
+struct TypedReply {
+    ttft: f64,
+    decode_tok_s: f64,
+    prompt: usize,
+    cached: usize,
+    tokens: usize,
+    sent: Instant,
+    done: Instant,
+}
+
+/// The total length of the union of intervals.
+fn union_length(mut spans: Vec<(Instant, Instant)>) -> Duration {
+    spans.sort();
+    let mut total = Duration::ZERO;
+    let mut cur: Option<(Instant, Instant)> = None;
+    for (a, b) in spans {
+        cur = match cur {
+            Some((s, e)) if a <= e => Some((s, e.max(b))),
+            Some((s, e)) => {
+                total += e - s;
+                Some((a, b))
+            }
+            None => Some((a, b)),
+        };
+    }
+    total + cur.map_or(Duration::ZERO, |(s, e)| e - s)
 }
 
 /// A message of about `words` tokens, unique to `user`.
@@ -1085,7 +1128,7 @@ async fn typist(
     cfg: TypeaheadBenchConfig,
     user: usize,
     delay: Duration,
-) -> Result<(f64, f64, usize, usize), String> {
+) -> Result<TypedReply, String> {
     let mut ws = connect(&cfg.url).await?;
     let message = typed_message(user, cfg.message_words);
     let chars: Vec<char> = message.chars().collect();
@@ -1126,15 +1169,23 @@ async fn typist(
                 deltas += 1;
             }
             Some("done") => {
-                let n = f["usage"]["completion_tokens"].as_u64().unwrap_or(0) as f64;
+                let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
                 let first = first.ok_or("a reply without deltas")?;
                 let decode = (last - first).as_secs_f64();
                 let rate = if decode > 0.0 && deltas > 1 {
-                    (n - 1.0) / decode
+                    (tokens as f64 - 1.0) / decode
                 } else {
                     f64::NAN
                 };
-                return Ok(((first - sent).as_secs_f64(), rate, prompt, cached));
+                return Ok(TypedReply {
+                    ttft: (first - sent).as_secs_f64(),
+                    decode_tok_s: rate,
+                    prompt,
+                    cached,
+                    tokens,
+                    sent,
+                    done: Instant::now(),
+                });
             }
             Some("error") => return Err(format!("server error: {f}")),
             _ => {}
@@ -1151,14 +1202,17 @@ pub async fn run_typeahead(cfg: TypeaheadBenchConfig) -> Result<TypeaheadSummary
     }))
     .await;
     let (mut ttft, mut rates, mut prompt, mut cached) = (Vec::new(), Vec::new(), 0, 0);
+    let (mut tokens, mut spans) = (0, Vec::new());
     for r in results {
-        let (t, rate, p, c) = r?;
-        ttft.push(t);
-        if rate.is_finite() {
-            rates.push(rate);
+        let r = r?;
+        ttft.push(r.ttft);
+        if r.decode_tok_s.is_finite() {
+            rates.push(r.decode_tok_s);
         }
-        prompt += p;
-        cached += c;
+        prompt += r.prompt;
+        cached += r.cached;
+        tokens += r.tokens;
+        spans.push((r.sent, r.done));
     }
     ttft.sort_by(f64::total_cmp);
     rates.sort_by(f64::total_cmp);
@@ -1167,12 +1221,13 @@ pub async fn run_typeahead(cfg: TypeaheadBenchConfig) -> Result<TypeaheadSummary
         decode_tok_s: rates,
         cached_fraction: cached as f64 / prompt.max(1) as f64,
         prompt_tokens: prompt as f64 / cfg.users.max(1) as f64,
+        aggregate_tok_s: tokens as f64 / union_length(spans).as_secs_f64().max(1e-9),
     };
     if !cfg.print {
         return Ok(s);
     }
     println!(
-        "typeahead [drafts {}] users {} | message {:.0} tokens typed at {} chars/s ({:.0} s) | TTFT p50 {:.1} ms p99 {:.1} ms | reply decode p50 {:.1} tok/s (sum over users {:.1}) | cached {:.1}% of prompt tokens",
+        "typeahead [drafts {}] users {} | message {:.0} tokens typed at {} chars/s ({:.0} s) | TTFT p50 {:.1} ms p99 {:.1} ms | reply decode p50 {:.1} tok/s (sum over users {:.1}) | aggregate {:.1} tok/s | cached {:.1}% of prompt tokens",
         if cfg.drafts { "on" } else { "off" },
         cfg.users,
         s.prompt_tokens,
@@ -1182,6 +1237,7 @@ pub async fn run_typeahead(cfg: TypeaheadBenchConfig) -> Result<TypeaheadSummary
         percentile(&s.ttft, 99.0) * 1e3,
         percentile(&s.decode_tok_s, 50.0),
         s.decode_tok_s.iter().sum::<f64>(),
+        s.aggregate_tok_s,
         s.cached_fraction * 100.0
     );
     Ok(s)

@@ -675,10 +675,11 @@ fn bench_typeahead(
             let on = run(true).await.map_err(|e| anyhow::anyhow!(e))?;
             let p = llama_relay::bench::percentile;
             println!(
-                "typeahead users {users}: TTFT p50 with drafts / without {:.2}x, p99 {:.2}x; reply decode p50 {:.3}x",
+                "typeahead users {users}: TTFT p50 with drafts / without {:.2}x, p99 {:.2}x; reply decode p50 {:.3}x; aggregate {:.3}x",
                 p(&on.ttft, 50.0) / p(&off.ttft, 50.0),
                 p(&on.ttft, 99.0) / p(&off.ttft, 99.0),
                 p(&on.decode_tok_s, 50.0) / p(&off.decode_tok_s, 50.0),
+                on.aggregate_tok_s / off.aggregate_tok_s,
             );
         }
         Ok(())
