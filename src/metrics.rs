@@ -19,6 +19,7 @@ pub struct Metrics {
     pub prefill_tokens: IntCounter,
     pub preemptions: IntCounter,
     pub itl_target_misses: IntCounter,
+    pub fairness_holds: IntCounter,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
@@ -142,6 +143,10 @@ impl Metrics {
             itl_target_misses: counter(
                 "llama_relay_itl_target_misses_total",
                 "Steps with streaming replies predicted over scheduler.itl_target_ms even with the smallest prefill chunk",
+            ),
+            fairness_holds: counter(
+                "llama_relay_fairness_holds_total",
+                "Steps in which tenants over their share of running slots sat out for another tenant's first chunk",
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),

@@ -210,6 +210,10 @@ pub struct Scheduler {
     prefix: PrefixStats,
     /// Tokens scheduled in prefill chunks (not decodes), in all.
     prefill_tokens: u64,
+    /// The last step held tenants back (`tenants_to_hold`); the next one may not.
+    held_last: bool,
+    /// Steps that held tenants back, in all.
+    holds: u64,
 }
 
 impl Scheduler {
@@ -231,6 +235,8 @@ impl Scheduler {
             preemptions: 0,
             prefix: PrefixStats::default(),
             prefill_tokens: 0,
+            held_last: false,
+            holds: 0,
         }
     }
 
@@ -274,6 +280,11 @@ impl Scheduler {
 
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Steps that held over-share tenants' work back for another tenant's first chunk.
+    pub fn holds(&self) -> u64 {
+        self.holds
     }
 
     pub fn prefix_stats(&self) -> PrefixStats {
@@ -516,6 +527,22 @@ impl Scheduler {
 
     /// Picks the next step's work; `None` when there is nothing to run.
     pub fn schedule(&mut self) -> Option<Scheduled> {
+        let mut out = self.plan();
+        if out.batch.seqs.is_empty() && self.held_last {
+            // What the hold was for could not run (no block free for it): plan without it,
+            // keeping what the first plan did to the running set and the blocks.
+            self.holds -= 1;
+            let mut again = self.plan();
+            out.preempted.append(&mut again.preempted);
+            out.copies.append(&mut again.copies);
+            again.preempted = out.preempted;
+            again.copies = out.copies;
+            out = again;
+        }
+        (!out.batch.seqs.is_empty()).then_some(out)
+    }
+
+    fn plan(&mut self) -> Scheduled {
         let mut out = Scheduled::default();
         self.cache_written_blocks();
         let mut b = StepBudget {
@@ -523,7 +550,8 @@ impl Scheduler {
             ..StepBudget::default()
         };
         self.preempt_for_fairness(&mut out);
-        let decoding = self.schedule_decodes(&mut out);
+        b.hold = self.tenants_to_hold();
+        let decoding = self.schedule_decodes(&b.hold, &mut out);
         for id in &decoding {
             let s = self
                 .running
@@ -562,7 +590,7 @@ impl Scheduler {
         self.prefill_tokens += (out.batch.num_tokens() - decoding.len()) as u64;
         out.shape = b.shape;
         out.copies = self.kv.take_copies();
-        (!out.batch.seqs.is_empty()).then_some(out)
+        out
     }
 
     /// How many of `s`'s pending tokens the next chunk takes (0: none this step): what the token
@@ -635,11 +663,17 @@ impl Scheduler {
 
     /// Finds room for every running decode, oldest admission first, preempting the newest
     /// admission when blocks run out. Returns the requests that decode this step, in order.
-    fn schedule_decodes(&mut self, out: &mut Scheduled) -> Vec<RequestId> {
+    fn schedule_decodes(&mut self, hold: &[Salt], out: &mut Scheduled) -> Vec<RequestId> {
         let mut ids: Vec<(u64, RequestId)> = self
             .running
             .iter()
-            .filter(|s| s.computed > 0 && s.pending() == 1 && !s.paused && !s.prefill_only)
+            .filter(|s| {
+                s.computed > 0
+                    && s.pending() == 1
+                    && !s.paused
+                    && !s.prefill_only
+                    && !hold.contains(&s.tenant())
+            })
             .map(|s| (s.admitted, s.id))
             .collect();
         ids.sort();
@@ -679,7 +713,11 @@ impl Scheduler {
             .filter(|&i| {
                 let r = &self.running[i];
                 // (A paused reply runs nothing, not even the recomputation of its tokens.)
-                r.priority == priority && r.pending() > 0 && !r.paused && !decoding.contains(&r.id)
+                r.priority == priority
+                    && r.pending() > 0
+                    && !r.paused
+                    && !decoding.contains(&r.id)
+                    && !b.hold.contains(&r.tenant())
             })
             .collect();
         prefilling.sort_by_key(|&i| self.running[i].admitted);
@@ -713,14 +751,15 @@ impl Scheduler {
     /// tenant has the fewest running requests, then whose principal has the fewest, then one
     /// that had started (preempted, or a choice forked without room), then the earliest queued
     /// (max-min fairness over running slots, so one tenant's flood cannot keep another's
-    /// requests waiting). A tenant at its `max_running` waits.
-    fn next_to_admit(&self, priority: Priority) -> Option<usize> {
+    /// requests waiting). A tenant at its `max_running` waits, and so does a tenant `hold`s.
+    fn next_to_admit(&self, priority: Priority, hold: &[Salt]) -> Option<usize> {
         let (tenants, principals) = self.running_counts();
         let running = |s: &Sequence| tenants.get(&s.tenant()).copied().unwrap_or(0);
         (self.waiting.iter().enumerate())
             .filter(|(_, s)| {
                 s.priority == priority
                     && !s.paused
+                    && !hold.contains(&s.tenant())
                     && s.quota.max_running.is_none_or(|m| running(s) < m)
             })
             .min_by_key(|&(i, s)| {
@@ -733,8 +772,8 @@ impl Scheduler {
     /// With every running slot taken and a request of `priority` waiting, a paused reply (a
     /// paced stream at its window) gives up its slot: it goes back to the queue, admitted again
     /// once acked, so clients that stop acking cannot hold the running set. False if none.
-    fn unseat_paused(&mut self, priority: Priority, out: &mut Scheduled) -> bool {
-        if self.next_to_admit(priority).is_none() {
+    fn unseat_paused(&mut self, priority: Priority, hold: &[Salt], out: &mut Scheduled) -> bool {
+        if self.next_to_admit(priority, hold).is_none() {
             return false;
         }
         let Some(i) = (0..self.running.len())
@@ -782,15 +821,63 @@ impl Scheduler {
         out.preempted.push(id);
     }
 
+    /// The tenants whose work waits a step so that another tenant's request goes first alone
+    /// (none, most steps). When the next request to admit is an interactive one of a tenant with
+    /// nothing running, its prompt fits the step, and tenants run more than their share of the
+    /// running slots (`max_running` over the tenants with work, and at least two), those
+    /// tenants' decodes, prefills and admissions sit this step out: the new request's first
+    /// token then costs one step of its own instead of one carrying a flood's decodes, which
+    /// turns alone cannot give (the flood's step is the wait). At most every other step holds,
+    /// so a stream of such requests can at most halve an over-share tenant's rate; a tenant
+    /// within its share is never held, and with one tenant nothing is.
+    fn tenants_to_hold(&mut self) -> Vec<Salt> {
+        if std::mem::take(&mut self.held_last) || self.running.len() >= self.cfg.max_running {
+            return Vec::new();
+        }
+        let Some(i) = self.next_to_admit(Priority::Interactive, &[]) else {
+            return Vec::new();
+        };
+        let (tenants, _) = self.running_counts();
+        let next = &self.waiting[i];
+        if next.started
+            || next.pin
+            || next.prefill_only
+            || tenants.contains_key(&next.tenant())
+            || next.tokens.len() > self.cfg.step_tokens
+        {
+            return Vec::new();
+        }
+        let mut active: Vec<Salt> = tenants.keys().copied().collect();
+        for w in &self.waiting {
+            if w.priority == Priority::Interactive && !w.pin && !w.prefill_only {
+                active.push(w.tenant());
+            }
+        }
+        active.sort_by_key(|t| t.0);
+        active.dedup();
+        let share = self.cfg.max_running / active.len().max(1);
+        let hold: Vec<Salt> = (tenants.iter())
+            .filter(|&(_, &n)| n >= 2 && n > share)
+            .map(|(&t, _)| t)
+            .collect();
+        if !hold.is_empty() {
+            self.held_last = true;
+            self.holds += 1;
+        }
+        hold
+    }
+
     /// Admits queued requests of `priority` (`next_to_admit` picks each) while the budget and
     /// the running cap allow: each starts from the blocks the manager finds computed, then runs
     /// its first chunk.
     fn admit(&mut self, priority: Priority, b: &mut StepBudget, out: &mut Scheduled) {
         while b.tokens > 0 && !b.full {
-            if self.running.len() >= self.cfg.max_running && !self.unseat_paused(priority, out) {
+            if self.running.len() >= self.cfg.max_running
+                && !self.unseat_paused(priority, &b.hold, out)
+            {
                 break;
             }
-            let Some(i) = self.next_to_admit(priority) else {
+            let Some(i) = self.next_to_admit(priority, &b.hold) else {
                 break;
             };
             let mut s = self.waiting.remove(i).expect("index from position");
@@ -843,6 +930,8 @@ struct StepBudget {
     admitted: bool,
     /// A chunk was cut to the time target: no more prefill this step.
     full: bool,
+    /// Tenants whose work sits this step out (`Scheduler::tenants_to_hold`).
+    hold: Vec<Salt>,
 }
 
 /// Adds the next `n` prompt tokens of `s` to the step; false if no block is free for them.
@@ -1089,6 +1178,70 @@ mod tests {
         // One request per tenant: nobody is preempted for a newcomer of a tenant that runs one.
         s.add(id(11), vec![2; 4], 16, party(2, 11)).unwrap();
         assert!(step(&mut s).preempted.is_empty());
+    }
+
+    #[test]
+    fn a_tenant_over_its_share_sits_out_the_step_that_admits_a_newcomer_tenant() {
+        let mut s = sched(64, 4, 64);
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 4], 32, party(1, i)).unwrap();
+        }
+        assert_eq!(admitted(&step(&mut s)), vec![1, 2, 3]);
+        assert_eq!(entries(&step(&mut s)), vec![(1, true), (2, true), (3, true)]);
+        // Tenant 2 arrives with a slot free; tenant 1 runs three, over its share (4 slots over
+        // 2 tenants): the newcomer's prompt runs alone, and everyone decodes in the next step.
+        s.add(id(10), vec![2; 4], 16, party(2, 10)).unwrap();
+        assert_eq!(entries(&step(&mut s)), vec![(10, true)]);
+        assert_eq!(s.holds(), 1);
+        // Tenant 3 arrives right after a held step: it takes tenant 1's latest slot (turns),
+        // but no two held steps in a row: everyone else decodes beside its prompt.
+        s.add(id(20), vec![3; 4], 16, party(3, 20)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.preempted, vec![id(3)]);
+        assert_eq!(
+            entries(&out),
+            vec![(1, true), (2, true), (10, true), (20, true)]
+        );
+        assert_eq!(s.holds(), 1);
+        // A newcomer principal of tenant 1 itself holds nothing (one tenant, no shares).
+        let mut s = sched(64, 4, 64);
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 4], 32, party(1, i)).unwrap();
+        }
+        step(&mut s);
+        s.add(id(4), vec![1; 4], 16, party(1, 4)).unwrap();
+        assert_eq!(
+            entries(&step(&mut s)),
+            vec![(1, true), (2, true), (3, true), (4, true)]
+        );
+        // Within its share (8 slots over 2 tenants) tenant 1 is not held either.
+        let mut s = sched(64, 8, 64);
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 4], 32, party(1, i)).unwrap();
+        }
+        step(&mut s);
+        s.add(id(10), vec![2; 4], 16, party(2, 10)).unwrap();
+        assert_eq!(
+            entries(&step(&mut s)),
+            vec![(1, true), (2, true), (3, true), (10, true)]
+        );
+        assert_eq!(s.holds(), 0);
+    }
+
+    #[test]
+    fn a_hold_whose_newcomer_finds_no_block_runs_the_decodes_instead() {
+        // 4 blocks of 4 tokens: three 3-token prompts take a block each, one stays free.
+        let mut s = sched(4, 4, 64);
+        for i in 1..=3 {
+            s.add(id(i), vec![1; 3], 4, party(1, i)).unwrap();
+        }
+        assert_eq!(admitted(&step(&mut s)), vec![1, 2, 3]);
+        // Tenant 2's 8-token prompt needs two blocks: it cannot run, so the step the hold
+        // would have emptied runs tenant 1's decodes after all.
+        s.add(id(10), vec![2; 8], 8, party(2, 10)).unwrap();
+        assert_eq!(entries(&step(&mut s)), vec![(1, true), (2, true), (3, true)]);
+        assert_eq!(s.holds(), 0);
+        assert!(s.kv().check().is_ok());
     }
 
     #[test]

@@ -372,8 +372,8 @@ pub struct Batcher {
     max_context: usize,
     metrics: Arc<Metrics>,
     /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions, steps
-    /// over the inter-token target, prefill tokens.
-    reported: [u64; 6],
+    /// over the inter-token target, prefill tokens, fairness holds.
+    reported: [u64; 7],
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
@@ -405,7 +405,7 @@ impl Batcher {
             drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
-            reported: [0; 6],
+            reported: [0; 7],
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
             parked_done: HashMap::new(),
@@ -449,6 +449,7 @@ impl Batcher {
             sched.preemptions(),
             sched.itl_misses(),
             sched.prefill_tokens(),
+            sched.holds(),
         ];
         let last = std::mem::replace(&mut self.reported, now);
         m.prefix_queries.inc_by(now[0] - last[0]);
@@ -457,6 +458,7 @@ impl Batcher {
         m.preemptions.inc_by(now[3] - last[3]);
         m.itl_target_misses.inc_by(now[4] - last[4]);
         m.prefill_tokens.inc_by(now[5] - last[5]);
+        m.fairness_holds.inc_by(now[6] - last[6]);
     }
 
     /// Ends `lease`'s draft, if one runs: the lease keeps what it computed.
