@@ -399,7 +399,12 @@ mod tests {
         let t = Instant::now();
         let at = |ms: u64| t + Duration::from_millis(ms);
         // [0,10] and [5,20] overlap, [30,40] stands alone, [32,35] lies inside it.
-        let spans = vec![(at(30), at(40)), (at(5), at(20)), (at(0), at(10)), (at(32), at(35))];
+        let spans = vec![
+            (at(30), at(40)),
+            (at(5), at(20)),
+            (at(0), at(10)),
+            (at(32), at(35)),
+        ];
         assert_eq!(union_length(spans), Duration::from_millis(30));
         assert_eq!(union_length(Vec::new()), Duration::ZERO);
     }
@@ -798,15 +803,17 @@ pub struct FloodBenchConfig {
 }
 
 /// One keyless flood client: long replies back to back until `stop`. An `overloaded` refusal
-/// (its tenant's share of the queue is full) is waited out; counts the replies it was refused.
+/// (its tenant's share of the queue is full) is waited out. Returns the replies it was refused
+/// and the tokens it received while `counting`.
 async fn flood_user(
     url: String,
     user: usize,
     max_tokens: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Result<usize, String> {
+    counting: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Result<(usize, usize), String> {
     let mut ws = connect(&url).await?;
-    let (mut n, mut refused) = (0, 0);
+    let (mut n, mut refused, mut tokens) = (0, 0, 0);
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let frame = json!({"type": "chat", "id": format!("f{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
             "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
@@ -815,6 +822,9 @@ async fn flood_user(
         loop {
             let f = next_frame(&mut ws).await?;
             match (f["type"].as_str(), f["error_type"].as_str()) {
+                (Some("delta"), _) if counting.load(std::sync::atomic::Ordering::Relaxed) => {
+                    tokens += 1
+                }
                 (Some("done"), _) => break,
                 (Some("error"), Some("overloaded")) => {
                     refused += 1;
@@ -826,7 +836,7 @@ async fn flood_user(
             }
         }
     }
-    Ok(refused)
+    Ok((refused, tokens))
 }
 
 /// The measured user's TTFTs (seconds, sorted): `requests` short chats one after another, each
@@ -872,6 +882,7 @@ pub async fn run_flood(cfg: FloodBenchConfig) -> Result<(f64, f64), String> {
     let alone = keyed_ttfts(&cfg.url, &cfg.api_key, cfg.requests, "a").await?;
     line("alone", &alone);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let counting = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let flood: Vec<_> = (0..cfg.flood_users)
         .map(|u| {
             actix_web::rt::spawn(flood_user(
@@ -879,16 +890,23 @@ pub async fn run_flood(cfg: FloodBenchConfig) -> Result<(f64, f64), String> {
                 u,
                 cfg.flood_tokens,
                 stop.clone(),
+                counting.clone(),
             ))
         })
         .collect();
     // Let the flood fill the running set and the queue.
     actix_web::rt::time::sleep(Duration::from_secs(3)).await;
+    counting.store(true, std::sync::atomic::Ordering::Relaxed);
+    let t0 = Instant::now();
     let during = keyed_ttfts(&cfg.url, &cfg.api_key, cfg.requests, "d").await;
+    counting.store(false, std::sync::atomic::Ordering::Relaxed);
+    let measured = t0.elapsed().as_secs_f64();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut refused = 0;
+    let (mut refused, mut flood_tokens) = (0, 0);
     for f in flood {
-        refused += f.await.map_err(|e| e.to_string())??;
+        let (r, t) = f.await.map_err(|e| e.to_string())??;
+        refused += r;
+        flood_tokens += t;
     }
     let during = during?;
     line(
@@ -897,8 +915,9 @@ pub async fn run_flood(cfg: FloodBenchConfig) -> Result<(f64, f64), String> {
     );
     let (a, d) = (percentile(&alone, 99.0), percentile(&during, 99.0));
     println!(
-        "TTFT p99 during / alone: {:.2}x; flood requests refused overloaded: {refused}",
-        d / a
+        "TTFT p99 during / alone: {:.2}x; flood requests refused overloaded: {refused}; the flood's replies while measured: {:.1} tok/s",
+        d / a,
+        flood_tokens as f64 / measured
     );
     Ok((a, d))
 }

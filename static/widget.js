@@ -27,6 +27,23 @@
     el.textContent = text;
   }
 
+  /**
+   * This tab's conversation id for `url`: sent as `?conversation=ID` on every connection, so a
+   * load balancer hashing it sends every reconnect to the replica that holds the conversation.
+   * Kept in sessionStorage (one per tab), in memory where storage is refused.
+   */
+  function conversationId(url) {
+    var key = "llama-relay-conversation:" + url, id = null;
+    try { id = global.sessionStorage.getItem(key); } catch (e) { id = null; }
+    if (!id || !/^[A-Za-z0-9_-]{1,64}$/.test(id)) {
+      var bytes = new Uint8Array(16);
+      global.crypto.getRandomValues(bytes);
+      id = Array.prototype.map.call(bytes, function (b) { return ("0" + b.toString(16)).slice(-2); }).join("");
+      try { global.sessionStorage.setItem(key, id); } catch (e) { /* this page view only */ }
+    }
+    return id;
+  }
+
   function el(tag, cls, text) {
     var e = doc.createElement(tag);
     if (cls) { e.className = cls; }
@@ -43,6 +60,7 @@
     this.opts = opts;
     this.els = opts.els;
     this.WS = opts.WebSocket || global.WebSocket;
+    this.conversationId = conversationId(opts.url);
     this.ws = null;
     this.backoff = BACKOFF_MIN_MS;
     this.current = null;
@@ -111,7 +129,8 @@
 
   Conversation.prototype.open = function () {
     var self = this, ws;
-    try { ws = new this.WS(this.opts.url); } catch (e) { this.retry("cannot connect"); return; }
+    var url = this.opts.url + (this.opts.url.indexOf("?") < 0 ? "?" : "&") + "conversation=" + this.conversationId;
+    try { ws = new this.WS(url); } catch (e) { this.retry("cannot connect"); return; }
     this.ws = ws;
     ws.onmessage = function (ev) {
       var f;

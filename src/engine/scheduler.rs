@@ -1187,7 +1187,10 @@ mod tests {
             s.add(id(i), vec![1; 4], 32, party(1, i)).unwrap();
         }
         assert_eq!(admitted(&step(&mut s)), vec![1, 2, 3]);
-        assert_eq!(entries(&step(&mut s)), vec![(1, true), (2, true), (3, true)]);
+        assert_eq!(
+            entries(&step(&mut s)),
+            vec![(1, true), (2, true), (3, true)]
+        );
         // Tenant 2 arrives with a slot free; tenant 1 runs three, over its share (4 slots over
         // 2 tenants): the newcomer's prompt runs alone, and everyone decodes in the next step.
         s.add(id(10), vec![2; 4], 16, party(2, 10)).unwrap();
@@ -1239,7 +1242,10 @@ mod tests {
         // Tenant 2's 8-token prompt needs two blocks: it cannot run, so the step the hold
         // would have emptied runs tenant 1's decodes after all.
         s.add(id(10), vec![2; 8], 8, party(2, 10)).unwrap();
-        assert_eq!(entries(&step(&mut s)), vec![(1, true), (2, true), (3, true)]);
+        assert_eq!(
+            entries(&step(&mut s)),
+            vec![(1, true), (2, true), (3, true)]
+        );
         assert_eq!(s.holds(), 0);
         assert!(s.kv().check().is_ok());
     }

@@ -81,6 +81,9 @@ pub struct AppState {
     pub static_dir: std::path::PathBuf,
     /// When the process started (seconds since the epoch): the model's `created` in `/v1/models`.
     pub started_unix: u64,
+    /// True once the server drains (`shutdown`): not ready, no new connections, and each
+    /// session closes with 1012 once it has no reply running.
+    pub drain: tokio::sync::watch::Sender<bool>,
 }
 
 impl AppState {
@@ -101,6 +104,11 @@ impl AppState {
 
     fn set(&self, s: Status) {
         *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
+    }
+
+    /// The server is draining (`shutdown` began).
+    pub fn draining(&self) -> bool {
+        *self.drain.borrow()
     }
 }
 
@@ -302,6 +310,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        drain: tokio::sync::watch::channel(false).0,
     });
     // Parked sessions past their grace give back their connection places.
     if !settings.session_config().resume_grace.is_zero() {
@@ -401,9 +410,14 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
     })
 }
 
-/// Graceful shutdown: the batcher stops admitting, running generations get `grace` to finish, and
-/// the rest end with `done` and finish_reason `shutdown`. Returns when nothing is in flight.
+/// Graceful shutdown (a drain, on SIGTERM): `/health/ready` turns 503 `draining` so a load
+/// balancer sends nothing new here, WebSocket upgrades get 503, the batcher stops admitting,
+/// running generations get `grace` to finish and the rest end with `done` and finish_reason
+/// `shutdown`; every session closes with 1012 (service restart) as soon as it has no reply
+/// running, so its client reconnects through the balancer to another replica at once. Returns
+/// when nothing is in flight.
 pub async fn shutdown(state: &AppState, grace: Duration) {
+    state.drain.send_replace(true);
     let Some(ready) = state.ready() else { return };
     let _ = ready
         .batcher

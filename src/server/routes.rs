@@ -1,4 +1,5 @@
-//! Routes: `/ws` (the session), `/health` (503 while the model loads), `/metrics` (Prometheus),
+//! Routes: `/ws` (the session), `/health/live` (the process answers), `/health/ready` and
+//! `/health` (503 while the model loads, after it failed, and while draining), `/metrics` (Prometheus),
 //! the static chat page at `/`, the embeddable `widget.js`, and `/widget/{id}`, which tells a
 //! widget whether the page embedding it may use it (a refused WebSocket upgrade tells a page
 //! nothing; this answer, with CORS headers, lets the widget say why). `gate` runs before every
@@ -44,7 +45,10 @@ pub async fn gate(
     }
     if let Some(admin) = state.access.admin() {
         let on_admin = req.app_config().local_addr() == admin;
-        let admin_route = matches!(req.path(), "/health" | "/metrics");
+        let admin_route = matches!(
+            req.path(),
+            "/health" | "/health/ready" | "/health/live" | "/metrics"
+        );
         if on_admin != admin_route {
             return Ok(req.into_response(HttpResponse::NotFound().finish()));
         }
@@ -55,6 +59,8 @@ pub async fn gate(
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/ws", web::get().to(ws))
         .route("/health", web::get().to(health))
+        .route("/health/ready", web::get().to(health))
+        .route("/health/live", web::get().to(live))
         .route("/metrics", web::get().to(metrics))
         .route("/", web::get().to(index))
         .route("/", web::head().to(index))
@@ -65,7 +71,11 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/{file:[A-Za-z0-9_.-]+}", web::head().to(static_file));
 }
 
+/// Readiness (`/health/ready`, and `/health`): 200 only while the server takes new work.
 async fn health(state: web::Data<AppState>) -> HttpResponse {
+    if state.draining() {
+        return HttpResponse::ServiceUnavailable().json(json!({"status": "draining", "reason": "the server is shutting down: running replies finish, nothing new starts"}));
+    }
     let status = state
         .status
         .read()
@@ -79,6 +89,12 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
             HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": e}))
         }
     }
+}
+
+/// Liveness: the process answers HTTP (loading, draining and a failed engine included: a failed
+/// engine exits the process by itself).
+async fn live() -> HttpResponse {
+    HttpResponse::Ok().json(json!({"status": "live"}))
 }
 
 async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
@@ -104,6 +120,20 @@ async fn ws(
     let Some(ready) = state.ready() else {
         return Ok(HttpResponse::ServiceUnavailable()
             .json(json!({"error_type": "not_ready", "message": state.unavailable()})));
+    };
+    if state.draining() {
+        state.metrics.error("draining");
+        return Ok(HttpResponse::ServiceUnavailable()
+            .insert_header(("Retry-After", "1"))
+            .json(json!({"error_type": "draining", "message": "this server is shutting down; connect again (a load balancer sends you to another replica)"})));
+    }
+    let conversation = match conversation_key(&req) {
+        Ok(c) => c,
+        Err(m) => {
+            state.metrics.error("invalid_request");
+            return Ok(HttpResponse::BadRequest()
+                .json(json!({"error_type": "invalid_request", "message": m})));
+        }
     };
     let identity = match identify(&req, &state) {
         Ok(i) => i,
@@ -142,7 +172,26 @@ async fn ws(
                 .json(json!({"error_type": "overloaded", "message": full.to_string()})));
         }
     };
-    Session::new(state.into_inner(), ready, identity, place).start(&req, stream)
+    Session::new(state.into_inner(), ready, identity, place)
+        .with_conversation_id(conversation)
+        .start(&req, stream)
+}
+
+/// The conversation's routing key, `?conversation=ID` (1 to 64 of `A-Z a-z 0-9 _ -`): a load
+/// balancer hashes it so that every turn and reconnect of a conversation reaches the replica
+/// holding its KV blocks (docs/deploy.md). The server only checks it and logs it with the
+/// session.
+fn conversation_key(req: &HttpRequest) -> Result<Option<String>, String> {
+    let query =
+        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
+            .map_err(|e| format!("malformed query: {e}"))?;
+    match query.get("conversation") {
+        None => Ok(None),
+        Some(c) if super::tenants::valid_id(c) => Ok(Some(c.clone())),
+        Some(_) => {
+            Err("`conversation` must be 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`".into())
+        }
+    }
 }
 
 /// Seconds a client refused by a connection cap is told to wait.

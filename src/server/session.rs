@@ -161,8 +161,8 @@ pub struct Session {
     used: bool,
     /// The last reply that ended, for a resume that lost its tail.
     last: Option<LastReply>,
-    /// The server closed the connection for what the client did (or reset it for reading
-    /// nothing): such a session is not parked.
+    /// The server closed the connection for what the client did, or to drain (or reset it for
+    /// reading nothing): such a session is not parked.
     closed_for_policy: bool,
     reset_for_not_reading: Arc<AtomicBool>,
     /// A turn whose prompt is being built (not yet submitted), and where it replaces the
@@ -170,9 +170,18 @@ pub struct Session {
     preparing: Option<(ValidChat, usize)>,
     /// A draft sent while a reply ran: prefilled once the reply ends (the latest only).
     pending_draft: Option<String>,
+    /// The client's conversation id (`?conversation=`, the load balancer's routing key), for
+    /// the logs.
+    conversation_id: Option<String>,
 }
 
 impl Session {
+    /// The client's conversation id (`?conversation=`), for the logs.
+    pub fn with_conversation_id(mut self, id: Option<String>) -> Self {
+        self.conversation_id = id;
+        self
+    }
+
     pub fn new(
         state: Arc<AppState>,
         ready: Ready,
@@ -204,6 +213,7 @@ impl Session {
             reset_for_not_reading: Arc::new(AtomicBool::new(false)),
             preparing: None,
             pending_draft: None,
+            conversation_id: None,
         };
         match place {
             Place::Permit(p) => session.permit = Some(p),
@@ -269,6 +279,11 @@ impl Session {
                 )),
             }));
             ctx.stop();
+            return;
+        }
+        // (A chat refused because the server drains.)
+        if self.current.is_none() {
+            self.close_if_draining(ctx);
         }
     }
 
@@ -689,6 +704,15 @@ impl Actor for Session {
                 }
             });
         }
+        // A drain closes the session once it has no reply running.
+        let mut drain = self.state.drain.subscribe();
+        ctx.spawn(
+            async move {
+                let _ = drain.wait_for(|d| *d).await;
+            }
+            .into_actor(self)
+            .map(|(), act, ctx| act.close_if_draining(ctx)),
+        );
         ctx.run_interval(cfg.heartbeat, move |act, ctx| {
             if act.last_heard.elapsed() > cfg.client_timeout {
                 tracing::info!(session = %act.id, "no pong within the timeout; closing");
@@ -697,7 +721,7 @@ impl Actor for Session {
                 ctx.ping(b"");
             }
         });
-        tracing::debug!(session = %self.id, "session opened");
+        tracing::debug!(session = %self.id, conversation = ?self.conversation_id, "session opened");
     }
 
     fn stopped(&mut self, _: &mut Self::Context) {
@@ -825,7 +849,28 @@ impl Session {
             if let Some(text) = self.pending_draft.take() {
                 self.start_draft(text, ctx);
             }
+            self.close_if_draining(ctx);
         }
+    }
+
+    /// While the server drains, a session with no reply running closes with 1012 (service
+    /// restart): its client reconnects, through the load balancer, to a replica that takes
+    /// new work. A running reply finishes first (within `server.shutdown_grace_s`).
+    fn close_if_draining(&mut self, ctx: &mut ws::WebsocketContext<Self>) {
+        if !self.state.draining()
+            || self.current.is_some()
+            || self.preparing.is_some()
+            || self.closed_for_policy
+        {
+            return;
+        }
+        self.closed_for_policy = true;
+        tracing::debug!(session = %self.id, "draining: closing with 1012");
+        ctx.close(Some(ws::CloseReason {
+            code: ws::CloseCode::Restart,
+            description: Some("the server is shutting down: connect again".into()),
+        }));
+        ctx.stop();
     }
 
     fn on_reply_event(
@@ -884,7 +929,7 @@ impl Session {
                 let Some(c) = self.current.take() else { return };
                 usage.completion_tokens = usage.completion_tokens.max(c.text.tokens());
                 tracing::info!(
-                    session = %self.id, request = %c.client_id, ?reason,
+                    session = %self.id, conversation = ?self.conversation_id, request = %c.client_id, ?reason,
                     prompt_tokens = usage.prompt_tokens, cached_tokens = usage.cached_tokens,
                     generated = usage.completion_tokens, queue_ms = timings.queue_ms,
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"

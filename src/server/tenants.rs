@@ -475,7 +475,8 @@ impl Tenants {
     }
 }
 
-fn valid_id(s: &str) -> bool {
+/// An id the operator or a client names things by: 1 to 64 of `A-Z a-z 0-9 _ -`.
+pub(crate) fn valid_id(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= 64
         && s.chars()

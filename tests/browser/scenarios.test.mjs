@@ -331,11 +331,13 @@ test("after Stop the next question follows the shown text; Regenerate and Edit o
 
 test("a socket killed mid-reply resumes: the page finishes the same reply without loss or duplicates", async () => {
   const { page, context, errors } = await newPage();
-  // Every frame the page receives, on every socket.
+  // Every frame the page receives, on every socket, and every socket's URL.
   await page.addInitScript(() => {
     const Real = window.WebSocket;
     window.__frames = [];
+    window.__urls = [];
     window.WebSocket = function (url, protocols) {
+      window.__urls.push(String(url));
       const ws = protocols ? new Real(url, protocols) : new Real(url);
       ws.addEventListener("message", (ev) => { try { window.__frames.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
       return ws;
@@ -358,6 +360,17 @@ test("a socket killed mid-reply resumes: the page finishes the same reply withou
   assert.deepEqual(deltas.map((d) => d.index), deltas.map((_, i) => i), "every index once, in order");
   assert.equal(deltas.map((d) => d.text).join(""), reply.text);
   assert.equal(frames.filter((f) => f.type === "done").length, 1);
+  // Both sockets named the same conversation (a load balancer's routing key), and so does the
+  // page after a reload in the same tab.
+  const conversation = (u) => new URL(u).searchParams.get("conversation");
+  const urls = await page.evaluate(() => window.__urls);
+  assert.equal(urls.length, 2, urls.join(" "));
+  assert.match(conversation(urls[0]), /^[0-9a-f]{32}$/);
+  assert.equal(conversation(urls[1]), conversation(urls[0]));
+  await page.reload();
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  const after = await page.evaluate(() => window.__urls);
+  assert.equal(conversation(after[0]), conversation(urls[0]), "kept in sessionStorage");
   assert.deepEqual(errors, []);
   await context.close();
 });

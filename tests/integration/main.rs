@@ -13,6 +13,7 @@ mod layers;
 mod loading;
 mod openai;
 mod prefix_cache;
+mod replicas;
 mod security;
 mod smollm2;
 mod tiny_llama3;
