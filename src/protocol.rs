@@ -54,6 +54,12 @@ pub enum ClientFrame {
     Draft {
         text: String,
     },
+    /// Rebuilds the conversation of a session that has none yet from the transcript the client
+    /// kept (its session was on a replica that drained or died): each assistant message from a
+    /// client that may not send assistant messages carries the `seal` its `done` gave.
+    Restore {
+        messages: Vec<RestoredMessage>,
+    },
     /// A paced stream's client has shown (or spoken) reply `id`'s deltas through `index`.
     Ack {
         id: String,
@@ -124,6 +130,17 @@ pub struct Limits {
     pub rejected_frame_burst: u32,
 }
 
+/// A message of a `restore` transcript.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoredMessage {
+    pub role: String,
+    pub content: String,
+    /// An assistant message's seal, from the `done` that ended it.
+    #[serde(default)]
+    pub seal: Option<String>,
+}
+
 /// Frames the server sends.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -162,7 +179,13 @@ pub enum ServerFrame {
         finish_reason: FinishReason,
         usage: Usage,
         timings: Timings,
+        /// The seal of the reply as the conversation recorded it (its text, or what was heard
+        /// of it): keep it with the reply to `restore` the conversation elsewhere.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        seal: Option<String>,
     },
+    /// A `restore` rebuilt the conversation: `messages` messages.
+    Restored { messages: usize },
     Error {
         #[serde(skip_serializing_if = "Option::is_none")]
         id: Option<String>,
@@ -342,6 +365,30 @@ impl Limits {
         })
     }
 
+    /// Validates a `restore` frame's transcript: the limits of any message (`max_messages`,
+    /// `max_message_chars`), known roles, well-formed seals. Whether the client may send each
+    /// role, or has a valid seal for it, is the session's to check.
+    pub fn validate_restore(
+        &self,
+        messages: Vec<RestoredMessage>,
+    ) -> Result<Vec<RestoredMessage>, RequestError> {
+        let plain: Vec<Message> = (messages.iter())
+            .map(|m| Message::new(&m.role, &m.content))
+            .collect();
+        self.check_messages(&plain)?;
+        for (i, m) in messages.iter().enumerate() {
+            let well_formed =
+                |s: &String| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
+            if m.seal.as_ref().is_some_and(|s| !well_formed(s)) {
+                return Err(bad(
+                    &format!("messages[{i}].seal"),
+                    "must be the 64 hex digits a `done` gave",
+                ));
+            }
+        }
+        Ok(messages)
+    }
+
     /// Validates a `draft` frame's text (a user message's content so far).
     pub fn validate_draft(&self, text: String) -> Result<String, RequestError> {
         let n = text.chars().count();
@@ -495,6 +542,44 @@ mod tests {
         assert!(
             parse(r#"{"type":"chat","id":"1","messages":[],"params":{"temprature":1}}"#).is_err()
         );
+    }
+
+    #[test]
+    fn restore_frames_parse_and_validate_by_message() {
+        let l = limits();
+        let f = parse(r#"{"type":"restore","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"Hello.","seal":"00"}]}"#).unwrap();
+        let ClientFrame::Restore { messages } = f else {
+            panic!("not a restore")
+        };
+        let e = l.validate_restore(messages).unwrap_err().to_string();
+        assert!(e.contains("messages[1].seal"), "{e}");
+        let ok = parse(&format!(
+            r#"{{"type":"restore","messages":[{{"role":"assistant","content":"Hello.","seal":"{}"}}]}}"#,
+            "ab".repeat(32)
+        ))
+        .unwrap();
+        let ClientFrame::Restore { messages } = ok else {
+            panic!("not a restore")
+        };
+        assert_eq!(l.validate_restore(messages).unwrap().len(), 1);
+        // Unknown fields, unknown roles, nothing at all: refused.
+        assert!(
+            parse(r#"{"type":"restore","messages":[{"role":"user","content":"hi","x":1}]}"#)
+                .is_err()
+        );
+        for (frame, field) in [
+            (
+                r#"{"type":"restore","messages":[{"role":"robot","content":"hi"}]}"#,
+                "messages[0].role",
+            ),
+            (r#"{"type":"restore","messages":[]}"#, "messages"),
+        ] {
+            let ClientFrame::Restore { messages } = parse(frame).unwrap() else {
+                panic!("not a restore")
+            };
+            let e = l.validate_restore(messages).unwrap_err().to_string();
+            assert!(e.contains(field), "{e}");
+        }
     }
 
     #[test]

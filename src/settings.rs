@@ -56,6 +56,8 @@ pub struct ServerSettings {
     pub heartbeat_s: u64,
     pub client_timeout_s: u64,
     pub shutdown_grace_s: u64,
+    /// The key of the seals on assistant messages (`server::seal`); empty = random per process.
+    pub conversation_secret: String,
     /// A connection whose client takes none of the bytes it is sent for this long is reset.
     pub write_timeout_s: u64,
     /// How long a session whose connection dropped can be resumed; 0 = not at all.

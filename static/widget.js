@@ -74,6 +74,12 @@
     this.turns = [];
     this.lastReply = null;
     this.editing = null;
+    // The server's conversation as it recorded it, one { user, reply, seal } per turn (a reply's
+    // seal comes with its `done`), and what is carried to a session that lost it: a `restore`
+    // of that transcript, then the question that was interrupted, asked again.
+    this.transcript = [];
+    this.carry = null;
+    this.limits = {};
     // The session's resume token (from `ready`), and the one to resume with after a drop.
     this.resumeToken = null;
     this.pendingResume = null;
@@ -179,11 +185,63 @@
     return { div: div, body: body };
   };
 
-  /** The server's conversation is gone: a running reply ends here, and nothing on screen can be
-   * edited or regenerated there any more. */
+  /** The server's session is gone (its replica drained or died, or it expired): the
+   * conversation moves to the new session with a `restore` of the transcript, and a question
+   * whose reply was interrupted is asked again. An interrupted edit or regenerate, or a refused
+   * restore, leaves the screen as it is with nothing to edit or regenerate any more. */
   Conversation.prototype.lostSession = function () {
-    if (this.current) { this.finish(null, "connection lost"); }
-    this.forgetTurns();
+    var c = this.current;
+    if (c && c.kind !== "chat") {
+      this.finish(null, "connection lost");
+      this.forgetTurns();
+      return;
+    }
+    if (c && c.stopped) { this.finish(null, "connection lost"); c = null; }
+    if (!c && !this.transcript.length) { return; }
+    this.carry = { messages: this.transcriptMessages(), reask: c, sent: false };
+    if (c) {
+      c.text = "";
+      c.lastIndex = -1;
+      renderText(c.body, "");
+      renderText(c.stats, "reconnecting…");
+    }
+    if (this.isOpen()) { this.sendCarry(); }
+  };
+
+  /** The transcript as `restore` messages, its oldest turns dropped to fit the session's limits
+   * (`max_messages`, and the frame within `max_frame_bytes`). */
+  Conversation.prototype.transcriptMessages = function () {
+    var all = [];
+    for (var i = 0; i < this.transcript.length; i++) {
+      var t = this.transcript[i];
+      all.push({ role: "user", content: t.user });
+      all.push({ role: "assistant", content: t.reply, seal: t.seal });
+    }
+    var maxMessages = this.limits.max_messages || 64, maxBytes = (this.limits.max_frame_bytes || 65536) - 256;
+    while (all.length && (all.length > maxMessages ||
+        new TextEncoder().encode(JSON.stringify({ type: "restore", messages: all })).length > maxBytes)) {
+      all.splice(0, 2);
+    }
+    return all;
+  };
+
+  Conversation.prototype.sendCarry = function () {
+    var k = this.carry;
+    if (!k || k.sent || !this.isOpen()) { return; }
+    if (k.messages.length) {
+      k.sent = true;
+      this.ws.send(JSON.stringify({ type: "restore", messages: k.messages }));
+    } else {
+      this.carry = null;
+      this.reask(k.reask);
+    }
+  };
+
+  /** Asks an interrupted question again on a new session (its reply starts over). */
+  Conversation.prototype.reask = function (c) {
+    if (!c || this.current !== c || !this.isOpen()) { return; }
+    renderText(c.stats, "");
+    this.ws.send(JSON.stringify({ type: "chat", id: c.id, messages: [{ role: "user", content: c.userText }] }));
   };
 
   Conversation.prototype.handle = function (f) {
@@ -205,14 +263,24 @@
         this.setConn("connected", "ok");
         if (this.els.model) { renderText(this.els.model, f.model || ""); }
         this.resumeToken = f.resume_token || null;
+        this.limits = f.limits || {};
         if (f.resumed) {
           if (c) { renderText(c.stats, ""); }
         } else if (this.pendingResume) {
           var resume = { type: "resume", token: this.pendingResume };
           if (c) { resume.id = c.id; if (c.lastIndex >= 0) { resume.after_index = c.lastIndex; } }
           this.ws.send(JSON.stringify(resume));
+        } else {
+          this.sendCarry();
         }
         this.pendingResume = null;
+        break;
+      case "restored":
+        if (this.carry) {
+          var again = this.carry.reask;
+          this.carry = null;
+          this.reask(again);
+        }
         break;
       case "queued":
         if (mine) {
@@ -241,6 +309,12 @@
         if (mine) { this.finish(f); }
         break;
       case "error":
+        if (!f.id && this.carry && this.carry.sent) {
+          // The restore was refused: the conversation cannot move.
+          this.carry = null;
+          if (c) { this.finish(null, "connection lost"); }
+          this.forgetTurns();
+        }
         if (mine) { this.undo(c); this.current = null; this.setBusy(false); }
         this.bubble("error", (f.error_type || "error") + ": " + (f.message || ""));
         break;
@@ -258,7 +332,7 @@
     }
     if (!c) { return; }
     if (!done) { renderText(c.stats, reason); return; }
-    this.recordTurn(c);
+    this.recordTurn(c, done);
     var t = done.timings || {}, u = done.usage || {};
     var parts = ["TTFT " + Math.round(t.ttft_ms || 0) + " ms", (t.decode_tokens_per_s || 0).toFixed(1) + " tok/s",
       (u.cached_tokens || 0) + " cached tokens"];
@@ -296,7 +370,7 @@
     var stats = el("span", "stats");
     b.div.appendChild(stats);
     this.current = { id: "m" + (++this.counter), text: "", body: b.body, div: b.div, stats: stats,
-      userDiv: u.div, kind: edit ? "edit" : "chat", turn: edit ? edit.turn : this.turns.length,
+      userDiv: u.div, userText: text, kind: edit ? "edit" : "chat", turn: edit ? edit.turn : this.turns.length,
       removed: removed, lastIndex: -1 };
     var frame = { type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] };
     if (edit) { frame.type = "edit"; frame.turn = edit.turn; }
@@ -348,8 +422,19 @@
   };
 
   /** A reply ended with `done`: its turn is part of the server's conversation now. */
-  Conversation.prototype.recordTurn = function (c) {
+  Conversation.prototype.recordTurn = function (c, done) {
     var self = this;
+    // What the server recorded: the text shown (after Stop, the deltas through heard_index).
+    var turn = { user: c.userText, reply: c.text, seal: done.seal };
+    if (c.kind === "regenerate") {
+      if (this.transcript.length) {
+        turn.user = this.transcript[this.transcript.length - 1].user;
+        this.transcript[this.transcript.length - 1] = turn;
+      }
+    } else {
+      this.transcript = this.transcript.slice(0, c.turn);
+      this.transcript.push(turn);
+    }
     if (c.kind !== "regenerate") {
       this.turns = this.turns.slice(0, c.turn);
       this.turns.push(c.userDiv);
@@ -396,6 +481,7 @@
     for (var i = 0; i < buttons.length; i++) { buttons[i].remove(); }
     this.turns = [];
     this.lastReply = null;
+    this.transcript = [];
     this.setEditing(null);
   };
 
@@ -410,6 +496,7 @@
     this.els.log.textContent = "";
     this.forgetTurns();
     this.pendingResume = null;
+    this.carry = null;
     this.greet();
     this.els.input.focus();
   };

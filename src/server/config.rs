@@ -71,6 +71,13 @@ impl Settings {
                 "more than server.heartbeat_s, which must be > 0",
             ));
         }
+        if !s.conversation_secret.is_empty() && s.conversation_secret.len() < 32 {
+            return Err(invalid(
+                "server.conversation_secret",
+                format!("({} bytes)", s.conversation_secret.len()),
+                "empty (a random one per process) or at least 32 bytes",
+            ));
+        }
         if s.write_timeout_s < 2 * s.heartbeat_s {
             return Err(invalid(
                 "server.write_timeout_s",

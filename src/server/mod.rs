@@ -13,6 +13,7 @@ pub mod prompt;
 pub mod rate;
 pub mod reply;
 pub mod routes;
+pub mod seal;
 pub mod session;
 pub mod stop;
 pub mod tenants;
@@ -84,6 +85,8 @@ pub struct AppState {
     /// True once the server drains (`shutdown`): not ready, no new connections, and each
     /// session closes with 1012 once it has no reply running.
     pub drain: tokio::sync::watch::Sender<bool>,
+    /// Seals the assistant's messages for `restore` (`server.conversation_secret`).
+    pub sealer: seal::Sealer,
 }
 
 impl AppState {
@@ -311,6 +314,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .map(|d| d.as_secs())
             .unwrap_or(0),
         drain: tokio::sync::watch::channel(false).0,
+        sealer: seal::Sealer::new(&settings.server.conversation_secret),
     });
     // Parked sessions past their grace give back their connection places.
     if !settings.session_config().resume_grace.is_zero() {

@@ -434,6 +434,12 @@ impl Session {
                 };
                 self.validated_turn(id, messages, params, at, ctx);
             }
+            ClientFrame::Restore { messages } => {
+                match self.state.session.limits.validate_restore(messages) {
+                    Ok(m) => self.restore(m, ctx),
+                    Err(e) => self.error(ctx, None, e),
+                }
+            }
             ClientFrame::Reset => {
                 if let Some(c) = &self.current {
                     let id = c.client_id.clone();
@@ -446,6 +452,70 @@ impl Session {
                 });
             }
         }
+    }
+
+    /// `restore`: a session with no conversation yet takes the transcript its client kept. An
+    /// assistant message from a client that may not send assistant messages needs the seal its
+    /// `done` gave (for this client: same tenant, kind and operator text); any other role the
+    /// client may not send is refused as in a `chat`. Nothing is computed until the next chat.
+    fn restore(
+        &mut self,
+        messages: Vec<crate::protocol::RestoredMessage>,
+        ctx: &mut ws::WebsocketContext<Self>,
+    ) {
+        if let Some(c) = &self.current {
+            let id = c.client_id.clone();
+            return self.error(ctx, None, RequestError::Busy(id));
+        }
+        if !self.conversation.is_empty() || self.preparing.is_some() {
+            return self.error(
+                ctx,
+                None,
+                RequestError::InvalidRequest(
+                    "`restore` starts a conversation: send it before the first chat (or after `reset`)"
+                        .into(),
+                ),
+            );
+        }
+        let scope = self.identity.seal_scope();
+        for (i, m) in messages.iter().enumerate() {
+            if self.identity.roles.allows(&m.role) {
+                continue;
+            }
+            let sealed = m.role == "assistant"
+                && (m.seal.as_deref())
+                    .is_some_and(|s| self.state.sealer.verify(&scope, &m.content, s));
+            if sealed {
+                continue;
+            }
+            let e = if m.role == "assistant" {
+                RequestError::InvalidParam {
+                    param: format!("messages[{i}].seal"),
+                    reason: "an assistant message from this client needs the seal its `done` gave, for this very text".into(),
+                }
+            } else {
+                RequestError::InvalidParam {
+                    param: format!("messages[{i}].role"),
+                    reason: format!(
+                        "{:?} is not allowed for this client (allowed: {})",
+                        m.role,
+                        self.identity.roles.names()
+                    ),
+                }
+            };
+            return self.error(ctx, None, e);
+        }
+        self.conversation = (messages.iter())
+            .map(|m| Message::new(&m.role, &m.content))
+            .collect();
+        self.pending_draft = None;
+        tracing::info!(session = %self.id, conversation = ?self.conversation_id, messages = messages.len(), "conversation restored");
+        self.send(
+            ctx,
+            &ServerFrame::Restored {
+                messages: messages.len(),
+            },
+        );
     }
 
     /// Prefills the conversation plus `text` (the user's next message so far) into the
@@ -935,11 +1005,13 @@ impl Session {
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"
                 );
                 let reply = Message::new("assistant", c.recorded_text());
+                let seal = (self.state.sealer).seal(&self.identity.seal_scope(), &reply.content);
                 let done = ServerFrame::Done {
                     id: c.client_id.clone(),
                     finish_reason: reason,
                     usage,
                     timings,
+                    seal: Some(seal),
                 };
                 self.send(ctx, &done);
                 self.last = Some(LastReply {

@@ -89,6 +89,21 @@ pub struct Identity {
     pub roles: Roles,
 }
 
+impl Identity {
+    /// Who a seal on an assistant message is bound to (`server::seal`): the tenant, the kind
+    /// of client and the operator text it converses under (a widget's system prompt, a named
+    /// prefix), the same on every replica with the same tenants (unlike the per-process cache
+    /// salts).
+    pub fn seal_scope(&self) -> String {
+        format!(
+            "{}\0{:?}\0{}",
+            self.tenant,
+            self.kind,
+            self.system_prompt.as_deref().unwrap_or("")
+        )
+    }
+}
+
 /// Why an upgrade is refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {

@@ -375,6 +375,54 @@ test("a socket killed mid-reply resumes: the page finishes the same reply withou
   await context.close();
 });
 
+test("a session lost with its replica: the page restores the conversation and asks the interrupted question again", async () => {
+  const { page, context, errors } = await newPage();
+  // Every frame the page sends and receives, on every socket.
+  await page.addInitScript(() => {
+    const Real = window.WebSocket;
+    window.__in = [];
+    window.__out = [];
+    window.WebSocket = function (url, protocols) {
+      const ws = protocols ? new Real(url, protocols) : new Real(url);
+      ws.addEventListener("message", (ev) => { try { window.__in.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
+      const send = ws.send.bind(ws);
+      ws.send = (data) => { try { window.__out.push(JSON.parse(data)); } catch (e) { /* not JSON */ } send(data); };
+      return ws;
+    };
+    window.WebSocket.prototype = Real.prototype;
+  });
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("My name is Ada. Please remember it.");
+  await page.locator("#send").click();
+  const first = await watchReply(page, "#log");
+  assert.match(first.stats, /^TTFT/);
+  await page.locator("#input").fill("Write a long story about a lighthouse keeper and a storm.");
+  await page.locator("#send").click();
+  await until(page, () => (document.querySelector("#log .assistant:last-child .body") || {}).textContent?.length > 40);
+  // As if the replica went away: the next connection finds no session to resume.
+  await page.evaluate(() => { window.llamaRelayChat.resumeToken = "gone-with-its-replica"; window.llamaRelayChat.ws.close(); });
+  const second = await watchReply(page, "#log");
+  assert.match(second.stats, /^TTFT/, `the interrupted question was answered again: ${second.stats}`);
+  const [sent, got] = await page.evaluate(() => [window.__out, window.__in]);
+  const restore = sent.find((f) => f.type === "restore");
+  assert.ok(restore, "a restore was sent");
+  assert.deepEqual(restore.messages.map((m) => m.role), ["user", "assistant"]);
+  assert.equal(restore.messages[0].content, "My name is Ada. Please remember it.");
+  assert.equal(restore.messages[1].content, first.text);
+  assert.match(restore.messages[1].seal, /^[0-9a-f]{64}$/);
+  assert.ok(got.some((f) => f.type === "restored" && f.messages === 2));
+  // The question asked again carried the restored turn: its prompt holds the first turn's
+  // prompt and reply.
+  const dones = got.filter((f) => f.type === "done");
+  const firstUsage = dones[0].usage, lastUsage = dones[dones.length - 1].usage;
+  assert.ok(lastUsage.prompt_tokens > firstUsage.prompt_tokens + firstUsage.completion_tokens,
+    `${JSON.stringify(firstUsage)} then ${JSON.stringify(lastUsage)}`);
+  assert.equal(await page.locator("#log .msg.error").count(), 0);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
 test("hostile user text shows as characters on the chat page", async () => {
   const { page, context, errors } = await newPage();
   await page.goto(RELAY + "/");
