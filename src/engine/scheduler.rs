@@ -11,6 +11,11 @@
 //! had generated again. Full blocks are handed to the manager to cache at the start of the next
 //! step, once their K/V have been written.
 //!
+//! Between tenants: free slots go by max-min fairness (`next_to_admit`), a tenant with nothing
+//! running takes a slot from the one with the most (`preempt_for_fairness`), and a tenant over
+//! its share of the slots sits out the one step that runs such a newcomer's first chunk
+//! (`tenants_to_hold`), so the newcomer's first token does not wait behind the flood's decodes.
+//!
 //! While replies decode, a step's prefill is sized to the step-time target (Sarathi-Serve's
 //! stall-free batching, with a cost model learned from measured steps); only the step's first
 //! prompt, when it fits the token budget, goes whole. Two kinds of request exist for the
