@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{metrics_text, spawn_app, App};
+use crate::gateway::{connect_when_ready, metrics_text, spawn_app, spawn_process, App};
 
 /// A WebSocket client on a raw socket with a small receive buffer, so that not reading stalls
 /// the server quickly, and whose reads the test controls.
@@ -365,49 +365,16 @@ fn steps_that_keep_failing_fail_the_engine() {
 /// supervisor restarts it).
 #[test]
 fn the_server_process_exits_non_zero_after_an_engine_failure() {
-    use std::io::BufRead;
     let _g = model_lock();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_llama-relay"))
-        .arg("--model")
-        .arg(Tiny::Tied.dir())
-        .env("LLAMA_RELAY__SERVER__PORT", "0")
-        .env("LLAMA_RELAY__ENGINE__CACHE_TOKENS", "4096")
-        .env("LLAMA_RELAY_INJECT_FAULT", "panic_in_step")
-        .env("RUST_LOG", "info")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr: SocketAddr = loop {
-        let line = lines
-            .next()
-            .expect("the server logs where it listens")
-            .unwrap();
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split('/').next().unwrap().parse().unwrap();
-        }
-    };
-    // Keep draining the log so the child never blocks on a full pipe.
-    let log = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let (mut child, addr, log) = spawn_process(
+        Tiny::Tied.dir(),
+        &[
+            ("LLAMA_RELAY__ENGINE__CACHE_TOKENS", "4096"),
+            ("LLAMA_RELAY_INJECT_FAULT", "panic_in_step"),
+        ],
+    );
     run(async move {
-        let t0 = Instant::now();
-        let mut c = loop {
-            match awc::Client::new()
-                .ws(format!("ws://{addr}/ws"))
-                .connect()
-                .await
-            {
-                Ok((_, framed)) => {
-                    let mut c = crate::gateway::Client::from_framed(framed);
-                    assert_eq!(c.recv().await["type"], "ready");
-                    break c;
-                }
-                Err(_) => {
-                    assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
-                    actix_web::rt::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        };
+        let mut c = connect_when_ready(addr).await;
         c.chat("q1", "Hi", json!({"max_tokens": 8})).await;
         let end = end_of(&mut c, "q1").await;
         assert_eq!(end["error_type"], "internal", "{end}");

@@ -52,6 +52,64 @@ pub fn spawn_app(model: &Path, tweak: impl FnOnce(&mut Settings)) -> App {
     App { addr, admin, state }
 }
 
+/// The server binary on `model` as its own process (port 0, `RUST_LOG=info`, and `env`):
+/// the child, where it listens (from its log), and the rest of its log, read on a thread so
+/// that the child never blocks on a full pipe.
+pub fn spawn_process(
+    model: &Path,
+    env: &[(&str, &str)],
+) -> (
+    std::process::Child,
+    SocketAddr,
+    std::thread::JoinHandle<Vec<String>>,
+) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_llama-relay"))
+        .arg("--model")
+        .arg(model)
+        .env("LLAMA_RELAY__SERVER__PORT", "0")
+        .env("RUST_LOG", "info")
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr: SocketAddr = loop {
+        let line = lines
+            .next()
+            .expect("the server logs where it listens")
+            .unwrap();
+        if let Some(rest) = line.split("http://").nth(1) {
+            break rest.split('/').next().unwrap().parse().unwrap();
+        }
+    };
+    let log = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    (child, addr, log)
+}
+
+/// A session on the server at `addr` once its model has loaded (it retries meanwhile), its
+/// `ready` read.
+pub async fn connect_when_ready(addr: SocketAddr) -> Client {
+    let t0 = Instant::now();
+    loop {
+        match awc::Client::new()
+            .ws(format!("ws://{addr}/ws"))
+            .connect()
+            .await
+        {
+            Ok((_, framed)) => {
+                let mut c = Client::from_framed(framed);
+                assert_eq!(c.recv().await["type"], "ready");
+                return c;
+            }
+            Err(_) => {
+                assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
+                actix_web::rt::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
 impl App {
     pub async fn status(&self) -> BatcherStatus {
         self.state

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::common::{model_lock, Tiny};
-use crate::gateway::{spawn_app, Client};
+use crate::gateway::{connect_when_ready, spawn_app, spawn_process, Client};
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
@@ -94,29 +94,14 @@ fn a_drain_flips_readiness_refuses_upgrades_and_closes_sessions_with_1012() {
 /// the process exits 0 within the grace.
 #[test]
 fn sigterm_drains_the_process_and_it_exits_within_the_grace() {
-    use std::io::BufRead;
     let _g = model_lock();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_llama-relay"))
-        .arg("--model")
-        .arg(Tiny::Tied.dir())
-        .env("LLAMA_RELAY__SERVER__PORT", "0")
-        .env("LLAMA_RELAY__SERVER__SHUTDOWN_GRACE_S", "3")
-        .env("LLAMA_RELAY__ENGINE__CACHE_TOKENS", "8192")
-        .env("RUST_LOG", "info")
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr: SocketAddr = loop {
-        let line = lines
-            .next()
-            .expect("the server logs where it listens")
-            .unwrap();
-        if let Some(rest) = line.split("http://").nth(1) {
-            break rest.split('/').next().unwrap().parse().unwrap();
-        }
-    };
-    let log = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
+    let (mut child, addr, log) = spawn_process(
+        Tiny::Tied.dir(),
+        &[
+            ("LLAMA_RELAY__SERVER__SHUTDOWN_GRACE_S", "3"),
+            ("LLAMA_RELAY__ENGINE__CACHE_TOKENS", "8192"),
+        ],
+    );
     let pid = child.id() as libc::pid_t;
     let signalled = run_and_signal(addr, pid);
     let t0 = Instant::now();
@@ -142,24 +127,7 @@ fn sigterm_drains_the_process_and_it_exits_within_the_grace() {
 fn run_and_signal(addr: SocketAddr, pid: libc::pid_t) -> Instant {
     let mut signalled = Instant::now();
     run(async {
-        let t0 = Instant::now();
-        let mut c = loop {
-            match awc::Client::new()
-                .ws(format!("ws://{addr}/ws"))
-                .connect()
-                .await
-            {
-                Ok((_, framed)) => {
-                    let mut c = Client::from_framed(framed);
-                    assert_eq!(c.recv().await["type"], "ready");
-                    break c;
-                }
-                Err(_) => {
-                    assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
-                    actix_web::rt::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        };
+        let mut c = connect_when_ready(addr).await;
         c.chat("q1", "Go on and on.", long()).await;
         loop {
             if c.recv().await["type"] == "delta" {
