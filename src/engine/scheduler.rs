@@ -836,7 +836,12 @@ impl Scheduler {
     /// so a stream of such requests can at most halve an over-share tenant's rate; a tenant
     /// within its share is never held, and with one tenant nothing is.
     fn tenants_to_hold(&mut self) -> Vec<Salt> {
-        if std::mem::take(&mut self.held_last) || self.running.len() >= self.cfg.max_running {
+        // (Most steps: nothing waits, or nothing runs to hold; this runs every step.)
+        if std::mem::take(&mut self.held_last)
+            || self.waiting.is_empty()
+            || self.running.is_empty()
+            || self.running.len() >= self.cfg.max_running
+        {
             return Vec::new();
         }
         let Some(i) = self.next_to_admit(Priority::Interactive, &[]) else {
