@@ -18,7 +18,10 @@ use super::{AppState, Status};
 
 /// Before every route: a `Host` this server does not serve gets 421 (a DNS-rebinding page sends
 /// its own name); with an admin listener, `/health` and `/metrics` answer there alone and it
-/// answers nothing else.
+/// answers nothing else. The probes `/health/ready` and `/health/live` are exempt from the `Host`
+/// check: health checkers name no public host (HAProxy's `httpchk` sends none, a kubelet sends
+/// the pod's address), and what they answer (ok, loading, draining) tells a rebinding page
+/// nothing.
 pub async fn gate(
     req: ServiceRequest,
     next: Next<impl MessageBody + 'static>,
@@ -33,7 +36,8 @@ pub async fn gate(
         .and_then(|h| h.to_str().ok())
         .map(String::from)
         .or_else(|| req.uri().authority().map(|a| a.to_string()));
-    if !state.access.host_allowed(host.as_deref()) {
+    let probe = matches!(req.path(), "/health/ready" | "/health/live");
+    if !probe && !state.access.host_allowed(host.as_deref()) {
         state.metrics.error("misdirected");
         let shown = host.as_deref().unwrap_or("(none)");
         tracing::info!(host = shown, "request for a host not served");
@@ -59,7 +63,7 @@ pub async fn gate(
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.route("/ws", web::get().to(ws))
         .route("/health", web::get().to(health))
-        .route("/health/ready", web::get().to(health))
+        .route("/health/ready", web::get().to(ready))
         .route("/health/live", web::get().to(live))
         .route("/metrics", web::get().to(metrics))
         .route("/", web::get().to(index))
@@ -71,10 +75,13 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
         .route("/{file:[A-Za-z0-9_.-]+}", web::head().to(static_file));
 }
 
-/// Readiness (`/health/ready`, and `/health`): 200 only while the server takes new work.
-async fn health(state: web::Data<AppState>) -> HttpResponse {
+/// Readiness: 200 only while the server takes new work. The status word and its details.
+fn readiness(state: &AppState) -> (bool, serde_json::Value) {
     if state.draining() {
-        return HttpResponse::ServiceUnavailable().json(json!({"status": "draining", "reason": "the server is shutting down: running replies finish, nothing new starts"}));
+        return (
+            false,
+            json!({"status": "draining", "reason": "the server is shutting down: running replies finish, nothing new starts"}),
+        );
     }
     let status = state
         .status
@@ -82,13 +89,33 @@ async fn health(state: web::Data<AppState>) -> HttpResponse {
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     match status {
-        Status::Ready(r) => HttpResponse::Ok().json(json!({"status": "ready", "model": r.model})),
-        Status::Loading => HttpResponse::ServiceUnavailable()
-            .json(json!({"status": "loading", "reason": "the model is loading"})),
-        Status::Failed(e) => {
-            HttpResponse::ServiceUnavailable().json(json!({"status": "failed", "reason": e}))
-        }
+        Status::Ready(r) => (true, json!({"status": "ready", "model": r.model})),
+        Status::Loading => (
+            false,
+            json!({"status": "loading", "reason": "the model is loading"}),
+        ),
+        Status::Failed(e) => (false, json!({"status": "failed", "reason": e})),
     }
+}
+
+fn readiness_response(ok: bool, body: serde_json::Value) -> HttpResponse {
+    if ok {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::ServiceUnavailable().json(body)
+    }
+}
+
+/// `/health`: readiness with its details (the model, a failure's reason).
+async fn health(state: web::Data<AppState>) -> HttpResponse {
+    let (ok, body) = readiness(&state);
+    readiness_response(ok, body)
+}
+
+/// `/health/ready`, for probes (answered whatever the `Host`): the status word alone.
+async fn ready(state: web::Data<AppState>) -> HttpResponse {
+    let (ok, body) = readiness(&state);
+    readiness_response(ok, json!({"status": body["status"]}))
 }
 
 /// Liveness: the process answers HTTP (loading, draining and a failed engine included: a failed

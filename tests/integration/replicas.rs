@@ -313,3 +313,41 @@ fn a_conversation_restores_on_another_replica_and_only_sealed_replies_pass() {
         assert_eq!(f["type"], "restored", "{f}");
     });
 }
+
+/// The status line's code of one raw HTTP request (`host`: the `Host` header, or none).
+fn raw_status(addr: SocketAddr, path: &str, host: Option<&str>) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let head = match host {
+        Some(h) => format!("GET {path} HTTP/1.1\r\nHost: {h}\r\nConnection: close\r\n\r\n"),
+        None => format!("GET {path} HTTP/1.0\r\n\r\n"),
+    };
+    s.write_all(head.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out.split(' ').nth(1).unwrap_or("0").parse().unwrap_or(0)
+}
+
+/// Health checks name no public host: HAProxy's `httpchk` sends HTTP/1.0 without `Host`, a
+/// kubelet probe sends the pod's address. The probes (`/health/ready`, `/health/live`, which say
+/// only ok / loading / draining) answer them; everything else still needs a served `Host`
+/// (the DNS-rebinding defence).
+#[test]
+fn readiness_and_liveness_answer_health_checks_that_name_no_served_host() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.server.allowed_hosts = vec!["chat.example.com".into()];
+        s.server.allow_anonymous = Some(true);
+    });
+    for host in [None, Some("10.1.2.3:8080"), Some("rebind.attacker.test")] {
+        assert_eq!(raw_status(app.addr, "/health/ready", host), 200, "{host:?}");
+        assert_eq!(raw_status(app.addr, "/health/live", host), 200, "{host:?}");
+        for path in ["/health", "/metrics", "/", "/ws"] {
+            assert_eq!(raw_status(app.addr, path, host), 421, "{path} {host:?}");
+        }
+    }
+    assert_eq!(
+        raw_status(app.addr, "/health", Some("chat.example.com")),
+        200
+    );
+}
