@@ -8,6 +8,10 @@
 //! tokens it carried) and aggregate generated tokens per second, and prints p50/p99.
 //! Without `--url` it starts the server in this process on a free port.
 
+mod cluster;
+
+pub use cluster::{run_cluster, ClusterBenchConfig, ClusterSummary};
+
 use std::time::{Duration, Instant};
 
 use awc::ws;

@@ -107,7 +107,10 @@ struct BenchArgs {
     /// connection and compared with the uninterrupted reply) or `typeahead` (`--users` type a
     /// `--prompt-words` message at `--chars-per-s`, without and then with drafts) or `paced`
     /// (`--users` streaming users beside as many clients consuming `--max-tokens` replies at
-    /// `--acks-per-s` deltas a second, without and then with `--window`).
+    /// `--acks-per-s` deltas a second, without and then with `--window`) or `cluster` (with
+    /// `--url` of a load balancer: `--users` conversations of `--turns` turns, a new connection
+    /// each turn with `?conversation=ID`, resuming or restoring the conversation where it lands;
+    /// the first message has `--prompt-words` words of the user's own; deploy/local-cluster.sh).
     #[arg(long, default_value = "throughput")]
     workload: String,
     /// chat: turns per user.
@@ -148,6 +151,9 @@ struct BenchArgs {
     /// openai with --url: the API key to send (without --url the server started here gets one).
     #[arg(long)]
     api_key: Option<String>,
+    /// cluster: a name for the run in its output line.
+    #[arg(long)]
+    label: Option<String>,
     /// mixed: words in each long prompt (about one token each).
     #[arg(long, default_value_t = 6000)]
     long_words: usize,
@@ -291,10 +297,18 @@ fn bench(
 ) -> anyhow::Result<()> {
     if !matches!(
         a.workload.as_str(),
-        "throughput" | "chat" | "overhead" | "mixed" | "flood" | "resume" | "typeahead" | "paced"
+        "throughput"
+            | "chat"
+            | "overhead"
+            | "mixed"
+            | "flood"
+            | "resume"
+            | "typeahead"
+            | "paced"
+            | "cluster"
     ) {
         anyhow::bail!(
-            "--workload must be `throughput`, `chat`, `overhead`, `mixed`, `flood`, `resume`, `typeahead` or `paced`, not `{}`",
+            "--workload must be `throughput`, `chat`, `overhead`, `mixed`, `flood`, `resume`, `typeahead`, `paced` or `cluster`, not `{}`",
             a.workload
         );
     }
@@ -324,6 +338,9 @@ fn bench(
     }
     if a.workload == "paced" {
         return bench_paced(settings, opts, a);
+    }
+    if a.workload == "cluster" {
+        return bench_cluster(a);
     }
     if a.workload == "resume" {
         settings.server.port = 0;
@@ -632,6 +649,38 @@ fn bench_flood(
 
 /// For each user count: the type-ahead workload without drafts, then with, against the same
 /// server; prints the TTFT ratio and the decode rate ratio.
+fn bench_cluster(a: BenchArgs) -> anyhow::Result<()> {
+    let Some(url) = a.url.clone() else {
+        anyhow::bail!("--workload cluster needs --url: the load balancer in front of the replicas (deploy/local-cluster.sh)");
+    };
+    let widget = match &a.widget {
+        Some(w) => Some((w[0].clone(), w[1].clone())),
+        None => None,
+    };
+    let cfg = llama_relay::bench::ClusterBenchConfig {
+        url,
+        widget,
+        users: a.users.first().copied().unwrap_or(24),
+        turns: a.turns,
+        context_words: a.prompt_words,
+        max_tokens: a.max_tokens,
+        think: std::time::Duration::from_millis(a.think_ms),
+        turn_deadline: std::time::Duration::from_secs(120),
+    };
+    let label = a.label.clone().unwrap_or_else(|| "cluster".into());
+    let s = actix_web::rt::System::new()
+        .block_on(llama_relay::bench::run_cluster(cfg, &label))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if !s.failures.is_empty() {
+        anyhow::bail!(
+            "{} of {} conversations failed",
+            s.failures.len(),
+            s.conversations
+        );
+    }
+    Ok(())
+}
+
 fn bench_typeahead(
     mut settings: Settings,
     opts: llama_relay::engine::EngineOptions,
