@@ -654,14 +654,16 @@ async fn stream_user(
     user: usize,
     max_tokens: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Result<Vec<(Instant, f64)>, String> {
+) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64)>), String> {
     let mut ws = connect(&url).await?;
     let mut gaps = Vec::new();
+    let mut ttfts = Vec::new();
     let mut n = 0;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
         let frame = json!({"type": "chat", "id": format!("s{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
             "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
         n += 1;
+        let sent = Instant::now();
         send_fresh(&mut ws, &frame).await?;
         let mut last: Option<Instant> = None;
         loop {
@@ -669,8 +671,9 @@ async fn stream_user(
             match f["type"].as_str() {
                 Some("delta") => {
                     let now = Instant::now();
-                    if let Some(l) = last {
-                        gaps.push((now, (now - l).as_secs_f64()));
+                    match last {
+                        Some(l) => gaps.push((now, (now - l).as_secs_f64())),
+                        None => ttfts.push((sent, (now - sent).as_secs_f64())),
                     }
                     last = Some(now);
                 }
@@ -680,7 +683,7 @@ async fn stream_user(
             }
         }
     }
-    Ok(gaps)
+    Ok((gaps, ttfts))
 }
 
 /// Sends one long prompt (`max_tokens` 1) and returns (sent, first token) instants.
@@ -751,9 +754,11 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     let before = first_sent - t0;
     actix_web::rt::time::sleep(before).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let mut gaps = Vec::new();
+    let (mut gaps, mut ttfts) = (Vec::new(), Vec::new());
     for s in streams {
-        gaps.extend(s.await.map_err(|e| e.to_string())??);
+        let (g, t) = s.await.map_err(|e| e.to_string())??;
+        gaps.extend(g);
+        ttfts.extend(t);
     }
     // A stream's first request starts with its prefill: skip the first second.
     let warm = t0 + Duration::from_secs(1);
@@ -770,6 +775,21 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     );
     let during = pick(first_sent, last_ttft);
     println!("{} streams | {}", cfg.users, gap_line("during", &during));
+    // A stream's next turn sent while the long prompts prefill waits for its first token: a
+    // stall too, which the gaps inside replies do not show.
+    let mut turns: Vec<f64> = (ttfts.iter())
+        .filter(|(t, _)| *t > first_sent && *t <= last_ttft)
+        .map(|(_, d)| *d)
+        .collect();
+    turns.sort_by(f64::total_cmp);
+    println!(
+        "{} streams | during: new turns' TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} turns)",
+        cfg.users,
+        percentile(&turns, 50.0) * 1e3,
+        percentile(&turns, 99.0) * 1e3,
+        turns.last().copied().unwrap_or(f64::NAN) * 1e3,
+        turns.len()
+    );
     println!(
         "{} streams | {}",
         cfg.users,

@@ -586,6 +586,7 @@ impl Scheduler {
             b.spare = Some(self.cost.predict(&b.shape) * (1.0 + DRAFT_SLACK));
         }
         for priority in [Priority::Interactive, Priority::Batch] {
+            self.admit_short_before_long(priority, &mut b, &mut out);
             self.schedule_running_prefills(&decoding, priority, &mut b, &mut out);
             self.admit(priority, &mut b, &mut out);
         }
@@ -890,37 +891,76 @@ impl Scheduler {
             let Some(i) = self.next_to_admit(priority, &b.hold) else {
                 break;
             };
-            let mut s = self.waiting.remove(i).expect("index from position");
-            if s.blocks.is_empty() {
-                let c = self
-                    .kv
-                    .computed_blocks(&s.tokens, *s.blocks.scope(), s.lease.take());
-                s.blocks = c.blocks;
-                s.computed = c.tokens;
-                if !s.started {
-                    self.prefix.queried += s.tokens.len() as u64;
-                    self.prefix.hits += c.tokens as u64;
-                    s.cached_tokens = c.tokens;
-                }
-            }
-            let n = self.chunk_len(b, &s);
-            if n == 0 {
-                // No room left in this step: it keeps the blocks it found (its lease was handed
-                // over to it) and goes first next step.
-                self.waiting.insert(i, s);
+            if !self.admit_at(i, b, out) {
                 break;
             }
-            if push_chunk(&mut self.kv, &mut s, n, b, out) {
-                s.admitted = self.next_admission;
-                self.next_admission += 1;
-                self.running.push(s);
-            } else {
-                // Give the computed blocks back until there is room.
-                self.kv.free(s.blocks.take());
-                s.computed = 0;
-                self.waiting.insert(i, s);
-                break;
+        }
+    }
+
+    /// A chat turn is not kept waiting behind someone's long prompt: while a running request of
+    /// `priority` has more than a step's token budget of prompt left to prefill, the next
+    /// request to admit goes into the step before that prefill's chunk if its whole prompt fits
+    /// the budget (it is then not cut to the time target, `chunk_len`); the long prefill takes
+    /// what the step has left. One such request a step, so a stream of short prompts slows the
+    /// long one by at most a step's budget a step. (vLLM's `long_prefill_token_threshold` lets
+    /// shorter prompts jump ahead of longer ones the same way.)
+    fn admit_short_before_long(
+        &mut self,
+        priority: Priority,
+        b: &mut StepBudget,
+        out: &mut Scheduled,
+    ) {
+        let budget = self.cfg.step_tokens;
+        let long_running = self.running.iter().any(|r| {
+            r.priority == priority && !r.paused && !r.prefill_only && r.pending() > budget
+        });
+        if !long_running || b.tokens == 0 || b.full || self.running.len() >= self.cfg.max_running {
+            return;
+        }
+        let Some(i) = self.next_to_admit(priority, &b.hold) else {
+            return;
+        };
+        let s = &self.waiting[i];
+        if s.started || s.prefill_only || s.tokens.len() > budget.min(b.tokens) {
+            return;
+        }
+        self.admit_at(i, b, out);
+    }
+
+    /// Admits waiting request `i` with its first chunk; false (it stays queued, first in line)
+    /// if the step has no room for it.
+    fn admit_at(&mut self, i: usize, b: &mut StepBudget, out: &mut Scheduled) -> bool {
+        let mut s = self.waiting.remove(i).expect("index from position");
+        if s.blocks.is_empty() {
+            let c = self
+                .kv
+                .computed_blocks(&s.tokens, *s.blocks.scope(), s.lease.take());
+            s.blocks = c.blocks;
+            s.computed = c.tokens;
+            if !s.started {
+                self.prefix.queried += s.tokens.len() as u64;
+                self.prefix.hits += c.tokens as u64;
+                s.cached_tokens = c.tokens;
             }
+        }
+        let n = self.chunk_len(b, &s);
+        if n == 0 {
+            // No room left in this step: it keeps the blocks it found (its lease was handed
+            // over to it) and goes first next step.
+            self.waiting.insert(i, s);
+            return false;
+        }
+        if push_chunk(&mut self.kv, &mut s, n, b, out) {
+            s.admitted = self.next_admission;
+            self.next_admission += 1;
+            self.running.push(s);
+            true
+        } else {
+            // Give the computed blocks back until there is room.
+            self.kv.free(s.blocks.take());
+            s.computed = 0;
+            self.waiting.insert(i, s);
+            false
         }
     }
 }
@@ -1702,6 +1742,53 @@ mod tests {
         assert!(chunks.windows(2).all(|w| w[1] <= w[0]), "{chunks:?}");
         assert!(chunks[0] > 3 * chunks[chunks.len() - 2], "{chunks:?}");
         assert_eq!(s.itl_misses(), 0);
+    }
+
+    #[test]
+    fn a_chat_turn_goes_ahead_of_a_long_prompt_still_prefilling() {
+        // No time target: the long prompt takes whole token budgets; a short prompt arriving
+        // while it prefills goes into the next step first, whole, and the long one takes the
+        // rest of the budget, in order.
+        let mut s = sched(4096, 4, 64);
+        s.add(id(1), vec![1; 1000], 1001, scope(0)).unwrap();
+        assert_eq!(entries(&step(&mut s)), [(1, false)]);
+        s.add(id(2), vec![2; 20], 40, scope(1)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(entries(&out), [(2, true), (1, false)]);
+        let lens: Vec<usize> = out.batch.seqs.iter().map(|q| q.tokens.len()).collect();
+        assert_eq!(lens, [20, 44]);
+        // It decodes from then on beside the long prefill; a prompt longer than a step's budget
+        // waits its turn behind the running one, as before.
+        s.add(id(3), vec![3; 100], 101, scope(2)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(entries(&out), [(2, true), (1, false)]);
+        assert_eq!(out.batch.num_tokens(), 64);
+        // With no long prompt running, arrival order holds.
+        let mut s = sched(4096, 4, 64);
+        s.add(id(1), vec![1; 60], 61, scope(0)).unwrap();
+        s.add(id(2), vec![2; 20], 40, scope(1)).unwrap();
+        assert_eq!(entries(&step(&mut s)), [(1, true), (2, false)]);
+    }
+
+    #[test]
+    fn beside_decodes_a_chat_turn_goes_whole_ahead_of_a_long_prefill_cut_to_the_target() {
+        let mut s = timed(4096, 512, 50, 8);
+        s.add(id(1), vec![1; 8], 4000, scope(0)).unwrap();
+        step(&mut s); // request 1 decodes every step from here
+        s.add(id(2), vec![2; 3000], 3001, scope(1)).unwrap();
+        step(&mut s);
+        s.add(id(3), vec![3; 200], 201, scope(2)).unwrap();
+        let out = step(&mut s);
+        assert_eq!(out.entries[0].id, id(1), "the decode first");
+        assert_eq!(
+            out.entries[1],
+            Entry {
+                id: id(3),
+                sample: true
+            }
+        );
+        assert_eq!(out.batch.seqs[1].tokens.len(), 200, "the turn goes whole");
+        assert_eq!(started(&out), [(3, 0)]);
     }
 
     #[test]
