@@ -47,7 +47,7 @@ enum Command {
     /// Serve the chat page and the WebSocket API (the default).
     Serve,
     /// Load generator: concurrent chat users over the WebSocket protocol (or OpenAI's API).
-    Bench(BenchArgs),
+    Bench(Box<BenchArgs>),
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
     /// Long abuse run against a loopback server (scripts/soak.sh starts one and runs this).
@@ -231,7 +231,7 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
-        Some(Command::Bench(a)) => bench(settings, opts, a),
+        Some(Command::Bench(a)) => bench(settings, opts, *a),
         Some(Command::Soak(a)) => soak(a),
     }
 }
@@ -653,10 +653,7 @@ fn bench_cluster(a: BenchArgs) -> anyhow::Result<()> {
     let Some(url) = a.url.clone() else {
         anyhow::bail!("--workload cluster needs --url: the load balancer in front of the replicas (deploy/local-cluster.sh)");
     };
-    let widget = match &a.widget {
-        Some(w) => Some((w[0].clone(), w[1].clone())),
-        None => None,
-    };
+    let widget = a.widget.as_ref().map(|w| (w[0].clone(), w[1].clone()));
     let cfg = llama_relay::bench::ClusterBenchConfig {
         url,
         widget,
