@@ -11,6 +11,7 @@ pub mod outbox;
 pub mod parked;
 pub mod prompt;
 pub mod rate;
+pub mod realtime;
 pub mod reply;
 pub mod routes;
 pub mod seal;

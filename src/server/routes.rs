@@ -243,16 +243,31 @@ fn peer_ip(req: &HttpRequest) -> std::net::IpAddr {
 /// widget (`?widget=ID` from one of its origins), or an anonymous client where the server allows
 /// them (a browser only from the server's own origin).
 pub(super) fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
+    let auth = match req.headers().get("authorization") {
+        Some(a) => Some(
+            a.to_str()
+                .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?
+                .to_string(),
+        ),
+        None => None,
+    };
+    identify_with(req, state, auth.as_deref())
+}
+
+/// `identify`, with `auth` as the `Authorization` value (the Realtime API's browser form carries
+/// the key in a WebSocket subprotocol instead).
+pub(super) fn identify_with(
+    req: &HttpRequest,
+    state: &AppState,
+    auth: Option<&str>,
+) -> Result<Identity, Refusal> {
     let query =
         web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
             .map_err(|e| Refusal::BadRequest(format!("malformed query: {e}")))?;
     let headers = req.headers();
     let origin = headers.get("origin").and_then(|o| o.to_str().ok());
     let prefix = query.get("prefix").map(String::as_str);
-    if let Some(auth) = headers.get("authorization") {
-        let auth = auth
-            .to_str()
-            .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?;
+    if let Some(auth) = auth {
         return state.tenants.api_key(auth, prefix);
     }
     if prefix.is_some() {

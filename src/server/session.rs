@@ -173,12 +173,24 @@ pub struct Session {
     /// The client's conversation id (`?conversation=`, the load balancer's routing key), for
     /// the logs.
     conversation_id: Option<String>,
+    /// A `/v1/realtime` connection: the Realtime API's events instead of this protocol's frames
+    /// (`realtime`). A cell because frames are sent through `&self`.
+    realtime: Option<std::cell::RefCell<super::realtime::Realtime>>,
 }
 
 impl Session {
     /// The client's conversation id (`?conversation=`), for the logs.
     pub fn with_conversation_id(mut self, id: Option<String>) -> Self {
         self.conversation_id = id;
+        self
+    }
+
+    /// Speaks OpenAI's Realtime API (`/v1/realtime`) instead of this server's protocol.
+    pub fn speaking_realtime(mut self) -> Self {
+        let model = self.ready.model.clone();
+        self.realtime = Some(std::cell::RefCell::new(super::realtime::Realtime::new(
+            model,
+        )));
         self
     }
 
@@ -214,6 +226,7 @@ impl Session {
             preparing: None,
             pending_draft: None,
             conversation_id: None,
+            realtime: None,
         };
         match place {
             Place::Permit(p) => session.permit = Some(p),
@@ -230,11 +243,22 @@ impl Session {
         req: &actix_web::HttpRequest,
         stream: actix_web::web::Payload,
     ) -> actix_web::Result<actix_web::HttpResponse> {
+        self.start_with_protocols(req, stream, &[])
+    }
+
+    /// `start`, choosing the first of `protocols` the client offers as the WebSocket
+    /// subprotocol.
+    pub fn start_with_protocols(
+        self,
+        req: &actix_web::HttpRequest,
+        stream: actix_web::web::Payload,
+        protocols: &[&str],
+    ) -> actix_web::Result<actix_web::HttpResponse> {
         let l = &self.state.session;
         let codec = actix_http::ws::Codec::new().max_size(l.limits.max_frame_bytes);
         let (timeout, metrics) = (l.write_timeout, self.state.metrics.clone());
         let reset = self.reset_for_not_reading.clone();
-        let mut resp = ws::handshake(req)?;
+        let mut resp = ws::handshake_with_protocols(req, protocols)?;
         let body = Box::pin(ws::WebsocketContext::with_codec(self, stream, codec));
         let peer = req.conn_data::<super::Peer>().copied();
         Ok(resp.streaming(watched(body, peer, timeout, metrics, Some(reset))))
@@ -248,6 +272,12 @@ impl Session {
     fn send(&self, ctx: &mut ws::WebsocketContext<Self>, frame: &ServerFrame) {
         if let ServerFrame::Error { error_type, .. } = frame {
             self.state.metrics.error(error_type);
+        }
+        if let Some(rt) = &self.realtime {
+            for event in rt.borrow_mut().on_frame(frame) {
+                ctx.text(event.to_string());
+            }
+            return;
         }
         match serde_json::to_string(frame) {
             Ok(s) => ctx.text(s),
@@ -267,7 +297,19 @@ impl Session {
                 | RequestError::Busy(_)
                 | RequestError::RateLimited(_)
         );
-        if clients_fault && !self.rejected.take(Instant::now()) {
+        if clients_fault && !self.take_refusal(ctx) {
+            return;
+        }
+        // (A chat refused because the server drains.)
+        if self.current.is_none() {
+            self.close_if_draining(ctx);
+        }
+    }
+
+    /// Counts a refused frame against the client's budget: false (and the connection closes
+    /// with 1008) when it is spent.
+    fn take_refusal(&mut self, ctx: &mut ws::WebsocketContext<Self>) -> bool {
+        if !self.rejected.take(Instant::now()) {
             self.closed_for_policy = true;
             self.state.metrics.error("too_many_rejected");
             tracing::info!(session = %self.id, "too many refused frames; closing");
@@ -279,15 +321,15 @@ impl Session {
                 )),
             }));
             ctx.stop();
-            return;
+            return false;
         }
-        // (A chat refused because the server drains.)
-        if self.current.is_none() {
-            self.close_if_draining(ctx);
-        }
+        true
     }
 
     fn on_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
+        if self.realtime.is_some() {
+            return self.on_realtime(text, ctx);
+        }
         let frame: ClientFrame = match serde_json::from_str(text) {
             Ok(f) => f,
             Err(e) => {
@@ -1061,7 +1103,9 @@ impl Session {
     /// new connection with its token, its reply going on meanwhile. True if parked.
     fn park(&mut self) -> bool {
         let grace = self.state.session.resume_grace;
+        // The Realtime API has no resume: its sessions end with their connection.
         if grace.is_zero()
+            || self.realtime.is_some()
             || self.permit.is_none()
             || self.closed_for_policy
             || self.reset_for_not_reading.load(Ordering::SeqCst)
@@ -1366,5 +1410,193 @@ impl Session {
         }
         self.send(ctx, &last.end);
         true
+    }
+}
+
+/// The Realtime API dialect (`/v1/realtime`, `super::realtime`): its client events become what
+/// the session does for `/ws` frames, under the same rules and limits.
+impl Session {
+    fn on_realtime(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
+        use super::realtime::{chat_params, parse, ClientEvent, EventError};
+        self.used = true;
+        if self.ticket.is_some() {
+            return self.refuse_ticket(ctx);
+        }
+        let Some(rt) = &self.realtime else { return };
+        let (event_id, parsed) = parse(text);
+        rt.borrow_mut().client_event = event_id;
+        let refused = |param: &str, message: String| EventError {
+            code: "invalid_value",
+            message,
+            param: Some(param.into()),
+        };
+        let limits = &self.state.session.limits;
+        let result: Result<Vec<serde_json::Value>, EventError> = match parsed {
+            Err(e) => Err(e),
+            Ok(ClientEvent::SessionUpdate(s)) => {
+                let checked = self.check_realtime_settings(&s, "session");
+                checked.map(|()| vec![rt.borrow_mut().update(s)])
+            }
+            Ok(ClientEvent::ItemCreate {
+                previous_item_id,
+                item,
+            }) => {
+                let chars = item.text.chars().count();
+                let total = rt.borrow().total_chars() + chars;
+                let cap = limits.max_message_chars * limits.max_messages;
+                if !self.identity.roles.allows(&item.role) {
+                    Err(refused(
+                        "item.role",
+                        format!(
+                            "{:?} is not allowed for this client (allowed: {})",
+                            item.role,
+                            self.identity.roles.names()
+                        ),
+                    ))
+                } else if chars > limits.max_message_chars {
+                    Err(refused(
+                        "item.content",
+                        format!(
+                            "must be at most {} characters (limits.max_message_chars). Given: {chars}",
+                            limits.max_message_chars
+                        ),
+                    ))
+                } else if total > cap {
+                    Err(refused(
+                        "item.content",
+                        format!("the conversation's items would hold {total} characters; at most {cap} (limits.max_message_chars x limits.max_messages): delete older items"),
+                    ))
+                } else {
+                    rt.borrow_mut().create_item(previous_item_id, item)
+                }
+            }
+            Ok(ClientEvent::ItemDelete { item_id }) => {
+                rt.borrow_mut().delete_item(&item_id).map(|e| vec![e])
+            }
+            Ok(ClientEvent::ItemRetrieve { item_id }) => {
+                rt.borrow_mut().retrieve_item(&item_id).map(|e| vec![e])
+            }
+            Ok(ClientEvent::ItemTruncate { item_id, text_end }) => rt
+                .borrow_mut()
+                .truncate_item(&item_id, text_end)
+                .map(|e| vec![e]),
+            Ok(ClientEvent::ResponseCreate(r)) => {
+                if let Err(e) = self.check_realtime_settings(&r, "response") {
+                    return self.realtime_refused(ctx, e);
+                }
+                let settings = rt.borrow().for_response(&r);
+                if self.current.is_some() || self.preparing.is_some() {
+                    let id = self.current.as_ref().map(|c| c.client_id.clone());
+                    return self.realtime_refused(
+                        ctx,
+                        EventError {
+                            code: "conversation_already_has_active_response",
+                            message: format!(
+                                "response {} is still in progress",
+                                id.unwrap_or_default()
+                            ),
+                            param: None,
+                        },
+                    );
+                }
+                let begun = chat_params(&settings).and_then(|params| {
+                    let (id, from, new, created) = rt
+                        .borrow_mut()
+                        .begin_response(&settings, &self.conversation)?;
+                    Ok((id, from, new, created, params))
+                });
+                match begun {
+                    Ok((id, from, new, created, params)) => {
+                        ctx.text(created.to_string());
+                        // Its refusals and its reply come back as frames (`on_frame`).
+                        return self.validated_turn(id, new, params, from, ctx);
+                    }
+                    Err(e) => Err(e),
+                }
+            }
+            Ok(ClientEvent::ResponseCancel { response_id }) => {
+                let active = rt.borrow().active().map(str::to_string);
+                match (active, response_id) {
+                    (None, _) => Err(EventError {
+                        code: "response_cancel_not_active",
+                        message: "no response is in progress".into(),
+                        param: None,
+                    }),
+                    (Some(a), Some(r)) if a != r => Err(refused(
+                        "response_id",
+                        format!("response {r:?} is not in progress ({a} is)"),
+                    )),
+                    (Some(a), _) => {
+                        if let Some(c) = self.current.as_mut().filter(|c| c.client_id == a) {
+                            if !c.ending {
+                                c.ending = true;
+                                c.cancelled_at = Some(c.text.tokens());
+                                self.ready.batcher.do_send(Cancel {
+                                    request: c.request,
+                                    reason: CancelReason::Client { keep: None },
+                                });
+                            }
+                        }
+                        // `response.done` (cancelled) follows when the reply ends.
+                        Ok(Vec::new())
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(events) => {
+                for e in events {
+                    ctx.text(e.to_string());
+                }
+            }
+            Err(e) => self.realtime_refused(ctx, e),
+        }
+    }
+
+    /// Instructions are a system message: the client must be allowed to send one, within the
+    /// message limit.
+    fn check_realtime_settings(
+        &self,
+        s: &super::realtime::Settings,
+        what: &str,
+    ) -> Result<(), super::realtime::EventError> {
+        let Some(i) = &s.instructions else {
+            return Ok(());
+        };
+        let param = Some(format!("{what}.instructions"));
+        if !self.identity.roles.allows("system") {
+            return Err(super::realtime::EventError {
+                code: "invalid_value",
+                message: format!(
+                    "instructions are a system message, which this client may not send (allowed: {})",
+                    self.identity.roles.names()
+                ),
+                param,
+            });
+        }
+        let max = self.state.session.limits.max_message_chars;
+        let n = i.chars().count();
+        if n > max {
+            return Err(super::realtime::EventError {
+                code: "invalid_value",
+                message: format!(
+                    "must be at most {max} characters (limits.max_message_chars). Given: {n}"
+                ),
+                param,
+            });
+        }
+        Ok(())
+    }
+
+    /// An `error` event for the client event being handled; it counts as a refused frame.
+    fn realtime_refused(
+        &mut self,
+        ctx: &mut ws::WebsocketContext<Self>,
+        e: super::realtime::EventError,
+    ) {
+        let Some(rt) = &self.realtime else { return };
+        self.state.metrics.error("invalid_request");
+        ctx.text(rt.borrow_mut().error(&e).to_string());
+        self.take_refusal(ctx);
     }
 }

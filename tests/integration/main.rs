@@ -13,6 +13,7 @@ mod layers;
 mod loading;
 mod openai;
 mod prefix_cache;
+mod realtime;
 mod replicas;
 mod security;
 mod smollm2;

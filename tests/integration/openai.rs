@@ -16,19 +16,19 @@ use crate::common::*;
 use crate::gateway::{spawn_app, App};
 use crate::tiny_llama3::run_batched;
 
-const QUESTION: &str = "Tell me about llamas.";
-const KEY: &str = "api-key-0123456789abcdef";
+pub(crate) const QUESTION: &str = "Tell me about llamas.";
+pub(crate) const KEY: &str = "api-key-0123456789abcdef";
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
 }
 
-fn model_id(app: &App) -> String {
+pub(crate) fn model_id(app: &App) -> String {
     app.state.ready().unwrap().model
 }
 
 /// The WebSocket reply to `QUESTION`, greedy: (text, prompt tokens).
-async fn ws_reply(app: &App, max_tokens: usize) -> (String, u64) {
+pub(crate) async fn ws_reply(app: &App, max_tokens: usize) -> (String, u64) {
     let mut c = app.connect().await;
     c.chat(
         "w",
@@ -85,7 +85,7 @@ fn post(app: &App, path: &str, body: Value, headers: &[(&str, &str)]) -> (u16, S
 }
 
 /// A metric's value from `/metrics`.
-fn metric(app: &App, name: &str) -> f64 {
+pub(crate) fn metric(app: &App, name: &str) -> f64 {
     let (_, _, body) = http(app, "GET", "/metrics", &[], "");
     body.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
@@ -97,7 +97,7 @@ fn metric(app: &App, name: &str) -> f64 {
 
 /// The Python interpreter of a virtual environment with `tests/openai/requirements.txt`
 /// installed (made on first use; `.ci/run` makes it up front).
-fn sdk_python() -> PathBuf {
+pub(crate) fn sdk_python() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let venv = root.join("target/tmp/openai-venv");
     let python = venv.join("bin/python");

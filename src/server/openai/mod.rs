@@ -55,6 +55,7 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
             .route("/completions", web::post().to(completions))
             .route("/models", web::get().to(models))
             .route("/models/{id}", web::get().to(model))
+            .route("/realtime", web::get().to(realtime))
             .default_service(web::to(not_found)),
     );
 }
@@ -239,6 +240,59 @@ async fn cors(
     Ok(res)
 }
 
+/// The browser form of the Realtime API's key: a WebSocket subprotocol
+/// `openai-insecure-api-key.KEY` beside `realtime` (browsers cannot set `Authorization`).
+const KEY_PROTOCOL: &str = "openai-insecure-api-key.";
+
+/// `GET /v1/realtime?model=ID`: a WebSocket session speaking OpenAI's Realtime API, text only
+/// (`super::realtime`, docs/realtime.md). The key comes as the SDKs send it (`Authorization:
+/// Bearer`) or in the browser form (a subprotocol), checked like every API request.
+async fn realtime(
+    req: HttpRequest,
+    stream: web::Payload,
+    state: web::Data<AppState>,
+) -> actix_web::Result<HttpResponse> {
+    if state.draining() {
+        let e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable",
+            Some("draining"),
+            "this server is shutting down; connect again".into(),
+        );
+        let mut r = e.response(&state);
+        r.headers_mut().insert(
+            actix_web::http::header::RETRY_AFTER,
+            actix_web::http::header::HeaderValue::from_static("1"),
+        );
+        return Ok(r);
+    }
+    let from_protocol = (req.headers().get_all("sec-websocket-protocol"))
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL))
+        .map(|k| format!("Bearer {k}"));
+    let caller = (|| {
+        let (identity, ready) = match (&from_protocol, req.headers().get("authorization")) {
+            (Some(auth), None) => caller_as(&req, &state, Some(auth.as_str()))?,
+            _ => caller(&req, &state)?,
+        };
+        let query =
+            web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
+                .map_err(|e| ApiError::invalid("model", format!("malformed query: {e}")))?;
+        check_model(query.get("model").map(String::as_str), &ready)?;
+        admitted(&req, &state, identity, ready)
+    })();
+    match caller {
+        Ok((identity, ready, permit)) => {
+            let place = super::admission::Place::Permit(permit);
+            super::session::Session::new(state.into_inner(), ready, identity, place)
+                .speaking_realtime()
+                .start_with_protocols(&req, stream, &["realtime"])
+        }
+        Err(e) => Ok(e.response(&state)),
+    }
+}
+
 async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -252,6 +306,23 @@ async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse
 /// Who is calling (an API key, or an anonymous client where the server serves them), and the
 /// loaded model.
 fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiError> {
+    let auth = match req.headers().get("authorization") {
+        Some(a) => Some(
+            a.to_str()
+                .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?
+                .to_string(),
+        ),
+        None => None,
+    };
+    caller_as(req, state, auth.as_deref())
+}
+
+/// `caller`, with `auth` as the `Authorization` value.
+fn caller_as(
+    req: &HttpRequest,
+    state: &AppState,
+    auth: Option<&str>,
+) -> Result<(Identity, Ready), ApiError> {
     if req
         .query_string()
         .split('&')
@@ -269,7 +340,7 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
         state.access.keyless(origin)?;
         state.tenants.anonymous()
     } else {
-        super::routes::identify(req, state)?
+        super::routes::identify_with(req, state, auth)?
     };
     let ready = state.ready().ok_or_else(|| {
         let loading = matches!(
@@ -293,6 +364,15 @@ fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiE
 /// `caller`, with a place under the connection caps for a request that generates.
 fn caller_with(req: &HttpRequest, state: &AppState) -> Result<Caller, ApiError> {
     let (identity, ready) = caller(req, state)?;
+    admitted(req, state, identity, ready)
+}
+
+fn admitted(
+    req: &HttpRequest,
+    state: &AppState,
+    identity: Identity,
+    ready: Ready,
+) -> Result<Caller, ApiError> {
     let permit = super::routes::admit(req, state, &identity).map_err(|full| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

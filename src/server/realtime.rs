@@ -1,0 +1,1330 @@
+//! OpenAI's Realtime API (text) on a WebSocket session: `/v1/realtime` (docs/realtime.md).
+//!
+//! A Realtime connection is a session like `/ws`'s (the same actor, principal and tenant rules,
+//! KV lease, limits, rate limits and metrics); this module is the dialect at its edge. It parses
+//! the client events the official SDKs send (`session.update`, `conversation.item.*`,
+//! `response.create`, `response.cancel`) into what the session does, keeps the conversation as
+//! the client sees it (items with ids), and turns the session's replies (`started`, `delta`,
+//! `done`, `error`) into the Realtime server events (`response.created`, the output item and
+//! content part events, `response.output_text.delta`, `response.done` with usage). Audio is not
+//! served: its events and modalities get an `error` that says so.
+//!
+//! The items are the conversation; the session's conversation (what its KV holds) follows them.
+//! At `response.create` the messages the items make (the instructions as a system message first)
+//! are compared with the session's: the reply replaces the session's conversation from the first
+//! message that differs, so deleting or truncating an item costs a prefill from there, and
+//! everything before it stays cached. Written by hand: no Rust crate serves this protocol.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Map, Value};
+
+use crate::protocol::{ChatParams, FinishReason, ServerFrame, Usage};
+use crate::tokenizer::Message;
+
+/// Event types of the audio half of the API, answered with an `error` naming this server's
+/// modality.
+const AUDIO_EVENTS: &[&str] = &[
+    "input_audio_buffer.append",
+    "input_audio_buffer.commit",
+    "input_audio_buffer.clear",
+    "output_audio_buffer.clear",
+];
+
+/// A client event's refusal: the Realtime `error` event's fields.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventError {
+    pub code: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+fn refuse(code: &'static str, param: Option<&str>, message: impl Into<String>) -> EventError {
+    EventError {
+        code,
+        message: message.into(),
+        param: param.map(str::to_string),
+    }
+}
+
+fn audio_not_served(param: Option<&str>) -> EventError {
+    refuse(
+        "audio_not_supported",
+        param,
+        "this server serves text only: audio input and output are not served",
+    )
+}
+
+/// `max_output_tokens`: a number or "inf" (the server's default and limit).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum MaxTokens {
+    Count(usize),
+    Word(String),
+}
+
+impl MaxTokens {
+    fn limit(&self, param: &str) -> Result<Option<usize>, EventError> {
+        match self {
+            MaxTokens::Count(n) => Ok(Some(*n)),
+            MaxTokens::Word(w) if w == "inf" => Ok(None),
+            MaxTokens::Word(w) => Err(refuse(
+                "invalid_value",
+                Some(param),
+                format!("must be a number of tokens or \"inf\", not {w:?}"),
+            )),
+        }
+    }
+}
+
+/// The sampling parameters this server takes beyond the Realtime API's (an extension: in
+/// `session` and in `response`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+impl Sampling {
+    /// `other`'s values where it has them, else these.
+    fn or(&self, other: &Sampling) -> Sampling {
+        Sampling {
+            temperature: other.temperature.or(self.temperature),
+            top_p: other.top_p.or(self.top_p),
+            top_k: other.top_k.or(self.top_k),
+            min_p: other.min_p.or(self.min_p),
+            repetition_penalty: other.repetition_penalty.or(self.repetition_penalty),
+            presence_penalty: other.presence_penalty.or(self.presence_penalty),
+            frequency_penalty: other.frequency_penalty.or(self.frequency_penalty),
+            seed: other.seed.or(self.seed),
+        }
+    }
+}
+
+/// Splits an object's fields into the ones `known` names (kept) and this server's sampling
+/// extension; fields the API has that this server ignores are dropped, others refused.
+fn split_fields(
+    mut obj: Map<String, Value>,
+    what: &str,
+    known: &[&str],
+    ignored: &[&str],
+) -> Result<(Map<String, Value>, Sampling), EventError> {
+    const SAMPLING: &[&str] = &[
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ];
+    let mut sampling = Map::new();
+    let mut kept = Map::new();
+    for (k, v) in std::mem::take(&mut obj) {
+        if SAMPLING.contains(&k.as_str()) {
+            sampling.insert(k, v);
+        } else if known.contains(&k.as_str()) {
+            kept.insert(k, v);
+        } else if !ignored.contains(&k.as_str()) {
+            return Err(refuse(
+                "unknown_parameter",
+                Some(&format!("{what}.{k}")),
+                format!("`{what}.{k}` is not served by this server (docs/realtime.md)"),
+            ));
+        }
+    }
+    let sampling = serde_json::from_value(Value::Object(sampling))
+        .map_err(|e| refuse("invalid_value", Some(what), format!("{what}: {e}")))?;
+    Ok((kept, sampling))
+}
+
+/// A message item as a client sends it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewItem {
+    pub id: Option<String>,
+    pub role: String,
+    pub text: String,
+}
+
+/// Reads `item` (`conversation.item.create`): a message whose parts are all text.
+fn parse_item(item: &Value) -> Result<NewItem, EventError> {
+    let Some(obj) = item.as_object() else {
+        return Err(refuse("invalid_value", Some("item"), "must be an object"));
+    };
+    let kind = obj.get("type").and_then(Value::as_str).unwrap_or("message");
+    if kind != "message" {
+        return Err(refuse(
+            "invalid_value",
+            Some("item.type"),
+            format!("only `message` items are served, not {kind:?} (no tools)"),
+        ));
+    }
+    let role = match obj.get("role").and_then(Value::as_str) {
+        Some(r @ ("user" | "assistant" | "system")) => r.to_string(),
+        other => {
+            return Err(refuse(
+                "invalid_value",
+                Some("item.role"),
+                format!("must be user, assistant or system, not {other:?}"),
+            ))
+        }
+    };
+    let id = match obj.get("id") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if super::tenants::valid_id(s) => Some(s.clone()),
+        Some(_) => {
+            return Err(refuse(
+                "invalid_value",
+                Some("item.id"),
+                "must be 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`",
+            ))
+        }
+    };
+    let mut text = String::new();
+    let parts = obj.get("content").and_then(Value::as_array);
+    for (i, part) in parts.into_iter().flatten().enumerate() {
+        let param = format!("item.content[{i}]");
+        match part.get("type").and_then(Value::as_str) {
+            Some("input_text" | "text" | "output_text") => {
+                text.push_str(part.get("text").and_then(Value::as_str).unwrap_or_default())
+            }
+            Some("input_audio" | "audio" | "output_audio") => {
+                return Err(audio_not_served(Some(&param)))
+            }
+            other => {
+                return Err(refuse(
+                    "invalid_value",
+                    Some(&param),
+                    format!(
+                        "content parts must be text (input_text, text, output_text), not {other:?}"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(NewItem { id, role, text })
+}
+
+/// The text-only output modality check (`output_modalities`, or the older `modalities`).
+fn check_modalities(v: &Value, param: &str) -> Result<(), EventError> {
+    let ok = v
+        .as_array()
+        .is_some_and(|m| m.iter().all(|x| x == "text") && !m.is_empty());
+    if ok {
+        Ok(())
+    } else {
+        Err(audio_not_served(Some(param)))
+    }
+}
+
+/// What a `session.update` or a `response.create` asks for.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Settings {
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<MaxTokens>,
+    pub sampling: Sampling,
+}
+
+fn parse_settings(
+    obj: Map<String, Value>,
+    what: &str,
+    extra_known: &[&str],
+    ignored: &[&str],
+) -> Result<(Settings, Map<String, Value>), EventError> {
+    let mut known = vec![
+        "instructions",
+        "max_output_tokens",
+        "output_modalities",
+        "modalities",
+    ];
+    known.extend_from_slice(extra_known);
+    let (mut kept, sampling) = split_fields(obj, what, &known, ignored)?;
+    for m in ["output_modalities", "modalities"] {
+        if let Some(v) = kept.remove(m) {
+            check_modalities(&v, &format!("{what}.{m}"))?;
+        }
+    }
+    let instructions = match kept.remove("instructions") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => {
+            return Err(refuse(
+                "invalid_value",
+                Some(&format!("{what}.instructions")),
+                "must be a string",
+            ))
+        }
+    };
+    let max_output_tokens = match kept.remove("max_output_tokens") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(serde_json::from_value(v).map_err(|_| {
+            refuse(
+                "invalid_value",
+                Some(&format!("{what}.max_output_tokens")),
+                "must be a number of tokens or \"inf\"",
+            )
+        })?),
+    };
+    Ok((
+        Settings {
+            instructions,
+            max_output_tokens,
+            sampling,
+        },
+        kept,
+    ))
+}
+
+/// A client event, parsed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClientEvent {
+    SessionUpdate(Settings),
+    ItemCreate {
+        previous_item_id: Option<String>,
+        item: NewItem,
+    },
+    ItemDelete {
+        item_id: String,
+    },
+    ItemRetrieve {
+        item_id: String,
+    },
+    /// Keep the first `text_end` characters of an assistant item (an extension; the API's
+    /// `audio_end_ms` is for audio).
+    ItemTruncate {
+        item_id: String,
+        text_end: usize,
+    },
+    ResponseCreate(Settings),
+    ResponseCancel {
+        response_id: Option<String>,
+    },
+}
+
+fn string_field(obj: &Map<String, Value>, k: &str) -> Result<String, EventError> {
+    obj.get(k)
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            refuse(
+                "missing_required_parameter",
+                Some(k),
+                format!("`{k}` is required"),
+            )
+        })
+}
+
+/// Parses one text frame: the event and its `event_id` (for errors), or the refusal.
+pub fn parse(text: &str) -> (Option<String>, Result<ClientEvent, EventError>) {
+    let v: Value = match serde_json::from_str(text) {
+        Ok(v) => v,
+        Err(e) => {
+            return (
+                None,
+                Err(refuse(
+                    "invalid_json",
+                    None,
+                    format!("malformed event: {e}"),
+                )),
+            )
+        }
+    };
+    let Value::Object(mut obj) = v else {
+        return (
+            None,
+            Err(refuse("invalid_json", None, "an event is a JSON object")),
+        );
+    };
+    let event_id = obj
+        .get("event_id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    obj.remove("event_id");
+    let kind = obj
+        .remove("type")
+        .and_then(|t| t.as_str().map(str::to_string))
+        .unwrap_or_default();
+    (event_id, parse_event(&kind, obj))
+}
+
+fn parse_event(kind: &str, mut obj: Map<String, Value>) -> Result<ClientEvent, EventError> {
+    if AUDIO_EVENTS.contains(&kind) {
+        return Err(audio_not_served(Some("type")));
+    }
+    match kind {
+        "session.update" => {
+            let session = match obj.remove("session") {
+                Some(Value::Object(s)) => s,
+                _ => {
+                    return Err(refuse(
+                        "missing_required_parameter",
+                        Some("session"),
+                        "`session` is required",
+                    ))
+                }
+            };
+            if session.get("audio").is_some_and(|a| !a.is_null()) {
+                return Err(audio_not_served(Some("session.audio")));
+            }
+            if session
+                .get("tools")
+                .is_some_and(|t| t.as_array().is_none_or(|t| !t.is_empty()))
+            {
+                return Err(refuse(
+                    "unknown_parameter",
+                    Some("session.tools"),
+                    "tools are not served by this server",
+                ));
+            }
+            let (settings, _) = parse_settings(
+                session,
+                "session",
+                &[],
+                &[
+                    "type",
+                    "model",
+                    "audio",
+                    "tools",
+                    "tool_choice",
+                    "tracing",
+                    "truncation",
+                    "include",
+                ],
+            )?;
+            Ok(ClientEvent::SessionUpdate(settings))
+        }
+        "conversation.item.create" => {
+            let item = obj.remove("item").unwrap_or(Value::Null);
+            let previous_item_id = obj
+                .get("previous_item_id")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            Ok(ClientEvent::ItemCreate {
+                previous_item_id,
+                item: parse_item(&item)?,
+            })
+        }
+        "conversation.item.delete" => Ok(ClientEvent::ItemDelete {
+            item_id: string_field(&obj, "item_id")?,
+        }),
+        "conversation.item.retrieve" => Ok(ClientEvent::ItemRetrieve {
+            item_id: string_field(&obj, "item_id")?,
+        }),
+        "conversation.item.truncate" => {
+            let item_id = string_field(&obj, "item_id")?;
+            match obj.get("content_index").and_then(Value::as_u64) {
+                Some(0) | None => {}
+                Some(_) => {
+                    return Err(refuse(
+                        "invalid_value",
+                        Some("content_index"),
+                        "items of this server have one content part (index 0)",
+                    ))
+                }
+            }
+            match obj.get("text_end").and_then(Value::as_u64) {
+                Some(n) => Ok(ClientEvent::ItemTruncate {
+                    item_id,
+                    text_end: n as usize,
+                }),
+                None if obj.get("audio_end_ms").is_some_and(|a| !a.is_null()) => {
+                    Err(audio_not_served(Some("audio_end_ms")))
+                }
+                None => Err(refuse(
+                    "missing_required_parameter",
+                    Some("text_end"),
+                    "`text_end` (characters of the item's text to keep) is required: this server truncates text",
+                )),
+            }
+        }
+        "response.create" => {
+            let response = match obj.remove("response") {
+                None | Some(Value::Null) => Map::new(),
+                Some(Value::Object(r)) => r,
+                Some(_) => {
+                    return Err(refuse(
+                        "invalid_value",
+                        Some("response"),
+                        "must be an object",
+                    ))
+                }
+            };
+            if response.get("audio").is_some_and(|a| !a.is_null()) {
+                return Err(audio_not_served(Some("response.audio")));
+            }
+            match response.get("conversation").and_then(Value::as_str) {
+                None | Some("auto") => {}
+                Some(_) => return Err(refuse(
+                    "invalid_value",
+                    Some("response.conversation"),
+                    "only \"auto\" is served: every response is part of the session's conversation",
+                )),
+            }
+            if response.get("input").is_some_and(|i| !i.is_null()) {
+                return Err(refuse(
+                    "unknown_parameter",
+                    Some("response.input"),
+                    "`input` is not served: add items with conversation.item.create",
+                ));
+            }
+            if response
+                .get("tools")
+                .is_some_and(|t| t.as_array().is_none_or(|t| !t.is_empty()))
+            {
+                return Err(refuse(
+                    "unknown_parameter",
+                    Some("response.tools"),
+                    "tools are not served by this server",
+                ));
+            }
+            let (settings, _) = parse_settings(
+                response,
+                "response",
+                &[],
+                &[
+                    "conversation",
+                    "metadata",
+                    "audio",
+                    "tools",
+                    "tool_choice",
+                    "input",
+                ],
+            )?;
+            Ok(ClientEvent::ResponseCreate(settings))
+        }
+        "response.cancel" => Ok(ClientEvent::ResponseCancel {
+            response_id: obj
+                .get("response_id")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+        }),
+        "" => Err(refuse(
+            "missing_required_parameter",
+            Some("type"),
+            "`type` is required",
+        )),
+        other => Err(refuse(
+            "invalid_value",
+            Some("type"),
+            format!("unknown or unserved event type {other:?} (docs/realtime.md)"),
+        )),
+    }
+}
+
+/// A conversation item as the client sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Item {
+    pub id: String,
+    pub role: String,
+    pub text: String,
+}
+
+impl Item {
+    fn message(&self) -> Message {
+        Message::new(&self.role, &self.text)
+    }
+
+    fn to_json(&self, status: &str) -> Value {
+        let part = if self.role == "assistant" {
+            json!({"type": "output_text", "text": self.text})
+        } else {
+            json!({"type": "input_text", "text": self.text})
+        };
+        json!({"id": self.id, "object": "realtime.item", "type": "message", "status": status,
+            "role": self.role, "content": [part]})
+    }
+}
+
+/// The response being generated.
+#[derive(Debug, Clone)]
+struct InFlight {
+    id: String,
+    item_id: String,
+    /// The item it follows, for `previous_item_id`.
+    previous: Option<String>,
+    text: String,
+    started: bool,
+    max_output_tokens: Value,
+}
+
+/// The Realtime dialect's state in a session.
+#[derive(Debug)]
+pub struct Realtime {
+    session_id: String,
+    model: String,
+    settings: Settings,
+    items: Vec<Item>,
+    response: Option<InFlight>,
+    /// The `event_id` of the client event being handled, for the `error` it may cause.
+    pub client_event: Option<String>,
+    next_id: u64,
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}_{}", uuid::Uuid::new_v4().simple())
+}
+
+/// The `usage` of a `response.done`.
+pub fn usage_json(u: &Usage) -> Value {
+    json!({
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "input_tokens": u.prompt_tokens,
+        "output_tokens": u.completion_tokens,
+        "input_token_details": {
+            "text_tokens": u.prompt_tokens,
+            "audio_tokens": 0,
+            "image_tokens": 0,
+            "cached_tokens": u.cached_tokens,
+            "cached_tokens_details": {"text_tokens": u.cached_tokens, "audio_tokens": 0, "image_tokens": 0},
+        },
+        "output_token_details": {"text_tokens": u.completion_tokens, "audio_tokens": 0},
+    })
+}
+
+impl Realtime {
+    pub fn new(model: String) -> Self {
+        Realtime {
+            session_id: new_id("sess"),
+            model,
+            settings: Settings::default(),
+            items: Vec::new(),
+            response: None,
+            client_event: None,
+            next_id: 0,
+        }
+    }
+
+    fn event(&mut self, kind: &str, mut body: Value) -> Value {
+        self.next_id += 1;
+        body["type"] = json!(kind);
+        body["event_id"] = json!(format!(
+            "event_{}_{}",
+            &self.session_id[5..13],
+            self.next_id
+        ));
+        body
+    }
+
+    /// An `error` event for the client event being handled.
+    pub fn error(&mut self, e: &EventError) -> Value {
+        let kind = match e.code {
+            "server_error" => "server_error",
+            _ => "invalid_request_error",
+        };
+        let error = json!({"type": kind, "code": e.code, "message": e.message,
+            "param": e.param, "event_id": self.client_event});
+        self.event("error", json!({ "error": error }))
+    }
+
+    fn session_json(&self) -> Value {
+        let s = &self.settings;
+        let max = match &s.max_output_tokens {
+            Some(MaxTokens::Count(n)) => json!(n),
+            _ => json!("inf"),
+        };
+        let mut v = json!({
+            "type": "realtime", "object": "realtime.session", "id": self.session_id,
+            "model": self.model, "output_modalities": ["text"],
+            "instructions": s.instructions.clone().unwrap_or_default(),
+            "max_output_tokens": max, "tools": [], "tool_choice": "auto",
+        });
+        let extras = serde_json::to_value(&s.sampling).unwrap_or_default();
+        if let (Some(v), Value::Object(extras)) = (v.as_object_mut(), extras) {
+            for (k, x) in extras {
+                if !x.is_null() {
+                    v.insert(k, x);
+                }
+            }
+        }
+        v
+    }
+
+    /// `session.created`, the connection's first event.
+    pub fn created(&mut self) -> Value {
+        let session = self.session_json();
+        self.event("session.created", json!({ "session": session }))
+    }
+
+    /// `session.update`: validated against the server's limits by the caller.
+    pub fn update(&mut self, s: Settings) -> Value {
+        let old = std::mem::take(&mut self.settings);
+        self.settings = Settings {
+            instructions: s.instructions.or(old.instructions),
+            max_output_tokens: s.max_output_tokens.or(old.max_output_tokens),
+            sampling: old.sampling.or(&s.sampling),
+        };
+        let session = self.session_json();
+        self.event("session.updated", json!({ "session": session }))
+    }
+
+    /// The settings in force for a response asking for `r`.
+    pub fn for_response(&self, r: &Settings) -> Settings {
+        Settings {
+            instructions: r
+                .instructions
+                .clone()
+                .or(self.settings.instructions.clone()),
+            max_output_tokens: r
+                .max_output_tokens
+                .clone()
+                .or(self.settings.max_output_tokens.clone()),
+            sampling: self.settings.sampling.or(&r.sampling),
+        }
+    }
+
+    fn position(&self, id: &str) -> Result<usize, EventError> {
+        self.items.iter().position(|i| i.id == id).ok_or_else(|| {
+            refuse(
+                "item_not_found",
+                Some("item_id"),
+                format!("no item {id:?} in the conversation"),
+            )
+        })
+    }
+
+    /// `conversation.item.create`: the item goes after `previous_item_id` (the end without it;
+    /// "root" for the start). The events to send.
+    pub fn create_item(
+        &mut self,
+        previous: Option<String>,
+        item: NewItem,
+    ) -> Result<Vec<Value>, EventError> {
+        let at = match previous.as_deref() {
+            None => self.items.len(),
+            Some("root") => 0,
+            Some(p) => {
+                self.position(p).map_err(|mut e| {
+                    e.param = Some("previous_item_id".into());
+                    e
+                })? + 1
+            }
+        };
+        let id = item.id.unwrap_or_else(|| new_id("item"));
+        if self.items.iter().any(|i| i.id == id) {
+            return Err(refuse(
+                "invalid_value",
+                Some("item.id"),
+                format!("an item {id:?} is already in the conversation"),
+            ));
+        }
+        let new = Item {
+            id,
+            role: item.role,
+            text: item.text,
+        };
+        let prev = at.checked_sub(1).map(|p| self.items[p].id.clone());
+        let json = new.to_json("completed");
+        self.items.insert(at, new);
+        Ok(vec![
+            self.event(
+                "conversation.item.added",
+                json!({"previous_item_id": prev, "item": json}),
+            ),
+            self.event(
+                "conversation.item.done",
+                json!({"previous_item_id": prev, "item": json}),
+            ),
+        ])
+    }
+
+    pub fn delete_item(&mut self, id: &str) -> Result<Value, EventError> {
+        self.check_not_generating(id)?;
+        let at = self.position(id)?;
+        self.items.remove(at);
+        Ok(self.event("conversation.item.deleted", json!({ "item_id": id })))
+    }
+
+    pub fn retrieve_item(&mut self, id: &str) -> Result<Value, EventError> {
+        let at = self.position(id)?;
+        let item = self.items[at].to_json("completed");
+        Ok(self.event("conversation.item.retrieved", json!({ "item": item })))
+    }
+
+    /// Keeps the first `text_end` characters of assistant item `id` (what the user heard).
+    pub fn truncate_item(&mut self, id: &str, text_end: usize) -> Result<Value, EventError> {
+        self.check_not_generating(id)?;
+        let at = self.position(id)?;
+        let item = &mut self.items[at];
+        if item.role != "assistant" {
+            return Err(refuse(
+                "invalid_value",
+                Some("item_id"),
+                "only assistant items can be truncated",
+            ));
+        }
+        let chars = item.text.chars().count();
+        if text_end > chars {
+            return Err(refuse(
+                "invalid_value",
+                Some("text_end"),
+                format!("is {text_end}; the item has {chars} characters"),
+            ));
+        }
+        item.text = item.text.chars().take(text_end).collect();
+        Ok(self.event(
+            "conversation.item.truncated",
+            json!({"item_id": id, "content_index": 0, "audio_end_ms": 0, "text_end": text_end}),
+        ))
+    }
+
+    fn check_not_generating(&self, id: &str) -> Result<(), EventError> {
+        if self.response.as_ref().is_some_and(|r| r.item_id == id) {
+            return Err(refuse(
+                "conversation_already_has_active_response",
+                Some("item_id"),
+                "the item is being generated: cancel the response first (response.cancel)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Characters in all items (bounded by the session).
+    pub fn total_chars(&self) -> usize {
+        self.items.iter().map(|i| i.text.chars().count()).sum()
+    }
+
+    /// The response in flight's id.
+    pub fn active(&self) -> Option<&str> {
+        self.response.as_ref().map(|r| r.id.as_str())
+    }
+
+    /// `response.create`: the messages the items make after the session's `conversation`
+    /// (from `replace_from`), the response's id and `response.created`. The caller starts the
+    /// turn; its frames then come to `on_frame`.
+    pub fn begin_response(
+        &mut self,
+        settings: &Settings,
+        conversation: &[Message],
+    ) -> Result<(String, usize, Vec<Message>, Value), EventError> {
+        if let Some(r) = &self.response {
+            return Err(refuse(
+                "conversation_already_has_active_response",
+                None,
+                format!("response {} is still in progress", r.id),
+            ));
+        }
+        let mut want = Vec::new();
+        if let Some(i) = settings.instructions.as_deref().filter(|i| !i.is_empty()) {
+            want.push(Message::new("system", i));
+        }
+        want.extend(self.items.iter().map(Item::message));
+        let same = want
+            .iter()
+            .zip(conversation)
+            .take_while(|(a, b)| a.role == b.role && a.content == b.content)
+            .count();
+        if same == want.len() {
+            return Err(refuse(
+                "invalid_value",
+                None,
+                "nothing new to respond to: add a user item first (conversation.item.create)",
+            ));
+        }
+        let id = new_id("resp");
+        let max = match &settings.max_output_tokens {
+            Some(MaxTokens::Count(n)) => json!(n),
+            _ => json!("inf"),
+        };
+        self.response = Some(InFlight {
+            id: id.clone(),
+            item_id: new_id("item"),
+            previous: self.items.last().map(|i| i.id.clone()),
+            text: String::new(),
+            started: false,
+            max_output_tokens: max.clone(),
+        });
+        let created = self.event(
+            "response.created",
+            json!({"response": self.response_json(&id, "in_progress", Value::Null, vec![], Value::Null, max)}),
+        );
+        Ok((id, same, want.split_off(same), created))
+    }
+
+    fn response_json(
+        &self,
+        id: &str,
+        status: &str,
+        details: Value,
+        output: Vec<Value>,
+        usage: Value,
+        max: Value,
+    ) -> Value {
+        json!({"object": "realtime.response", "id": id, "status": status,
+            "status_details": details, "output": output, "usage": usage,
+            "conversation_id": format!("conv_{}", &self.session_id[5..]),
+            "output_modalities": ["text"], "max_output_tokens": max})
+    }
+
+    /// The Realtime events for one of the session's frames (an empty list for frames this
+    /// dialect has no event for).
+    pub fn on_frame(&mut self, frame: &ServerFrame) -> Vec<Value> {
+        let mut out = Vec::new();
+        match frame {
+            ServerFrame::Ready { .. } => out.push(self.created()),
+            ServerFrame::Started { id, .. } if self.is_active(id) => {
+                let Some(r) = self.response.as_mut() else {
+                    return out;
+                };
+                r.started = true;
+                let (rid, iid, prev) = (r.id.clone(), r.item_id.clone(), r.previous.clone());
+                let item = json!({"id": iid, "object": "realtime.item", "type": "message",
+                    "status": "in_progress", "role": "assistant", "content": []});
+                out.push(self.event(
+                    "response.output_item.added",
+                    json!({"response_id": rid, "output_index": 0, "item": item}),
+                ));
+                out.push(self.event(
+                    "conversation.item.added",
+                    json!({"previous_item_id": prev, "item": item}),
+                ));
+                out.push(self.event(
+                    "response.content_part.added",
+                    json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
+                        "part": {"type": "text", "text": ""}}),
+                ));
+            }
+            ServerFrame::Delta { id, text, .. } if self.is_active(id) => {
+                let Some(r) = self.response.as_mut() else {
+                    return out;
+                };
+                r.text.push_str(text);
+                let (rid, iid) = (r.id.clone(), r.item_id.clone());
+                out.push(self.event(
+                    "response.output_text.delta",
+                    json!({"response_id": rid, "item_id": iid, "output_index": 0,
+                        "content_index": 0, "delta": text}),
+                ));
+            }
+            ServerFrame::Done {
+                id,
+                finish_reason,
+                usage,
+                ..
+            } if self.is_active(id) => {
+                let Some(r) = self.response.take() else {
+                    return out;
+                };
+                out.extend(self.finish(r, *finish_reason, usage));
+            }
+            ServerFrame::Error {
+                id,
+                error_type,
+                message,
+            } => {
+                let e = EventError {
+                    code: static_code(error_type),
+                    message: message.clone(),
+                    param: None,
+                };
+                out.push(self.error(&e));
+                if id.as_deref().is_some_and(|i| self.is_active(i)) {
+                    if let Some(r) = self.response.take() {
+                        let details =
+                            json!({"type": "failed", "error": {"type": e.code, "code": e.code}});
+                        let body = self.response_json(
+                            &r.id,
+                            "failed",
+                            details,
+                            vec![],
+                            Value::Null,
+                            r.max_output_tokens,
+                        );
+                        out.push(self.event("response.done", json!({ "response": body })));
+                    }
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    fn is_active(&self, id: &str) -> bool {
+        self.response.as_ref().is_some_and(|r| r.id == id)
+    }
+
+    /// The closing events of a response, and its item added to the conversation.
+    fn finish(&mut self, r: InFlight, reason: FinishReason, usage: &Usage) -> Vec<Value> {
+        let mut out = Vec::new();
+        let item = Item {
+            id: r.item_id.clone(),
+            role: "assistant".into(),
+            text: r.text.clone(),
+        };
+        let (status, details) = match reason {
+            FinishReason::Stop => ("completed", Value::Null),
+            FinishReason::Length => (
+                "incomplete",
+                json!({"type": "incomplete", "reason": "max_output_tokens"}),
+            ),
+            FinishReason::Cancelled => (
+                "cancelled",
+                json!({"type": "cancelled", "reason": "client_cancelled"}),
+            ),
+            FinishReason::Shutdown => (
+                "incomplete",
+                json!({"type": "incomplete", "reason": "server_shutdown"}),
+            ),
+        };
+        let item_status = if status == "completed" {
+            "completed"
+        } else {
+            "incomplete"
+        };
+        if !r.started {
+            // Cancelled before its first token: no item was announced.
+            let body = self.response_json(
+                &r.id,
+                status,
+                details,
+                vec![],
+                usage_json(usage),
+                r.max_output_tokens,
+            );
+            out.push(self.event("response.done", json!({ "response": body })));
+            return out;
+        }
+        let (rid, iid) = (r.id.clone(), r.item_id.clone());
+        out.push(self.event(
+            "response.output_text.done",
+            json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0, "text": r.text}),
+        ));
+        out.push(self.event(
+            "response.content_part.done",
+            json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
+                "part": {"type": "text", "text": r.text}}),
+        ));
+        let json = item.to_json(item_status);
+        out.push(self.event(
+            "response.output_item.done",
+            json!({"response_id": rid, "output_index": 0, "item": json}),
+        ));
+        out.push(self.event(
+            "conversation.item.done",
+            json!({"previous_item_id": r.previous, "item": json}),
+        ));
+        self.items.push(item);
+        let body = self.response_json(
+            &rid,
+            status,
+            details,
+            vec![json],
+            usage_json(usage),
+            r.max_output_tokens,
+        );
+        out.push(self.event("response.done", json!({ "response": body })));
+        out
+    }
+}
+
+/// The session's error types as Realtime error codes.
+fn static_code(error_type: &str) -> &'static str {
+    match error_type {
+        "invalid_request" => "invalid_request",
+        "prompt_too_long" => "prompt_too_long",
+        "overloaded" => "overloaded",
+        "busy" => "conversation_already_has_active_response",
+        "rate_limited" => "rate_limit_exceeded",
+        "cancelled" => "cancelled",
+        "slow_reader" => "slow_reader",
+        "not_ready" => "not_ready",
+        "draining" => "draining",
+        "resume_failed" => "resume_failed",
+        _ => "server_error",
+    }
+}
+
+/// A response's chat parameters from its settings.
+pub fn chat_params(s: &Settings) -> Result<ChatParams, EventError> {
+    let max_tokens = match &s.max_output_tokens {
+        Some(m) => m.limit("max_output_tokens")?,
+        None => None,
+    };
+    Ok(ChatParams {
+        max_tokens,
+        ..sampling_params(&s.sampling)
+    })
+}
+
+fn sampling_params(s: &Sampling) -> ChatParams {
+    ChatParams {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: s.top_p,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        seed: s.seed,
+        ..ChatParams::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn user(rt: &mut Realtime, text: &str) -> String {
+        let ev = rt
+            .create_item(
+                None,
+                NewItem {
+                    id: None,
+                    role: "user".into(),
+                    text: text.into(),
+                },
+            )
+            .unwrap();
+        ev[1]["item"]["id"].as_str().unwrap().to_string()
+    }
+
+    fn types(events: &[Value]) -> Vec<&str> {
+        events.iter().map(|e| e["type"].as_str().unwrap()).collect()
+    }
+
+    /// Runs a response through the frames the session would send, keeping `conversation` as the
+    /// session would; the events.
+    fn respond(rt: &mut Realtime, conversation: &mut Vec<Message>, reply: &[&str]) -> Vec<Value> {
+        let settings = rt.for_response(&Settings::default());
+        let (id, from, new, created) = rt.begin_response(&settings, conversation).unwrap();
+        conversation.truncate(from);
+        conversation.extend(new);
+        let mut out = vec![created];
+        out.extend(rt.on_frame(&ServerFrame::Started {
+            id: id.clone(),
+            prompt_tokens: 30,
+            cached_tokens: 12,
+        }));
+        for (i, t) in reply.iter().enumerate() {
+            out.extend(rt.on_frame(&ServerFrame::Delta {
+                id: id.clone(),
+                index: i,
+                text: t.to_string(),
+            }));
+        }
+        out.extend(rt.on_frame(&ServerFrame::Done {
+            id,
+            finish_reason: FinishReason::Stop,
+            usage: Usage {
+                prompt_tokens: 30,
+                completion_tokens: reply.len(),
+                cached_tokens: 12,
+            },
+            timings: Default::default(),
+            seal: None,
+        }));
+        conversation.push(Message::new("assistant", &reply.concat()));
+        out
+    }
+
+    #[test]
+    fn a_response_streams_the_spec_events_in_order_and_its_item_joins_the_conversation() {
+        let mut rt = Realtime::new("m".into());
+        let mut conv = Vec::new();
+        user(&mut rt, "Hi");
+        let ev = respond(&mut rt, &mut conv, &["Hel", "lo"]);
+        assert_eq!(
+            types(&ev),
+            [
+                "response.created",
+                "response.output_item.added",
+                "conversation.item.added",
+                "response.content_part.added",
+                "response.output_text.delta",
+                "response.output_text.delta",
+                "response.output_text.done",
+                "response.content_part.done",
+                "response.output_item.done",
+                "conversation.item.done",
+                "response.done",
+            ]
+        );
+        let done = &ev[10]["response"];
+        assert_eq!(done["status"], "completed");
+        assert_eq!(done["output"][0]["content"][0]["text"], "Hello");
+        assert_eq!(done["usage"]["input_token_details"]["cached_tokens"], 12);
+        assert_eq!(done["usage"]["total_tokens"], 32);
+        assert_eq!(ev[6]["text"], "Hello");
+        // Every event has its own id.
+        let ids: std::collections::HashSet<_> = ev.iter().map(|e| e["event_id"].clone()).collect();
+        assert_eq!(ids.len(), ev.len());
+        assert_eq!(rt.items.len(), 2);
+        assert_eq!(rt.items[1].text, "Hello");
+        assert!(rt.active().is_none());
+    }
+
+    #[test]
+    fn a_response_replaces_the_session_conversation_from_the_first_item_that_differs() {
+        let mut rt = Realtime::new("m".into());
+        let mut conv = Vec::new();
+        rt.update(Settings {
+            instructions: Some("Be brief.".into()),
+            ..Default::default()
+        });
+        let first = user(&mut rt, "One");
+        respond(&mut rt, &mut conv, &["A"]);
+        user(&mut rt, "Two");
+        // Only the new item is sent; the rest is the session's already.
+        let s = rt.for_response(&Settings::default());
+        let (id, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        assert_eq!(from, 3);
+        assert_eq!(new, vec![Message::new("user", "Two")]);
+        rt.on_frame(&ServerFrame::Error {
+            id: Some(id),
+            error_type: "overloaded".into(),
+            message: "full".into(),
+        });
+        // Deleting the first item replaces from it.
+        rt.delete_item(&first).unwrap();
+        let (_, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        assert_eq!(from, 1);
+        assert_eq!(
+            new,
+            vec![Message::new("assistant", "A"), Message::new("user", "Two")]
+        );
+    }
+
+    #[test]
+    fn per_response_instructions_replace_the_system_message_and_nothing_new_is_refused() {
+        let mut rt = Realtime::new("m".into());
+        let mut conv = Vec::new();
+        user(&mut rt, "One");
+        respond(&mut rt, &mut conv, &["A"]);
+        let s = rt.for_response(&Settings::default());
+        let e = rt.begin_response(&s, &conv).unwrap_err();
+        assert!(e.message.contains("nothing new"), "{e:?}");
+        let s = rt.for_response(&Settings {
+            instructions: Some("Answer in French.".into()),
+            ..Default::default()
+        });
+        let (_, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        assert_eq!(from, 0);
+        assert_eq!(new[0], Message::new("system", "Answer in French."));
+        assert_eq!(new.len(), 3);
+    }
+
+    #[test]
+    fn a_failed_or_cancelled_response_says_so_in_response_done() {
+        let mut rt = Realtime::new("m".into());
+        user(&mut rt, "One");
+        let s = rt.for_response(&Settings::default());
+        let (id, ..) = rt.begin_response(&s, &[]).unwrap();
+        let ev = rt.on_frame(&ServerFrame::Error {
+            id: Some(id),
+            error_type: "prompt_too_long".into(),
+            message: "too long".into(),
+        });
+        assert_eq!(types(&ev), ["error", "response.done"]);
+        assert_eq!(ev[0]["error"]["code"], "prompt_too_long");
+        assert_eq!(ev[1]["response"]["status"], "failed");
+        assert_eq!(rt.items.len(), 1, "no item for a failed response");
+        // Cancelled before its first token: response.done alone.
+        let (id, ..) = rt.begin_response(&s, &[]).unwrap();
+        let ev = rt.on_frame(&ServerFrame::Done {
+            id,
+            finish_reason: FinishReason::Cancelled,
+            usage: Usage::default(),
+            timings: Default::default(),
+            seal: None,
+        });
+        assert_eq!(types(&ev), ["response.done"]);
+        assert_eq!(ev[0]["response"]["status"], "cancelled");
+    }
+
+    #[test]
+    fn items_are_inserted_retrieved_truncated_and_deleted_by_id() {
+        let mut rt = Realtime::new("m".into());
+        let a = user(&mut rt, "a");
+        let c = user(&mut rt, "c");
+        let ev = rt
+            .create_item(
+                Some(a.clone()),
+                NewItem {
+                    id: Some("b".into()),
+                    role: "assistant".into(),
+                    text: "bravo".into(),
+                },
+            )
+            .unwrap();
+        assert_eq!(ev[0]["previous_item_id"], a.as_str());
+        let order: Vec<_> = rt.items.iter().map(|i| i.text.as_str()).collect();
+        assert_eq!(order, ["a", "bravo", "c"]);
+        let dup = NewItem {
+            id: Some("b".into()),
+            role: "user".into(),
+            text: "x".into(),
+        };
+        assert_eq!(
+            rt.create_item(None, dup).unwrap_err().param.as_deref(),
+            Some("item.id")
+        );
+        let e = rt.truncate_item("b", 9).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("text_end"));
+        assert_eq!(
+            rt.truncate_item(&c, 0).unwrap_err().param.as_deref(),
+            Some("item_id")
+        );
+        rt.truncate_item("b", 3).unwrap();
+        let got = rt.retrieve_item("b").unwrap();
+        assert_eq!(got["item"]["content"][0]["text"], "bra");
+        assert_eq!(got["item"]["content"][0]["type"], "output_text");
+        rt.delete_item("b").unwrap();
+        assert_eq!(rt.retrieve_item("b").unwrap_err().code, "item_not_found");
+    }
+
+    #[test]
+    fn audio_tools_and_unknown_events_are_refused_with_the_field_named() {
+        let code = |t: &str| parse(t).1.unwrap_err();
+        let e = code(r#"{"type":"input_audio_buffer.append","audio":"AA","event_id":"e1"}"#);
+        assert_eq!(e.code, "audio_not_supported");
+        assert_eq!(
+            parse(r#"{"type":"input_audio_buffer.commit","event_id":"e1"}"#)
+                .0
+                .as_deref(),
+            Some("e1")
+        );
+        let e = code(r#"{"type":"session.update","session":{"output_modalities":["audio"]}}"#);
+        assert_eq!(e.param.as_deref(), Some("session.output_modalities"));
+        let e = code(
+            r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"f"}]}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("session.tools"));
+        let e = code(r#"{"type":"session.update","session":{"voice":"alloy"}}"#);
+        assert_eq!(e.param.as_deref(), Some("session.voice"));
+        let e = code(r#"{"type":"session.update","session":{"temperature":"hot"}}"#);
+        assert_eq!(e.code, "invalid_value");
+        let e = code(
+            r#"{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_audio","audio":"AA"}]}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("item.content[0]"));
+        let e = code(
+            r#"{"type":"conversation.item.create","item":{"type":"function_call","name":"f"}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("item.type"));
+        let e = code(
+            r#"{"type":"conversation.item.truncate","item_id":"x","content_index":0,"audio_end_ms":1500}"#,
+        );
+        assert_eq!(e.code, "audio_not_supported");
+        let e = code(r#"{"type":"response.create","response":{"conversation":"none"}}"#);
+        assert_eq!(e.param.as_deref(), Some("response.conversation"));
+        let e = code(r#"{"type":"transcription_session.update"}"#);
+        assert_eq!(e.param.as_deref(), Some("type"));
+        assert_eq!(code("not json").code, "invalid_json");
+        // What is served parses.
+        let ok = parse(r#"{"type":"session.update","session":{"type":"realtime","output_modalities":["text"],"instructions":"Hi","max_output_tokens":"inf","temperature":0,"tracing":null}}"#).1.unwrap();
+        let ClientEvent::SessionUpdate(s) = ok else {
+            panic!()
+        };
+        assert_eq!(s.instructions.as_deref(), Some("Hi"));
+        assert_eq!(s.sampling.temperature, Some(0.0));
+        assert_eq!(chat_params(&s).unwrap().max_tokens, None);
+        let ok = parse(r#"{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]}}"#).1.unwrap();
+        assert!(matches!(ok, ClientEvent::ItemCreate { item, .. } if item.text == "ab"));
+    }
+}

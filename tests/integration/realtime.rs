@@ -1,0 +1,207 @@
+//! OpenAI's Realtime API (`/v1/realtime`, text) end to end: the official Python SDK's realtime
+//! client (tests/openai/realtime_client.py) against the real server on port 0, its reply
+//! compared with the WebSocket reply to the same conversation; the browser form of the key (a
+//! subprotocol) and the refusals at the upgrade with a Rust WebSocket client.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use llama_relay::server::tenants::TenantSettings;
+use serde_json::Value;
+
+use crate::common::{model_lock, Tiny};
+use crate::gateway::{spawn_app, App};
+use crate::openai::{metric, model_id, sdk_python, ws_reply, KEY, QUESTION};
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    actix_web::rt::System::new().block_on(f);
+}
+
+/// One tenant with an API key; keyless clients too (the `/ws` reply to compare with).
+fn keyed() -> impl FnOnce(&mut llama_relay::settings::Settings) {
+    |s| {
+        s.tenants = vec![TenantSettings {
+            name: "acme".into(),
+            api_keys: vec![KEY.into()],
+            ..Default::default()
+        }];
+        s.server.allow_anonymous = Some(true);
+    }
+}
+
+fn sdk(app: &App, key: &str, mode: &str) -> Value {
+    let out = Command::new(sdk_python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/realtime_client.py"))
+        .arg(format!("http://{}/v1", app.addr))
+        .arg(model_id(app))
+        .arg(key)
+        .arg(QUESTION)
+        .arg(mode)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The SDK's realtime client: `session.update`, a user item, `response.create`, the streamed
+/// text equal to the `/ws` greedy reply (same prompt tokens); a second response reports the
+/// first turn as cached; `response.cancel` mid-stream ends the response `cancelled` and its
+/// request stops; items are retrieved, truncated (the `text_end` extension) and deleted; an
+/// audio event gets an `error` naming audio.
+#[test]
+fn the_sdk_realtime_client_converses_cancels_and_is_told_audio_is_not_served() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), keyed());
+    let mut ws = (String::new(), 0);
+    run(async { ws = ws_reply(&app, 24).await });
+    let generated = metric(&app, "vllm:generation_tokens_total");
+    let got = sdk(&app, KEY, "conversation");
+
+    assert_eq!(got["first_event"], "session.created");
+    assert_eq!(got["session_model"], model_id(&app));
+    assert_eq!(got["updated_modalities"], serde_json::json!(["text"]));
+    let first = &got["first"];
+    assert_eq!(first["text"], ws.0.as_str());
+    assert_eq!(
+        first["status"], "incomplete",
+        "24 tokens: max_output_tokens"
+    );
+    assert_eq!(first["usage"]["input_tokens"], ws.1);
+    assert_eq!(first["usage"]["output_tokens"], 24);
+    let types: Vec<&str> = (first["types"].as_array().unwrap().iter())
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        &types[..4],
+        [
+            "response.created",
+            "response.output_item.added",
+            "conversation.item.added",
+            "response.content_part.added"
+        ]
+    );
+    assert_eq!(
+        &types[types.len() - 5..],
+        [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "conversation.item.done",
+            "response.done"
+        ]
+    );
+    assert!(types[4..types.len() - 5]
+        .iter()
+        .all(|t| *t == "response.output_text.delta"));
+
+    // The second turn finds the first turn's prompt (and reply) cached.
+    let second = &got["second"]["usage"];
+    let cached = second["input_token_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= ws.1, "cached {cached}, first prompt {}", ws.1);
+    assert!(second["input_tokens"].as_u64().unwrap() > cached);
+
+    let cancelled = &got["cancelled"];
+    assert_eq!(cancelled["status"], "cancelled");
+    assert!(cancelled["output_tokens"].as_u64().unwrap() < 4000);
+    assert_eq!(got["retrieved"], QUESTION);
+    let heard: String = cancelled["text"]
+        .as_str()
+        .unwrap()
+        .chars()
+        .take(3)
+        .collect();
+    assert_eq!(got["truncated_text"], heard.as_str());
+    assert_eq!(got["retrieve_deleted"]["type"], "error");
+    assert_eq!(got["retrieve_deleted"]["code"], "item_not_found");
+    assert_eq!(got["audio"]["type"], "error");
+    assert_eq!(got["audio"]["code"], "audio_not_supported");
+    assert_eq!(got["audio"]["event_id"], "ev1");
+
+    // The cancelled reply stopped: nothing runs and no token is generated any more.
+    let t0 = Instant::now();
+    while metric(&app, "vllm:num_requests_running") > 0.0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "still running");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let settled = metric(&app, "vllm:generation_tokens_total");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(metric(&app, "vllm:generation_tokens_total"), settled);
+    assert!(settled - generated < 24.0 + 8.0 + 4000.0);
+}
+
+/// A wrong key is refused at the upgrade (401), with the SDK and in the browser form; a right
+/// key in the browser form is accepted with the `realtime` subprotocol; another model is 404.
+#[test]
+fn the_upgrade_checks_the_key_in_either_form_and_the_model() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), keyed());
+    let got = sdk(&app, "wrong-key-0123456789", "bad_key");
+    assert_eq!(got["refused"], true, "{got}");
+    assert_eq!(got["status"], 401, "{got}");
+    let model = model_id(&app);
+    run(async {
+        let upgrade = |path: String, protocols: Vec<String>, auth: Option<String>| async move {
+            let mut req = awc::Client::new()
+                .ws(format!("ws://{}{path}", app.addr))
+                .protocols(protocols);
+            if let Some(a) = auth {
+                req = req.header("Authorization", a);
+            }
+            match req.connect().await {
+                Ok((resp, _)) => (
+                    101,
+                    resp.headers()
+                        .get("sec-websocket-protocol")
+                        .map(|v| v.to_str().unwrap().to_string()),
+                ),
+                Err(awc::error::WsClientError::InvalidResponseStatus(s)) => (s.as_u16(), None),
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let path = format!("/v1/realtime?model={model}");
+        let browser = |key: &str| {
+            vec![
+                "realtime".to_string(),
+                format!("openai-insecure-api-key.{key}"),
+            ]
+        };
+        assert_eq!(
+            upgrade(path.clone(), browser(KEY), None).await,
+            (101, Some("realtime".into()))
+        );
+        assert_eq!(
+            upgrade(path.clone(), browser("wrong-key-0123456789"), None)
+                .await
+                .0,
+            401
+        );
+        assert_eq!(
+            upgrade(
+                path.clone(),
+                vec![],
+                Some("Bearer wrong-key-0123456789".into())
+            )
+            .await
+            .0,
+            401
+        );
+        assert_eq!(
+            upgrade(
+                "/v1/realtime?model=gpt-realtime".into(),
+                vec![],
+                Some(format!("Bearer {KEY}"))
+            )
+            .await
+            .0,
+            404
+        );
+    });
+}

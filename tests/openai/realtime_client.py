@@ -1,0 +1,165 @@
+"""Drives llama-relay's Realtime API (/v1/realtime) with the official `openai` SDK's realtime
+client and prints what it got as JSON.
+
+Run by tests/integration/openai.rs, which makes the assertions:
+    python realtime_client.py BASE_URL MODEL KEY QUESTION conversation
+    python realtime_client.py BASE_URL MODEL KEY - bad_key
+"""
+
+import asyncio
+import json
+import sys
+
+import openai
+
+base, model, key, question, mode = sys.argv[1:6]
+
+
+def field(obj, *path):
+    """obj.a.b... whether the SDK built models or (for unions it could not resolve) dicts."""
+    for name in path:
+        obj = obj[name] if isinstance(obj, (dict, list)) else getattr(obj, name)
+    return obj
+
+
+async def until(conn, kind, seen=None):
+    """Events up to the first of type `kind` (returned); their types go to `seen`."""
+    while True:
+        ev = await conn.recv()
+        if seen is not None:
+            seen.append(ev.type)
+        if ev.type == kind:
+            return ev
+        if ev.type == "error":
+            raise RuntimeError(f"error before {kind}: {ev.error.message}")
+
+
+async def respond(conn, max_tokens, cancel_after_first_delta=False):
+    """response.create, then every event to response.done: (text, types, done event)."""
+    await conn.response.create(response={"max_output_tokens": max_tokens})
+    text, types = "", []
+    while True:
+        ev = await conn.recv()
+        types.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            if not text and cancel_after_first_delta:
+                await conn.response.cancel()
+            text += ev.delta
+        elif ev.type == "response.done":
+            return text, types, ev
+        elif ev.type == "error":
+            raise RuntimeError(ev.error.message)
+
+
+async def conversation():
+    client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+    out = {}
+    async with client.realtime.connect(model=model) as conn:
+        created = await conn.recv()
+        out["first_event"] = created.type
+        out["session_model"] = field(created, "session", "model")
+        # Greedy (temperature is this server's extension field; the SDK sends dicts as given).
+        await conn.send(
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "output_modalities": ["text"], "temperature": 0},
+            }
+        )
+        updated = await until(conn, "session.updated")
+        out["updated_modalities"] = field(updated, "session", "output_modalities")
+
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": question}],
+            }
+        )
+        added = await until(conn, "conversation.item.done")
+        user_item = field(added, "item", "id")
+        text, types, done = await respond(conn, 24)
+        out["first"] = {
+            "text": text,
+            "types": types,
+            "status": done.response.status,
+            "usage": done.response.usage.model_dump(),
+            "output_item": field(done.response.output, 0, "id"),
+        }
+
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "And what do they eat?"}],
+            }
+        )
+        await until(conn, "conversation.item.done")
+        text, _, done = await respond(conn, 8)
+        out["second"] = {"text": text, "usage": done.response.usage.model_dump()}
+
+        # Cancel mid-stream.
+        await conn.conversation.item.create(
+            item={
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Tell me a very long story."}],
+            }
+        )
+        await until(conn, "conversation.item.done")
+        text, types, done = await respond(conn, 4000, cancel_after_first_delta=True)
+        out["cancelled"] = {
+            "status": done.response.status,
+            "output_tokens": done.response.usage.output_tokens,
+            "item": field(done.response.output, 0, "id") if done.response.output else None,
+            "text": text,
+        }
+
+        # Items: retrieve, truncate (the extension's text_end), delete.
+        await conn.conversation.item.retrieve(item_id=user_item)
+        got = await until(conn, "conversation.item.retrieved")
+        out["retrieved"] = field(got, "item", "content", 0, "text")
+        if out["cancelled"]["item"]:
+            await conn.send(
+                {
+                    "type": "conversation.item.truncate",
+                    "item_id": out["cancelled"]["item"],
+                    "content_index": 0,
+                    "text_end": 3,
+                }
+            )
+            t = await until(conn, "conversation.item.truncated")
+            out["truncated"] = t.item_id
+            await conn.conversation.item.retrieve(item_id=out["cancelled"]["item"])
+            got = await until(conn, "conversation.item.retrieved")
+            out["truncated_text"] = field(got, "item", "content", 0, "text")
+        await conn.conversation.item.delete(item_id=user_item)
+        d = await until(conn, "conversation.item.deleted")
+        out["deleted"] = d.item_id
+        await conn.conversation.item.retrieve(item_id=user_item)
+        err = await conn.recv()
+        out["retrieve_deleted"] = {"type": err.type, "code": err.error.code}
+
+        # Audio is not served.
+        await conn.send({"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "ev1"})
+        err = await conn.recv()
+        out["audio"] = {
+            "type": err.type,
+            "code": err.error.code,
+            "event_id": err.error.event_id,
+            "message": err.error.message,
+        }
+    print(json.dumps(out))
+
+
+async def bad_key():
+    client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+    try:
+        async with client.realtime.connect(model=model) as conn:
+            await conn.recv()
+        print(json.dumps({"refused": False}))
+    except Exception as e:  # the SDK raises the websockets library's refusal
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        print(json.dumps({"refused": True, "status": status, "error": type(e).__name__}))
+
+
+asyncio.run(conversation() if mode == "conversation" else bad_key())
