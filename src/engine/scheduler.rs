@@ -759,11 +759,22 @@ impl Scheduler {
     /// (max-min fairness over running slots, so one tenant's flood cannot keep another's
     /// requests waiting). A tenant at its `max_running` waits, and so does a tenant `hold`s.
     fn next_to_admit(&self, priority: Priority, hold: &[Salt]) -> Option<usize> {
+        self.next_to_admit_of(priority, hold, |_| true)
+    }
+
+    /// `next_to_admit` among the queued requests `eligible` accepts.
+    fn next_to_admit_of(
+        &self,
+        priority: Priority,
+        hold: &[Salt],
+        eligible: impl Fn(&Sequence) -> bool,
+    ) -> Option<usize> {
         let (tenants, principals) = self.running_counts();
         let running = |s: &Sequence| tenants.get(&s.tenant()).copied().unwrap_or(0);
         (self.waiting.iter().enumerate())
             .filter(|(_, s)| {
-                s.priority == priority
+                eligible(s)
+                    && s.priority == priority
                     && !s.paused
                     && !hold.contains(&s.tenant())
                     && s.quota.max_running.is_none_or(|m| running(s) < m)
@@ -899,9 +910,9 @@ impl Scheduler {
 
     /// A chat turn is not kept waiting behind someone's long prompt: while a running request of
     /// `priority` has more than a step's token budget of prompt left to prefill, the next
-    /// request to admit goes into the step before that prefill's chunk if its whole prompt fits
-    /// the budget (it is then not cut to the time target, `chunk_len`); the long prefill takes
-    /// what the step has left. One such request a step, so a stream of short prompts slows the
+    /// queued request whose whole prompt fits the budget (in the usual order, passing long
+    /// prompts queued ahead of it) goes into the step before that prefill's chunk (it is then
+    /// not cut to the time target, `chunk_len`); the long prefill takes what the step has left. One such request a step, so a stream of short prompts slows the
     /// long one by at most a step's budget a step. (vLLM's `long_prefill_token_threshold` lets
     /// shorter prompts jump ahead of longer ones the same way.)
     fn admit_short_before_long(
@@ -917,14 +928,12 @@ impl Scheduler {
         if !long_running || b.tokens == 0 || b.full || self.running.len() >= self.cfg.max_running {
             return;
         }
-        let Some(i) = self.next_to_admit(priority, &b.hold) else {
-            return;
-        };
-        let s = &self.waiting[i];
-        if s.started || s.prefill_only || s.tokens.len() > budget.min(b.tokens) {
-            return;
+        // The next short one in the usual order: a long prompt queued ahead does not hold it.
+        let room = budget.min(b.tokens);
+        let short = |s: &Sequence| !s.started && !s.prefill_only && s.tokens.len() <= room;
+        if let Some(i) = self.next_to_admit_of(priority, &b.hold, short) {
+            self.admit_at(i, b, out);
         }
-        self.admit_at(i, b, out);
     }
 
     /// Admits waiting request `i` with its first chunk; false (it stays queued, first in line)
@@ -1763,6 +1772,13 @@ mod tests {
         let out = step(&mut s);
         assert_eq!(entries(&out), [(2, true), (1, false)]);
         assert_eq!(out.batch.num_tokens(), 64);
+        // A second long prompt queued ahead does not hold a short one back.
+        let mut s = sched(4096, 4, 64);
+        s.add(id(1), vec![1; 1000], 1001, scope(0)).unwrap();
+        step(&mut s);
+        s.add(id(2), vec![2; 1000], 1001, scope(1)).unwrap();
+        s.add(id(3), vec![3; 20], 40, scope(2)).unwrap();
+        assert_eq!(entries(&step(&mut s)), [(3, true), (1, false)]);
         // With no long prompt running, arrival order holds.
         let mut s = sched(4096, 4, 64);
         s.add(id(1), vec![1; 60], 61, scope(0)).unwrap();

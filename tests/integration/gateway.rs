@@ -751,6 +751,52 @@ fn a_client_that_never_answers_pings_is_closed() {
     });
 }
 
+/// A chat turn sent while someone's long prompt is prefilling starts at once, ahead of the long
+/// prompt's remaining chunks (before, it waited for the whole prefill): its reply is done before
+/// the long prompt's first token.
+#[test]
+fn a_chat_turn_starts_while_a_long_prompt_is_still_prefilling() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.scheduler.step_tokens = 32;
+        s.limits.max_message_chars = 100_000;
+        s.limits.max_frame_bytes = 1 << 20;
+    });
+    run(async {
+        let mut long = app.connect().await;
+        long.chat("l", &"word ".repeat(1500), json!({"max_tokens": 1}))
+            .await;
+        loop {
+            if long.recv().await["type"] == "started" {
+                break;
+            }
+        }
+        // The long prompt's frames, with their arrival, read by a task of their own.
+        let reader = actix_web::rt::spawn(async move {
+            loop {
+                let f = long.recv().await;
+                match f["type"].as_str().unwrap() {
+                    "delta" => return (Instant::now(), f),
+                    "done" | "error" => return (Instant::now(), f),
+                    _ => {}
+                }
+            }
+        });
+        let mut turn = app.connect().await;
+        turn.chat("t", "Hi there.", greedy(4)).await;
+        let r = turn.reply("t").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        let turn_done = Instant::now();
+        let (long_first, f) = reader.await.unwrap();
+        assert_eq!(f["type"], "delta", "{f}");
+        assert!(
+            long_first > turn_done,
+            "the turn waited for the long prompt's prefill"
+        );
+        app.wait_idle().await;
+    });
+}
+
 /// With a step-time target, a long prompt is prefilled over many steps and a streaming reply
 /// gets a token in each of them (with the target off, the whole prompt would be one step and the
 /// stream would wait for it).
