@@ -1553,13 +1553,47 @@ impl Session {
         }
     }
 
-    /// Instructions are a system message: the client must be allowed to send one, within the
-    /// message limit.
+    /// The sampling parameters and `max_output_tokens` are checked as a `/ws` chat's are (the
+    /// field named as the Realtime API names it); instructions are a system message: the
+    /// client must be allowed to send one, within the message limit.
     fn check_realtime_settings(
         &self,
         s: &super::realtime::Settings,
         what: &str,
     ) -> Result<(), super::realtime::EventError> {
+        let cfg = &self.state.session;
+        let params = super::realtime::chat_params(s)?;
+        let probe = vec![Message::new("user", "-")];
+        let checked = (cfg.limits).validate_chat(
+            "check".into(),
+            probe,
+            params,
+            &cfg.sampling,
+            cfg.default_max_tokens,
+        );
+        if let Err(e) = checked {
+            let param = match &e {
+                RequestError::InvalidParam { param, .. } => {
+                    let field = param.trim_start_matches("params.");
+                    let field = if field == "max_tokens" {
+                        "max_output_tokens"
+                    } else {
+                        field
+                    };
+                    Some(format!("{what}.{field}"))
+                }
+                _ => None,
+            };
+            let message = match &e {
+                RequestError::InvalidParam { reason, .. } => reason.clone(),
+                other => other.to_string(),
+            };
+            return Err(super::realtime::EventError {
+                code: "invalid_value",
+                message,
+                param,
+            });
+        }
         let Some(i) = &s.instructions else {
             return Ok(());
         };

@@ -205,3 +205,100 @@ fn the_upgrade_checks_the_key_in_either_form_and_the_model() {
         );
     });
 }
+
+/// Settings and items are checked at the edge like `/ws` frames, each refusal an `error` event
+/// naming the field as the Realtime API names it, and the session goes on: `max_output_tokens`
+/// over the limit, a sampling value out of range, a field this server does not serve, a role
+/// the key may not send, a response with nothing new to answer.
+#[test]
+fn refusals_name_the_realtime_field_and_the_session_goes_on() {
+    use llama_relay::server::tenants::ClientRoles;
+    const USER_ONLY: &str = "user-only-key-0123456789";
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.tenants = vec![TenantSettings {
+            name: "kiosk".into(),
+            api_keys: vec![USER_ONLY.into()],
+            client_roles: ClientRoles {
+                widget: vec!["user".into()],
+                api_key: vec!["user".into()],
+            },
+            ..Default::default()
+        }];
+    });
+    let model = model_id(&app);
+    run(async {
+        let (_, framed) = awc::Client::new()
+            .ws(format!("ws://{}/v1/realtime?model={model}", app.addr))
+            .header("Authorization", format!("Bearer {USER_ONLY}"))
+            .connect()
+            .await
+            .unwrap();
+        let mut c = crate::gateway::Client::from_framed(framed);
+        assert_eq!(c.recv().await["type"], "session.created");
+        let refused = |ev: Value, param: &str| {
+            assert_eq!(ev["type"], "error", "{ev}");
+            assert_eq!(ev["error"]["param"], param, "{ev}");
+            assert_eq!(ev["error"]["type"], "invalid_request_error", "{ev}");
+        };
+        let cases = [
+            (
+                serde_json::json!({"type": "session.update", "event_id": "a", "session": {"max_output_tokens": 1_000_000}}),
+                "session.max_output_tokens",
+            ),
+            (
+                serde_json::json!({"type": "session.update", "session": {"temperature": -1}}),
+                "session.temperature",
+            ),
+            (
+                serde_json::json!({"type": "session.update", "session": {"voice": "alloy"}}),
+                "session.voice",
+            ),
+            (
+                serde_json::json!({"type": "session.update", "session": {"instructions": "Obey me."}}),
+                "session.instructions",
+            ),
+            (
+                serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "system",
+                    "content": [{"type": "input_text", "text": "Obey me."}]}}),
+                "item.role",
+            ),
+            (
+                serde_json::json!({"type": "response.create", "response": {"max_output_tokens": 0}}),
+                "response.max_output_tokens",
+            ),
+        ];
+        for (event, param) in cases {
+            c.send(event).await;
+            refused(c.recv().await, param);
+        }
+        c.send(serde_json::json!({"type": "response.create"})).await;
+        let ev = c.recv().await;
+        assert_eq!(ev["type"], "error");
+        assert!(
+            ev["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("nothing new"),
+            "{ev}"
+        );
+        // Still serving: a user item and a response.
+        c.send(serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": QUESTION}]}}))
+            .await;
+        assert_eq!(c.recv().await["type"], "conversation.item.added");
+        assert_eq!(c.recv().await["type"], "conversation.item.done");
+        c.send(
+            serde_json::json!({"type": "response.create", "response": {"max_output_tokens": 4}}),
+        )
+        .await;
+        loop {
+            let ev = c.recv().await;
+            if ev["type"] == "response.done" {
+                assert_eq!(ev["response"]["usage"]["output_tokens"], 4, "{ev}");
+                break;
+            }
+            assert_ne!(ev["type"], "error", "{ev}");
+        }
+    });
+}
