@@ -654,9 +654,10 @@ async fn stream_user(
     user: usize,
     max_tokens: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64)>), String> {
+) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64, f64)>), String> {
     let mut ws = connect(&url).await?;
     let mut gaps = Vec::new();
+    // (sent, TTFT, the server's queue time), seconds.
     let mut ttfts = Vec::new();
     let mut n = 0;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -666,6 +667,7 @@ async fn stream_user(
         let sent = Instant::now();
         send_fresh(&mut ws, &frame).await?;
         let mut last: Option<Instant> = None;
+        let mut ttft = f64::NAN;
         loop {
             let f = next_frame(&mut ws).await?;
             match f["type"].as_str() {
@@ -673,11 +675,15 @@ async fn stream_user(
                     let now = Instant::now();
                     match last {
                         Some(l) => gaps.push((now, (now - l).as_secs_f64())),
-                        None => ttfts.push((sent, (now - sent).as_secs_f64())),
+                        None => ttft = (now - sent).as_secs_f64(),
                     }
                     last = Some(now);
                 }
-                Some("done") => break,
+                Some("done") => {
+                    let queue = f["timings"]["queue_ms"].as_f64().unwrap_or(f64::NAN) / 1e3;
+                    ttfts.push((sent, ttft, queue));
+                    break;
+                }
                 Some("error") => return Err(format!("server error: {f}")),
                 _ => {}
             }
@@ -777,17 +783,20 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     println!("{} streams | {}", cfg.users, gap_line("during", &during));
     // A stream's next turn sent while the long prompts prefill waits for its first token: a
     // stall too, which the gaps inside replies do not show.
-    let mut turns: Vec<f64> = (ttfts.iter())
-        .filter(|(t, _)| *t > first_sent && *t <= last_ttft)
-        .map(|(_, d)| *d)
+    let mut turns: Vec<(f64, f64)> = (ttfts.iter())
+        .filter(|(t, _, _)| *t > first_sent && *t <= last_ttft)
+        .map(|(_, d, q)| (*d, *q))
         .collect();
-    turns.sort_by(f64::total_cmp);
+    turns.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let ttft: Vec<f64> = turns.iter().map(|t| t.0).collect();
+    let slowest = turns.last().copied().unwrap_or((f64::NAN, f64::NAN));
     println!(
-        "{} streams | during: new turns' TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms ({} turns)",
+        "{} streams | during: new turns' TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms of which queued {:.1} ms ({} turns)",
         cfg.users,
-        percentile(&turns, 50.0) * 1e3,
-        percentile(&turns, 99.0) * 1e3,
-        turns.last().copied().unwrap_or(f64::NAN) * 1e3,
+        percentile(&ttft, 50.0) * 1e3,
+        percentile(&ttft, 99.0) * 1e3,
+        slowest.0 * 1e3,
+        slowest.1 * 1e3,
         turns.len()
     );
     println!(
