@@ -243,15 +243,18 @@ fn peer_ip(req: &HttpRequest) -> std::net::IpAddr {
 /// widget (`?widget=ID` from one of its origins), or an anonymous client where the server allows
 /// them (a browser only from the server's own origin).
 pub(super) fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
-    let auth = match req.headers().get("authorization") {
-        Some(a) => Some(
-            a.to_str()
-                .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?
-                .to_string(),
-        ),
-        None => None,
-    };
-    identify_with(req, state, auth.as_deref())
+    identify_with(req, state, authorization(req)?)
+}
+
+/// The request's `Authorization` value, if it sent one.
+pub(super) fn authorization(req: &HttpRequest) -> Result<Option<&str>, Refusal> {
+    match req.headers().get("authorization") {
+        Some(a) => a
+            .to_str()
+            .map(Some)
+            .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into())),
+        None => Ok(None),
+    }
 }
 
 /// `identify`, with `auth` as the `Authorization` value (the Realtime API's browser form carries

@@ -34,6 +34,13 @@ async def until(conn, kind, seen=None):
             raise RuntimeError(f"error before {kind}: {ev.error.message}")
 
 
+async def add_user(conn, text):
+    """conversation.item.create with a user message."""
+    await conn.conversation.item.create(
+        item={"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+    )
+
+
 async def respond(conn, max_tokens, cancel_after_first_delta=False):
     """response.create, then every event to response.done: (text, types, done event)."""
     await conn.response.create(response={"max_output_tokens": max_tokens})
@@ -68,13 +75,7 @@ async def conversation():
         updated = await until(conn, "session.updated")
         out["updated_modalities"] = field(updated, "session", "output_modalities")
 
-        await conn.conversation.item.create(
-            item={
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": question}],
-            }
-        )
+        await add_user(conn, question)
         added = await until(conn, "conversation.item.done")
         user_item = field(added, "item", "id")
         text, types, done = await respond(conn, 24)
@@ -86,25 +87,13 @@ async def conversation():
             "output_item": field(done.response.output, 0, "id"),
         }
 
-        await conn.conversation.item.create(
-            item={
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": "And what do they eat?"}],
-            }
-        )
+        await add_user(conn, "And what do they eat?")
         await until(conn, "conversation.item.done")
         text, _, done = await respond(conn, 8)
         out["second"] = {"text": text, "usage": done.response.usage.model_dump()}
 
         # Cancel mid-stream.
-        await conn.conversation.item.create(
-            item={
-                "type": "message",
-                "role": "user",
-                "content": [{"type": "input_text", "text": "Tell me a very long story."}],
-            }
-        )
+        await add_user(conn, "Tell me a very long story.")
         await until(conn, "conversation.item.done")
         text, types, done = await respond(conn, 4000, cancel_after_first_delta=True)
         out["cancelled"] = {

@@ -306,15 +306,7 @@ async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse
 /// Who is calling (an API key, or an anonymous client where the server serves them), and the
 /// loaded model.
 fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiError> {
-    let auth = match req.headers().get("authorization") {
-        Some(a) => Some(
-            a.to_str()
-                .map_err(|_| Refusal::Unauthorized("unreadable Authorization header".into()))?
-                .to_string(),
-        ),
-        None => None,
-    };
-    caller_as(req, state, auth.as_deref())
+    caller_as(req, state, super::routes::authorization(req)?)
 }
 
 /// `caller`, with `auth` as the `Authorization` value.
