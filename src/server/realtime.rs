@@ -30,6 +30,10 @@ const AUDIO_EVENTS: &[&str] = &[
     "output_audio_buffer.clear",
 ];
 
+/// Items a conversation may hold (each message is a few hundred bytes of bookkeeping even when
+/// empty; the characters are bounded by the session).
+pub const MAX_ITEMS: usize = 1024;
+
 /// A client event's refusal: the Realtime `error` event's fields.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventError {
@@ -706,6 +710,15 @@ impl Realtime {
                 })? + 1
             }
         };
+        if self.items.len() >= MAX_ITEMS {
+            return Err(refuse(
+                "invalid_value",
+                Some("item"),
+                format!(
+                    "the conversation holds {MAX_ITEMS} items, the most it may: delete older items"
+                ),
+            ));
+        }
         let id = item.id.unwrap_or_else(|| new_id("item"));
         if self.items.iter().any(|i| i.id == id) {
             return Err(refuse(
@@ -1276,6 +1289,24 @@ mod tests {
         assert_eq!(got["item"]["content"][0]["type"], "output_text");
         rt.delete_item("b").unwrap();
         assert_eq!(rt.retrieve_item("b").unwrap_err().code, "item_not_found");
+    }
+
+    #[test]
+    fn a_conversation_holds_at_most_max_items() {
+        let mut rt = Realtime::new("m".into());
+        for _ in 0..MAX_ITEMS {
+            user(&mut rt, "");
+        }
+        let more = NewItem {
+            id: None,
+            role: "user".into(),
+            text: String::new(),
+        };
+        let e = rt.create_item(None, more.clone()).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("item"));
+        let first = rt.items[0].id.clone();
+        rt.delete_item(&first).unwrap();
+        rt.create_item(None, more).unwrap();
     }
 
     #[test]

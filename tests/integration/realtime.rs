@@ -225,6 +225,9 @@ fn refusals_name_the_realtime_field_and_the_session_goes_on() {
             },
             ..Default::default()
         }];
+        // Items: at most 40 characters each, 80 in all.
+        s.limits.max_message_chars = 40;
+        s.limits.max_messages = 2;
     });
     let model = model_id(&app);
     run(async {
@@ -271,6 +274,26 @@ fn refusals_name_the_realtime_field_and_the_session_goes_on() {
         for (event, param) in cases {
             c.send(event).await;
             refused(c.recv().await, param);
+        }
+        // The item caps: one item over 40 characters, then 81 characters in all.
+        let item = |text: String| {
+            serde_json::json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": text}]}})
+        };
+        c.send(item("x".repeat(41))).await;
+        refused(c.recv().await, "item.content");
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            c.send(item("x".repeat(40))).await;
+            assert_eq!(c.recv().await["type"], "conversation.item.added");
+            ids.push(c.recv().await["item"]["id"].clone());
+        }
+        c.send(item("x".into())).await;
+        refused(c.recv().await, "item.content");
+        for id in ids {
+            c.send(serde_json::json!({"type": "conversation.item.delete", "item_id": id}))
+                .await;
+            assert_eq!(c.recv().await["type"], "conversation.item.deleted");
         }
         c.send(serde_json::json!({"type": "response.create"})).await;
         let ev = c.recv().await;
