@@ -654,10 +654,10 @@ async fn stream_user(
     user: usize,
     max_tokens: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64, f64)>), String> {
+) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64, (f64, f64))>), String> {
     let mut ws = connect(&url).await?;
     let mut gaps = Vec::new();
-    // (sent, TTFT, the server's queue time), seconds.
+    // (sent, TTFT, the server's queue time and TTFT), seconds.
     let mut ttfts = Vec::new();
     let mut n = 0;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -680,8 +680,8 @@ async fn stream_user(
                     last = Some(now);
                 }
                 Some("done") => {
-                    let queue = f["timings"]["queue_ms"].as_f64().unwrap_or(f64::NAN) / 1e3;
-                    ttfts.push((sent, ttft, queue));
+                    let ms = |k: &str| f["timings"][k].as_f64().unwrap_or(f64::NAN) / 1e3;
+                    ttfts.push((sent, ttft, (ms("queue_ms"), ms("ttft_ms"))));
                     break;
                 }
                 Some("error") => return Err(format!("server error: {f}")),
@@ -783,20 +783,22 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     println!("{} streams | {}", cfg.users, gap_line("during", &during));
     // A stream's next turn sent while the long prompts prefill waits for its first token: a
     // stall too, which the gaps inside replies do not show.
-    let mut turns: Vec<(f64, f64)> = (ttfts.iter())
+    let mut turns: Vec<(f64, (f64, f64))> = (ttfts.iter())
         .filter(|(t, _, _)| *t > first_sent && *t <= last_ttft)
         .map(|(_, d, q)| (*d, *q))
         .collect();
     turns.sort_by(|a, b| a.0.total_cmp(&b.0));
     let ttft: Vec<f64> = turns.iter().map(|t| t.0).collect();
-    let slowest = turns.last().copied().unwrap_or((f64::NAN, f64::NAN));
+    let (max, (queued, first)) =
+        (turns.last().copied()).unwrap_or((f64::NAN, (f64::NAN, f64::NAN)));
     println!(
-        "{} streams | during: new turns' TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms of which queued {:.1} ms ({} turns)",
+        "{} streams | during: new turns' TTFT p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (server: queued {:.1} ms, first token {:.1} ms) ({} turns)",
         cfg.users,
         percentile(&ttft, 50.0) * 1e3,
         percentile(&ttft, 99.0) * 1e3,
-        slowest.0 * 1e3,
-        slowest.1 * 1e3,
+        max * 1e3,
+        queued * 1e3,
+        first * 1e3,
         turns.len()
     );
     println!(

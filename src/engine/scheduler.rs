@@ -586,8 +586,9 @@ impl Scheduler {
             b.spare = Some(self.cost.predict(&b.shape) * (1.0 + DRAFT_SLACK));
         }
         for priority in [Priority::Interactive, Priority::Batch] {
+            self.schedule_running_prefills(&decoding, priority, Remainder::Short, &mut b, &mut out);
             self.admit_short_before_long(priority, &mut b, &mut out);
-            self.schedule_running_prefills(&decoding, priority, &mut b, &mut out);
+            self.schedule_running_prefills(&decoding, priority, Remainder::Long, &mut b, &mut out);
             self.admit(priority, &mut b, &mut out);
         }
         if b.limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
@@ -706,21 +707,28 @@ impl Scheduler {
         ids
     }
 
-    /// Next chunks of running requests of `priority` that are still prefilling, in admission
-    /// order.
+    /// Next chunks of running requests of `priority` that are still prefilling with `which`
+    /// remainder, in admission order. The short ones (a step's token budget or less: chat turns
+    /// cut to the time target when they were admitted) go first, each step, before the next
+    /// short prompt is admitted and before the long prefills' chunks: ordered by admission
+    /// alone, a turn admitted cut beside a long prefill waited out that whole prefill, whose
+    /// chunk, cut to the target, ends each step's prefill work.
     fn schedule_running_prefills(
         &mut self,
         decoding: &[RequestId],
         priority: Priority,
+        which: Remainder,
         b: &mut StepBudget,
         out: &mut Scheduled,
     ) {
+        let budget = self.cfg.step_tokens;
         let mut prefilling: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
                 let r = &self.running[i];
                 // (A paused reply runs nothing, not even the recomputation of its tokens.)
                 r.priority == priority
                     && r.pending() > 0
+                    && (r.pending() > budget) == (which == Remainder::Long)
                     && !r.paused
                     && !decoding.contains(&r.id)
                     && !b.hold.contains(&r.tenant())
@@ -972,6 +980,14 @@ impl Scheduler {
             false
         }
     }
+}
+
+/// Which running prefills `Scheduler::schedule_running_prefills` takes: those with at most a
+/// step's token budget left, or the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Remainder {
+    Short,
+    Long,
 }
 
 /// What is left of a step while it is filled.
@@ -1805,6 +1821,58 @@ mod tests {
         );
         assert_eq!(out.batch.seqs[1].tokens.len(), 200, "the turn goes whole");
         assert_eq!(started(&out), [(3, 0)]);
+    }
+
+    #[test]
+    fn a_chat_turn_cut_beside_a_long_prefill_is_not_starved_by_it() {
+        // A long prompt deep into its prefill (a token there costs ~3 ms: its attention), 22
+        // replies decoding (~22 ms of the 40 ms plan). Two turns arrive: the first goes whole
+        // (~16 ms), which leaves the long prompt no token; the second is admitted with the
+        // sliver left, cut. From then on the turn's rest must go before the long prefill's
+        // chunk, cut to the target every step: admitted after it, it used to wait out the
+        // whole long prefill.
+        let mut s = timed(16384, 512, 50, 64);
+        s.add(id(1), vec![1; 20000], 20001, scope(0)).unwrap();
+        for _ in 0..4 {
+            step(&mut s);
+        }
+        for i in 10..32 {
+            s.add(id(i), vec![2; 4], 10_000, scope(i)).unwrap();
+        }
+        while (10..32).any(|i| s.get(id(i)).is_none_or(|r| r.computed < 4)) {
+            step(&mut s);
+        }
+        assert!(s.get(id(1)).unwrap().computed >= 2000);
+        s.add(id(100), vec![3; 16], 1000, scope(100)).unwrap();
+        s.add(id(101), vec![4; 16], 1000, scope(101)).unwrap();
+        let out = step(&mut s);
+        let first = out.entries.iter().find(|e| e.id == id(100));
+        assert!(first.unwrap().sample, "the first turn goes whole");
+        let cut = s.get(id(101)).unwrap();
+        assert!(
+            cut.started && cut.computed > 0 && cut.computed < 16,
+            "the second turn is admitted cut: {} of 16",
+            cut.computed
+        );
+        let mut steps = 0;
+        while s.get(id(101)).unwrap().computed < 16 {
+            let out = step(&mut s);
+            steps += 1;
+            assert!(steps <= 2, "the turn's rest within two steps");
+            let order: Vec<u64> = (out.entries.iter())
+                .filter(|e| e.id == id(1) || e.id == id(101))
+                .map(|e| e.id.0)
+                .collect();
+            assert_eq!(
+                order.first(),
+                Some(&101),
+                "the turn's rest first: {order:?}"
+            );
+        }
+        // The long prompt goes on in what the turns leave.
+        let before = s.get(id(1)).unwrap().computed;
+        step(&mut s);
+        assert!(s.get(id(1)).unwrap().computed > before);
     }
 
     #[test]
