@@ -917,12 +917,15 @@ impl Scheduler {
     }
 
     /// A chat turn is not kept waiting behind someone's long prompt: while a running request of
-    /// `priority` has more than a step's token budget of prompt left to prefill, the next
-    /// queued request whose whole prompt fits the budget (in the usual order, passing long
-    /// prompts queued ahead of it) goes into the step before that prefill's chunk (it is then
-    /// not cut to the time target, `chunk_len`); the long prefill takes what the step has left. One such request a step, so a stream of short prompts slows the
-    /// long one by at most a step's budget a step. (vLLM's `long_prefill_token_threshold` lets
-    /// shorter prompts jump ahead of longer ones the same way.)
+    /// `priority` has more than a step's token budget of prompt left to prefill, queued requests
+    /// whose whole prompt fits the budget (in the usual order, passing long prompts queued ahead
+    /// of them) go into the step before that prefill's chunk. The first goes whole (it is not cut
+    /// to the time target, `chunk_len`); more follow while the target leaves room, the last one
+    /// possibly cut (its rest goes first next step, `schedule_running_prefills`), so turns that
+    /// arrive together (streams that started together end together) all start within a step or
+    /// two instead of one a step. The long prefill takes what the step has left. (vLLM's
+    /// `long_prefill_token_threshold` lets shorter prompts jump ahead of longer ones the same
+    /// way.)
     fn admit_short_before_long(
         &mut self,
         priority: Priority,
@@ -933,14 +936,19 @@ impl Scheduler {
         let long_running = self.running.iter().any(|r| {
             r.priority == priority && !r.paused && !r.prefill_only && r.pending() > budget
         });
-        if !long_running || b.tokens == 0 || b.full || self.running.len() >= self.cfg.max_running {
+        if !long_running {
             return;
         }
-        // The next short one in the usual order: a long prompt queued ahead does not hold it.
-        let room = budget.min(b.tokens);
-        let short = |s: &Sequence| !s.started && !s.prefill_only && s.tokens.len() <= room;
-        if let Some(i) = self.next_to_admit_of(priority, &b.hold, short) {
-            self.admit_at(i, b, out);
+        while b.tokens > 0 && !b.full && self.running.len() < self.cfg.max_running {
+            // The next short one in the usual order: a long prompt queued ahead does not hold it.
+            let room = budget.min(b.tokens);
+            let short = |s: &Sequence| !s.started && !s.prefill_only && s.tokens.len() <= room;
+            let Some(i) = self.next_to_admit_of(priority, &b.hold, short) else {
+                return;
+            };
+            if !self.admit_at(i, b, out) {
+                return;
+            }
         }
     }
 
@@ -1873,6 +1881,38 @@ mod tests {
         let before = s.get(id(1)).unwrap().computed;
         step(&mut s);
         assert!(s.get(id(1)).unwrap().computed > before);
+    }
+
+    #[test]
+    fn chat_turns_arriving_together_beside_a_long_prefill_all_start_within_two_steps() {
+        // Four replies decode (~4 ms of the 40 ms plan) beside a long prefill; four 16-token
+        // turns arrive at once (~16 ms each). One a step would start the last in the fourth
+        // step; as many as the target leaves room for start at once, the last one cut.
+        let mut s = timed(16384, 512, 50, 64);
+        s.add(id(1), vec![1; 8000], 8001, scope(0)).unwrap();
+        step(&mut s);
+        for i in 10..14 {
+            s.add(id(i), vec![2; 4], 10_000, scope(i)).unwrap();
+        }
+        while (10..14).any(|i| s.get(id(i)).is_none_or(|r| r.computed < 4)) {
+            step(&mut s);
+        }
+        for i in 100..104 {
+            s.add(id(i), vec![3; 16], 1000, scope(i)).unwrap();
+        }
+        let first = step(&mut s);
+        let turns: Vec<(u64, usize)> = (first.entries.iter().zip(&first.batch.seqs))
+            .filter(|(e, _)| e.id.0 >= 100)
+            .map(|(e, q)| (e.id.0, q.tokens.len()))
+            .collect();
+        assert!(turns.len() >= 3, "at least three start at once: {turns:?}");
+        assert_eq!(turns[..2], [(100, 16), (101, 16)], "{turns:?}");
+        step(&mut s);
+        for i in 100..104 {
+            let r = s.get(id(i)).unwrap();
+            assert!(r.started, "turn {i} started within two steps");
+        }
+        assert!(s.get(id(1)).unwrap().computed < 8000);
     }
 
     #[test]
