@@ -4,6 +4,7 @@
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
 //!                                   [--weights auto|keep|f32] [--kv f16|f32] [--no-cpu-layers]
+//!                                   [--device cpu|cuda|cuda:N]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
@@ -36,6 +37,7 @@ struct Args {
     kv_f16: bool,
     no_cpu_layers: bool,
     weights: llama_relay::model::loader::WeightMode,
+    device: candle_core::Device,
 }
 
 fn parse() -> Args {
@@ -57,6 +59,7 @@ fn parse() -> Args {
         kv_f16: true,
         no_cpu_layers: false,
         weights: llama_relay::model::loader::WeightMode::Auto,
+        device: candle_core::Device::Cpu,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -84,6 +87,11 @@ fn parse() -> Args {
                 }
             }
             "--no-cpu-layers" => a.no_cpu_layers = true,
+            "--device" => {
+                let d = it.next().expect("--device cpu|cuda|cuda:N");
+                a.device =
+                    llama_relay::settings::parse_device(&d).unwrap_or_else(|e| panic!("{e}"));
+            }
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--seqs" => a.seqs = it.next().and_then(|v| v.parse().ok()).expect("--seqs N"),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
@@ -456,6 +464,7 @@ fn main() {
         .unwrap_or_else(|| llama_relay::default_model::ensure_default_model().unwrap());
     let mut o = EngineOptions::for_model(model);
     o.weights = a.weights;
+    o.device = a.device.clone();
     if a.kv_f16 {
         o.kv_dtype = candle_core::DType::F16;
     }
@@ -464,8 +473,9 @@ fn main() {
     let vocab = e.model.config().vocab_size;
     let cpu_layers = e.model.set_cpu_layers(!a.no_cpu_layers);
     println!(
-        "model {} | threads {} | malloc tuning {} | weights {} | KV {:?} | CPU layer path {}",
+        "model {} | device {:?} | threads {} | malloc tuning {} | weights {} | KV {:?} | CPU layer path {}",
         e.info.name,
+        a.device,
         a.threads,
         a.malloc_tuning,
         e.info.weight_types.join(", "),

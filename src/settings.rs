@@ -335,10 +335,15 @@ pub fn parse_device(s: &str) -> Result<Device> {
                 ));
             }
             Device::new_cuda(ordinal).map_err(|e| {
+                // (candle appends a backtrace when RUST_BACKTRACE is set: the first line says it.)
+                let e = e.to_string();
                 invalid(
                     "engine.device",
                     format!("{s:?}"),
-                    &format!("no such CUDA device: {e}"),
+                    &format!(
+                        "no such CUDA device: {}",
+                        e.lines().next().unwrap_or_default()
+                    ),
                 )
             })
         }

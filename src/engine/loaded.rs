@@ -58,6 +58,16 @@ impl EngineOptions {
     }
 }
 
+/// The CPU-only paths a GPU engine goes without, named in its start-up log: on a GPU the step's
+/// weights, KV cache and attention stay on the device and run through candle's CUDA ops.
+pub const CPU_ONLY: [&str; 5] = [
+    "the paged attention kernel (candle ops over each sequence's block table instead)",
+    "the repacked 8-row quantized matmul kernels and the dense F32 path for big steps (candle's CUDA quantized matmul on the stored types instead)",
+    "the layer path over plain row buffers (norms, RoPE, SiLU, cache writes without a tensor op each)",
+    "requantizing Q5_0/Q5_1 to Q8_0 and F16/BF16 to F32 at load (kept as stored)",
+    "CPU feature detection (AVX2/AVX-512 kernels)",
+];
+
 /// What was loaded, for logs and the `ready` frame.
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
@@ -148,6 +158,13 @@ impl Engine {
             context = max_positions, attention = ?imp, weights = %weight_types.join(", "),
             "model loaded"
         );
+        if !opts.device.is_cpu() {
+            tracing::info!(
+                device = ?opts.device,
+                cpu_only = %CPU_ONLY.join("; "),
+                "not on this device: these paths run on the CPU only; the step uses candle's device ops instead"
+            );
+        }
         tracing::info!(
             bytes_per_token = KvCacheSpec::bytes_per_token(cfg.kv_shape(), opts.kv_dtype),
             dtype = ?opts.kv_dtype,

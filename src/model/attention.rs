@@ -8,7 +8,9 @@
 //!   by hand because candle has no paged attention on CPU and gathering blocks into a fresh tensor
 //!   per sequence per layer costs more than the attention itself at decode time.
 //! - `generic`: gathers each sequence's slots with `index_select` and runs standard masked
-//!   attention with candle ops, so it runs on any device (CUDA). Tests compare the two on CPU.
+//!   attention with candle ops, so it runs on any device (CUDA): the cache stays where it is and
+//!   only the gather indices and masks (`GenericPlan`, once a step) travel to it. Tests compare
+//!   the two on CPU.
 
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
@@ -52,7 +54,10 @@ pub fn paged_attention(
         AttentionImpl::FastCpu => {
             fast_cpu(q, k_cache, v_cache, seqs, &FastCpuPlan::new(seqs, dims))
         }
-        AttentionImpl::Generic => generic(q, k_cache, v_cache, seqs, dims),
+        AttentionImpl::Generic => {
+            let plan = GenericPlan::new(seqs, dims.block_size, q.device())?;
+            generic(q, k_cache, v_cache, seqs, dims, &plan)
+        }
     }
 }
 
@@ -288,28 +293,65 @@ pub(crate) fn fast_cpu_rows(
     Ok(out)
 }
 
-fn generic(
+/// What the generic path derives from a step's sequences, the same for every layer: each
+/// sequence's slot ids (the gather index into the cache) and, for a chunk of several tokens, its
+/// causal mask, on the device once a step instead of once a layer.
+pub(crate) struct GenericPlan {
+    /// Per sequence: `[ctx]` u32 slots, and `[1, q_len, ctx]` additive mask (`None` for one
+    /// token, which sees every position).
+    seqs: Vec<(Tensor, Option<Tensor>)>,
+}
+
+impl GenericPlan {
+    pub(crate) fn new(seqs: &[SeqMeta], block_size: usize, device: &Device) -> Result<Self> {
+        let mut out = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let ctx = s.context_len();
+            let slots: Vec<u32> = (0..ctx)
+                .map(|p| slot_of(&s.block_table, p, block_size) as u32)
+                .collect();
+            let idx = Tensor::from_vec(slots, ctx, device)?;
+            // Causal: row j (position start_pos + j) sees positions 0..=start_pos + j.
+            let mask = (s.q_len > 1)
+                .then(|| {
+                    let mask: Vec<f32> = (0..s.q_len)
+                        .flat_map(|j| {
+                            (0..ctx).map(move |p| {
+                                if p <= s.start_pos + j {
+                                    0.0
+                                } else {
+                                    f32::NEG_INFINITY
+                                }
+                            })
+                        })
+                        .collect();
+                    Tensor::from_vec(mask, (1, s.q_len, ctx), device)
+                })
+                .transpose()?;
+            out.push((idx, mask));
+        }
+        Ok(GenericPlan { seqs: out })
+    }
+}
+
+pub(crate) fn generic(
     q: &Tensor,
     k_cache: &Tensor,
     v_cache: &Tensor,
     seqs: &[SeqMeta],
     d: AttnDims,
+    plan: &GenericPlan,
 ) -> Result<Tensor> {
-    let (h, kvh, hd, bs) = (d.num_heads, d.num_kv_heads, d.head_dim, d.block_size);
+    let (h, kvh, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
     let group = h / kvh;
-    let device = q.device();
     let scale = 1.0 / (hd as f64).sqrt();
     let mut outs = Vec::with_capacity(seqs.len());
-    for s in seqs {
+    for (s, (idx, mask)) in seqs.iter().zip(&plan.seqs) {
         let ctx = s.context_len();
-        let slots: Vec<u32> = (0..ctx)
-            .map(|p| slot_of(&s.block_table, p, bs) as u32)
-            .collect();
-        let idx = Tensor::from_vec(slots, ctx, device)?;
         // [ctx, kvh, hd] -> [kvh, ctx, hd] -> [kvh, group, ctx, hd] -> [h, ctx, hd]
         let expand = |cache: &Tensor| -> candle_core::Result<Tensor> {
             cache
-                .index_select(&idx, 0)?
+                .index_select(idx, 0)?
                 .to_dtype(DType::F32)?
                 .reshape((ctx, kvh, hd))?
                 .transpose(0, 1)?
@@ -324,21 +366,11 @@ fn generic(
             .reshape((s.q_len, h, hd))?
             .transpose(0, 1)?
             .contiguous()?; // [h, q_len, hd]
-        let scores = (qs.matmul(&k.t()?)? * scale)?; // [h, q_len, ctx]
-                                                     // Causal: row j (position start_pos + j) sees positions 0..=start_pos + j.
-        let mask: Vec<f32> = (0..s.q_len)
-            .flat_map(|j| {
-                (0..ctx).map(move |p| {
-                    if p <= s.start_pos + j {
-                        0.0
-                    } else {
-                        f32::NEG_INFINITY
-                    }
-                })
-            })
-            .collect();
-        let mask = Tensor::from_vec(mask, (1, s.q_len, ctx), device)?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+        let mut scores = (qs.matmul(&k.t()?)? * scale)?; // [h, q_len, ctx]
+        if let Some(mask) = mask {
+            scores = scores.broadcast_add(mask)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let o = probs.matmul(&v)?; // [h, q_len, hd]
         outs.push(o.transpose(0, 1)?.reshape((s.q_len, h * hd))?);
     }

@@ -21,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use super::attention::{
-    fast_cpu, fast_cpu_rows, paged_attention, AttentionImpl, AttnDims, FastCpuPlan,
+    fast_cpu, fast_cpu_rows, generic, AttentionImpl, AttnDims, FastCpuPlan, GenericPlan,
 };
 use super::config::{inv_freqs, ModelConfig};
 use super::kernels::rope::{rope_half, rope_half_in_place};
@@ -217,11 +217,17 @@ struct StepContext<'a> {
     slot_index: Tensor,
     plan: &'a StepPlan,
     cache: &'a KvCache,
-    imp: AttentionImpl,
     dims: AttnDims,
-    /// The fast attention's per-step plan (row offsets, tasks), when the step uses it: every layer
-    /// shares it.
-    fast: Option<FastCpuPlan>,
+    /// The attention's per-step plan: every layer shares it.
+    attn: AttnPlan,
+}
+
+/// The per-step part of whichever attention the model runs.
+enum AttnPlan {
+    /// Row offsets and tasks.
+    Fast(FastCpuPlan),
+    /// Gather indices and masks on the device.
+    Generic(GenericPlan),
 }
 
 impl SelfAttention {
@@ -244,9 +250,9 @@ impl SelfAttention {
         let k = RotaryEmbedding::forward(&qkv[1], self.num_kv_heads, &ctx.cos, &ctx.sin)?;
         ctx.cache.write(layer, &ctx.slot_index, &k, &qkv[2])?;
         let (kc, vc) = ctx.cache.layer(layer)?;
-        let o = match &ctx.fast {
-            Some(plan) => fast_cpu(&q, &kc, &vc, &ctx.plan.seqs, plan)?,
-            None => paged_attention(ctx.imp, &q, &kc, &vc, &ctx.plan.seqs, ctx.dims)?,
+        let o = match &ctx.attn {
+            AttnPlan::Fast(plan) => fast_cpu(&q, &kc, &vc, &ctx.plan.seqs, plan)?,
+            AttnPlan::Generic(plan) => generic(&q, &kc, &vc, &ctx.plan.seqs, ctx.dims, plan)?,
         };
         self.o_proj.forward(&o)
     }
@@ -339,9 +345,11 @@ impl DecoderLayer {
             &Tensor::from_vec(v, (n, kvd), dev)?,
         )?;
         let (kc, vc) = ctx.cache.layer(layer)?;
-        let fast = ctx.fast.as_ref().ok_or_else(|| {
-            EngineError::InvalidBatch("the CPU layer path needs the fast attention".into())
-        })?;
+        let AttnPlan::Fast(fast) = &ctx.attn else {
+            return Err(EngineError::InvalidBatch(
+                "the CPU layer path needs the fast attention".into(),
+            ));
+        };
         let o = fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, fast)?;
         add_assign(x, &p.o_proj.forward_rows(&o, n)?);
         let h = self.post_attention_layernorm.forward_rows(x, width)?;
@@ -507,11 +515,14 @@ impl Llama {
             cos,
             sin,
             slot_index,
-            fast: (self.attention == AttentionImpl::FastCpu)
-                .then(|| FastCpuPlan::new(&plan.seqs, dims)),
+            attn: match self.attention {
+                AttentionImpl::FastCpu => AttnPlan::Fast(FastCpuPlan::new(&plan.seqs, dims)),
+                AttentionImpl::Generic => {
+                    AttnPlan::Generic(GenericPlan::new(&plan.seqs, dims.block_size, dev)?)
+                }
+            },
             plan: &plan,
             cache,
-            imp: self.attention,
             dims,
         };
         let mut x = self.embed_tokens.forward(&ids)?;
