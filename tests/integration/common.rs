@@ -211,7 +211,7 @@ impl Tiny {
         self.load_with(block_size, |o| o.kv_dtype = served)
     }
 
-    fn load_with(self, block_size: usize, tweak: impl FnOnce(&mut EngineOptions)) -> Engine {
+    pub fn load_with(self, block_size: usize, tweak: impl FnOnce(&mut EngineOptions)) -> Engine {
         let mut o = EngineOptions::for_model(self.dir());
         o.block_size = block_size;
         o.cache = llama_relay::engine::loaded::CacheSize::Tokens(4096);

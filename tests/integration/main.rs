@@ -8,6 +8,7 @@ mod conversation;
 mod detokenizer;
 mod fuzz_corpus;
 mod gateway;
+mod gpu;
 mod kquants;
 mod layers;
 mod loading;

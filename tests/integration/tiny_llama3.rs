@@ -74,7 +74,7 @@ pub fn run_batched(
     out
 }
 
-fn prompt_logits(engine: &mut Engine, prompt: &[u32], chunk: usize) -> Vec<f32> {
+pub fn prompt_logits(engine: &mut Engine, prompt: &[u32], chunk: usize) -> Vec<f32> {
     run_batched(engine, &[prompt.to_vec()], chunk, 1)
         .remove(0)
         .0
@@ -182,7 +182,7 @@ fn untied_greedy_chat_matches_reference() {
 }
 
 /// The three prompts of the fixture's batch.
-fn batch3(exp: &serde_json::Value) -> Vec<Vec<u32>> {
+pub fn batch3(exp: &serde_json::Value) -> Vec<Vec<u32>> {
     exp["batch3"]["ids"]
         .as_array()
         .unwrap()

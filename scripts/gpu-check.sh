@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with an NVIDIA GPU: builds with `--features cuda`, runs the GPU
+# tests (tests/integration/gpu.rs: the tiny Llama 3 models on cuda:0 against transformers'
+# references and the CPU F32 path), the engine bench on cuda:0 and the serving bench at 1, 16 and
+# 64 users on the default model, and writes a report:
+#
+#   scripts/gpu-check.sh [REPORT_DIR]          # default target/gpu-check
+#
+# Without nvcc on the PATH it installs the toolchain from NVIDIA's wheels (scripts/cuda-toolchain.sh,
+# needs the Python package registry). CUDA_COMPUTE_CAP defaults to the GPU's own (nvidia-smi).
+#
+# Where the GPU machine has no Rust toolchain or no network, build on another machine and copy the
+# binaries over: `GPU_CHECK_PREBUILT=DIR` skips the build and runs DIR/llama-relay, DIR/integration
+# (the integration test binary) and DIR/engine (the engine bench binary); see docs/gpu.md.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${1:-target/gpu-check}
+mkdir -p "$OUT"
+REPORT="$OUT/report.md"
+LOG="$OUT/log.txt"
+: >"$LOG"
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "gpu-check: no NVIDIA GPU answers (nvidia-smi -L failed); nothing to check" >&2
+  exit 2
+fi
+GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n1)
+CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '.')
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-$CAP}
+echo "gpu-check: $GPU, compute capability $CUDA_COMPUTE_CAP" | tee -a "$LOG"
+
+if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
+  BIN="$GPU_CHECK_PREBUILT/llama-relay"
+  TESTS="$GPU_CHECK_PREBUILT/integration"
+  ENGINE="$GPU_CHECK_PREBUILT/engine"
+  BUILD_S=prebuilt
+else
+  if ! command -v nvcc >/dev/null 2>&1; then
+    eval "$(scripts/cuda-toolchain.sh)"
+  fi
+  start=$(date +%s)
+  cargo build --release --features cuda --bins --tests --benches 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
+  BUILD_S=$(($(date +%s) - start))
+  BIN=target/release/llama-relay
+  TESTS=$(ls -t target/release/deps/integration-* | grep -v '\.d$' | head -n1)
+  ENGINE=$(ls -t target/release/deps/engine-* | grep -v '\.d$' | head -n1)
+fi
+
+# CUDA's libraries where such machines keep them (the toolkit, or the wheels beside PyTorch).
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+  $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
+  [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"
+done
+export LD_LIBRARY_PATH
+if ldd "$BIN" | grep -q 'not found'; then
+  echo "gpu-check: $BIN misses libraries:" >&2
+  ldd "$BIN" | grep 'not found' >&2
+  exit 2
+fi
+
+section() { printf '\n## %s\n\n```\n' "$1" >>"$REPORT"; }
+endsection() { printf '```\n' >>"$REPORT"; }
+
+{
+  echo "# GPU check"
+  echo
+  echo "- GPU: $GPU"
+  echo "- compute capability built for: $CUDA_COMPUTE_CAP"
+  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "- build: ${BUILD_S}s"
+} >"$REPORT"
+
+status=0
+section "GPU tests (gpu_*, against the references and the CPU F32 path)"
+if "$TESTS" gpu_ --test-threads 1 2>&1 | tee -a "$LOG" | grep -E '^test |test result|skipped' >>"$REPORT"; then
+  :
+fi
+grep -q 'test result: ok' "$REPORT" || status=1
+grep -q 'skipped' "$LOG" && status=1
+endsection
+
+section "Engine bench on cuda:0 (default model, F16 KV)"
+"$ENGINE" --device cuda:0 --reps 5 2>&1 | tee -a "$LOG" | grep -vE '^\s*$' >>"$REPORT" || status=1
+endsection
+
+section "Serving bench on cuda:0 (1, 16, 64 users; 100-word prompts, 64 new tokens)"
+LLAMA_RELAY__ENGINE__DEVICE=cuda:0 LLAMA_RELAY__SCHEDULER__MAX_RUNNING=64 \
+  "$BIN" bench --users 1,16,64 2>&1 | tee -a "$LOG" | grep -E 'users|tok/s|TTFT' >>"$REPORT" || status=1
+endsection
+
+echo "gpu-check: report in $REPORT (full log $LOG), status $status" >&2
+cat "$REPORT"
+exit $status
