@@ -154,21 +154,21 @@ async fn ws(
             .insert_header(("Retry-After", "1"))
             .json(json!({"error_type": "draining", "message": "this server is shutting down; connect again (a load balancer sends you to another replica)"})));
     }
-    let conversation = match conversation_key(&req) {
-        Ok(c) => c,
-        Err(m) => {
-            state.metrics.error("invalid_request");
-            return Ok(HttpResponse::BadRequest()
-                .json(json!({"error_type": "invalid_request", "message": m})));
-        }
+    let bad_request = |m: String| {
+        state.metrics.error("invalid_request");
+        HttpResponse::BadRequest().json(json!({"error_type": "invalid_request", "message": m}))
     };
-    let identity = match identify(&req, &state) {
+    let query = match query(&req) {
+        Ok(q) => q,
+        Err(m) => return Ok(bad_request(m)),
+    };
+    let conversation = match conversation_key(&query) {
+        Ok(c) => c,
+        Err(m) => return Ok(bad_request(m)),
+    };
+    let identity = match authorization(&req).and_then(|a| identify_with(&req, &state, a, &query)) {
         Ok(i) => i,
-        Err(Refusal::BadRequest(m)) => {
-            state.metrics.error("invalid_request");
-            return Ok(HttpResponse::BadRequest()
-                .json(json!({"error_type": "invalid_request", "message": m})));
-        }
+        Err(Refusal::BadRequest(m)) => return Ok(bad_request(m)),
         Err(Refusal::Unauthorized(m)) => {
             state.metrics.error("unauthorized");
             return Ok(HttpResponse::Unauthorized()
@@ -208,10 +208,7 @@ async fn ws(
 /// balancer hashes it so that every turn and reconnect of a conversation reaches the replica
 /// holding its KV blocks (docs/deploy.md). The server only checks it and logs it with the
 /// session.
-fn conversation_key(req: &HttpRequest) -> Result<Option<String>, String> {
-    let query =
-        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
-            .map_err(|e| format!("malformed query: {e}"))?;
+fn conversation_key(query: &QueryMap) -> Result<Option<String>, String> {
     match query.get("conversation") {
         None => Ok(None),
         Some(c) if super::tenants::valid_id(c) => Ok(Some(c.clone())),
@@ -238,12 +235,13 @@ fn peer_ip(req: &HttpRequest) -> std::net::IpAddr {
         .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |a| a.ip())
 }
 
-/// Who an upgrade is, from its headers and query (`widget`, `prefix`) alone: an API key
-/// (`Authorization`, any scheme case; `prefix` selects one of its tenant's named prefixes), a
-/// widget (`?widget=ID` from one of its origins), or an anonymous client where the server allows
-/// them (a browser only from the server's own origin).
-pub(super) fn identify(req: &HttpRequest, state: &AppState) -> Result<Identity, Refusal> {
-    identify_with(req, state, authorization(req)?)
+/// A request's query parameters, parsed once (a repeated name: the last one).
+pub(super) type QueryMap = std::collections::HashMap<String, String>;
+
+pub(super) fn query(req: &HttpRequest) -> Result<QueryMap, String> {
+    web::Query::<QueryMap>::from_query(req.query_string())
+        .map(web::Query::into_inner)
+        .map_err(|e| format!("malformed query: {e}"))
 }
 
 /// The request's `Authorization` value, if it sent one.
@@ -257,16 +255,17 @@ pub(super) fn authorization(req: &HttpRequest) -> Result<Option<&str>, Refusal> 
     }
 }
 
-/// `identify`, with `auth` as the `Authorization` value (the Realtime API's browser form carries
-/// the key in a WebSocket subprotocol instead).
+/// Who an upgrade is, from its headers and query (`widget`, `prefix`) alone: an API key (`auth`,
+/// the `Authorization` value, any scheme case, or the Realtime API's browser form, a WebSocket
+/// subprotocol; `prefix` selects one of its tenant's named prefixes), a widget (`?widget=ID`
+/// from one of its origins), or an anonymous client where the server allows them (a browser
+/// only from the server's own origin).
 pub(super) fn identify_with(
     req: &HttpRequest,
     state: &AppState,
     auth: Option<&str>,
+    query: &QueryMap,
 ) -> Result<Identity, Refusal> {
-    let query =
-        web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
-            .map_err(|e| Refusal::BadRequest(format!("malformed query: {e}")))?;
     let headers = req.headers();
     let origin = headers.get("origin").and_then(|o| o.to_str().ok());
     let prefix = query.get("prefix").map(String::as_str);

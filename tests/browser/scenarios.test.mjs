@@ -329,21 +329,29 @@ test("after Stop the next question follows the shown text; Regenerate and Edit o
   await context.close();
 });
 
-test("a socket killed mid-reply resumes: the page finishes the same reply without loss or duplicates", async () => {
-  const { page, context, errors } = await newPage();
-  // Every frame the page receives, on every socket, and every socket's URL.
+// Records, on every socket the page opens: its URL (`__urls`), each JSON frame it receives
+// (`__in`) and sends (`__out`).
+async function captureSockets(page) {
   await page.addInitScript(() => {
     const Real = window.WebSocket;
-    window.__frames = [];
     window.__urls = [];
+    window.__in = [];
+    window.__out = [];
     window.WebSocket = function (url, protocols) {
       window.__urls.push(String(url));
       const ws = protocols ? new Real(url, protocols) : new Real(url);
-      ws.addEventListener("message", (ev) => { try { window.__frames.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
+      ws.addEventListener("message", (ev) => { try { window.__in.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
+      const send = ws.send.bind(ws);
+      ws.send = (data) => { try { window.__out.push(JSON.parse(data)); } catch (e) { /* not JSON */ } send(data); };
       return ws;
     };
     window.WebSocket.prototype = Real.prototype;
   });
+}
+
+test("a socket killed mid-reply resumes: the page finishes the same reply without loss or duplicates", async () => {
+  const { page, context, errors } = await newPage();
+  await captureSockets(page);
   await page.goto(RELAY + "/");
   await page.locator("#conn", { hasText: "connected" }).waitFor();
   await page.locator("#input").fill("Write a long story about a lighthouse keeper and a storm.");
@@ -352,7 +360,7 @@ test("a socket killed mid-reply resumes: the page finishes the same reply withou
   await page.evaluate(() => window.llamaRelayChat.ws.close());
   const reply = await watchReply(page, "#log");
   assert.match(reply.stats, /^TTFT/, `the reply finished after the resume: ${reply.stats}`);
-  const frames = await page.evaluate(() => window.__frames);
+  const frames = await page.evaluate(() => window.__in);
   const readies = frames.filter((f) => f.type === "ready");
   assert.equal(readies.length, 3, "ready, ready on the new socket, ready resumed");
   assert.equal(readies[2].resumed, true);
@@ -377,20 +385,7 @@ test("a socket killed mid-reply resumes: the page finishes the same reply withou
 
 test("a session lost with its replica: the page restores the conversation and asks the interrupted question again", async () => {
   const { page, context, errors } = await newPage();
-  // Every frame the page sends and receives, on every socket.
-  await page.addInitScript(() => {
-    const Real = window.WebSocket;
-    window.__in = [];
-    window.__out = [];
-    window.WebSocket = function (url, protocols) {
-      const ws = protocols ? new Real(url, protocols) : new Real(url);
-      ws.addEventListener("message", (ev) => { try { window.__in.push(JSON.parse(ev.data)); } catch (e) { /* not JSON */ } });
-      const send = ws.send.bind(ws);
-      ws.send = (data) => { try { window.__out.push(JSON.parse(data)); } catch (e) { /* not JSON */ } send(data); };
-      return ws;
-    };
-    window.WebSocket.prototype = Real.prototype;
-  });
+  await captureSockets(page);
   await page.goto(RELAY + "/");
   await page.locator("#conn", { hasText: "connected" }).waitFor();
   await page.locator("#input").fill("My name is Ada. Please remember it.");

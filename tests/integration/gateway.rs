@@ -757,8 +757,10 @@ fn a_client_that_never_answers_pings_is_closed() {
 #[test]
 fn a_chat_turn_starts_while_a_long_prompt_is_still_prefilling() {
     let _g = model_lock();
+    // 16-token steps: the turn (13 prompt tokens) fits one, the long prompt takes ~100.
     let app = spawn_app(Tiny::Tied.dir(), |s| {
-        s.scheduler.step_tokens = 32;
+        s.scheduler.step_tokens = 16;
+        s.scheduler.max_running = 16;
         s.limits.max_message_chars = 100_000;
         s.limits.max_frame_bytes = 1 << 20;
     });
@@ -783,14 +785,15 @@ fn a_chat_turn_starts_while_a_long_prompt_is_still_prefilling() {
             }
         });
         let mut turn = app.connect().await;
-        turn.chat("t", "Hi there.", greedy(4)).await;
+        turn.chat("t", "Hi there.", greedy(1)).await;
         let r = turn.reply("t").await;
         assert_eq!(r.done["type"], "done", "{:?}", r.done);
-        let turn_done = Instant::now();
+        assert_eq!(r.done["usage"]["prompt_tokens"], 13);
+        let turn_first = Instant::now();
         let (long_first, f) = reader.await.unwrap();
         assert_eq!(f["type"], "delta", "{f}");
         assert!(
-            long_first > turn_done,
+            long_first > turn_first,
             "the turn waited for the long prompt's prefill"
         );
         app.wait_idle().await;

@@ -332,7 +332,8 @@ fn caller_as(
         state.access.keyless(origin)?;
         state.tenants.anonymous()
     } else {
-        super::routes::identify_with(req, state, auth)?
+        let query = super::routes::query(req).map_err(Refusal::BadRequest)?;
+        super::routes::identify_with(req, state, auth, &query)?
     };
     let ready = state.ready().ok_or_else(|| {
         let loading = matches!(
