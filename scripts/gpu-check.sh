@@ -41,7 +41,7 @@ else
     eval "$(scripts/cuda-toolchain.sh)"
   fi
   start=$(date +%s)
-  cargo build --release --features cuda --bins --tests --benches 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
+  cargo build --release --features cuda --bin llama-relay --test integration --bench engine 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
   BUILD_S=$(($(date +%s) - start))
   BIN=target/release/llama-relay
   TESTS=$(ls -t target/release/deps/integration-* | grep -v '\.d$' | head -n1)

@@ -15,7 +15,7 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 eval "$(scripts/cuda-toolchain.sh)"
 # Its own target folder: the CPU build in target/release stays as it is.
 T=target/cuda
-CARGO_TARGET_DIR=$T cargo build --release --features cuda --bins --tests --benches
+CARGO_TARGET_DIR=$T cargo build --release --features cuda --bin llama-relay --test integration --bench engine
 newest() { ls -t $T/release/deps/"$1"-* | grep -vE '\.(d|rlib|rmeta)$' | head -n1; }
 rm -rf .gpu && mkdir -p .gpu/bin
 cp $T/release/llama-relay .gpu/bin/llama-relay
