@@ -11,6 +11,8 @@
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
 //!     cargo bench --bench engine -- --chunk 44 --context 464   # a cache-hit turn's prefill step
 //!     cargo bench --bench engine -- --chunk 27 --context 433 --seqs 10   # ten such turns in one step
+//!     cargo bench --bench engine -- --chunk 12 --context 5000 --decodes 8  # a long prompt's chunk
+//!                                   # beside 8 streams: alone, the decodes alone, one step
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -34,6 +36,7 @@ struct Args {
     context: usize,
     chunk: Option<usize>,
     seqs: usize,
+    decodes: usize,
     kv_f16: bool,
     no_cpu_layers: bool,
     weights: llama_relay::model::loader::WeightMode,
@@ -55,6 +58,7 @@ fn parse() -> Args {
         context: 128,
         chunk: None,
         seqs: 1,
+        decodes: 0,
         // The server's default (`engine.kv_dtype` in config/default.toml).
         kv_f16: true,
         no_cpu_layers: false,
@@ -94,6 +98,7 @@ fn parse() -> Args {
             }
             "--chunk" => a.chunk = Some(it.next().and_then(|v| v.parse().ok()).expect("--chunk N")),
             "--seqs" => a.seqs = it.next().and_then(|v| v.parse().ok()).expect("--seqs N"),
+            "--decodes" => a.decodes = it.next().and_then(|v| v.parse().ok()).expect("--decodes N"),
             "--context" => a.context = it.next().and_then(|v| v.parse().ok()).expect("--context N"),
             "--weights" => {
                 use llama_relay::model::loader::WeightMode;
@@ -184,6 +189,76 @@ fn prefill_once(e: &mut Engine, prompt: &[u32]) -> f64 {
 
 /// `n` sequences with `ctx`-token prompts, then `steps` decode steps over all of them at once.
 /// Returns the median step time.
+/// A chunk step beside `decodes` one-token rows (each after 400 cached positions, as chat replies
+/// streaming while a long prompt prefills): the chunk alone, the decodes alone and both in one
+/// step, alternating, each the median of `10 * reps`. Whether a mixed step costs the sum of its
+/// parts is what the stall-free scheduler's cost model assumes.
+fn mixed_step(e: &mut Engine, chunk: &StepBatch, decodes: usize, reps: usize) {
+    const CTX: usize = 400;
+    let vocab = e.model.config().vocab_size;
+    let bs = e.cache.block_size();
+    let mut dec = StepBatch::default();
+    let mut tables = Vec::new();
+    for i in 0..decodes {
+        let mut t = Vec::new();
+        assert!(
+            e.pool.ensure_capacity(&mut t, CTX + 1, bs),
+            "cache too small"
+        );
+        e.model
+            .forward(
+                &StepBatch {
+                    seqs: vec![SeqChunk {
+                        tokens: tokens(CTX, 1000 + i as u64, vocab),
+                        start_pos: 0,
+                        block_table: t.clone(),
+                        want_logits: false,
+                    }],
+                },
+                &e.cache,
+            )
+            .unwrap();
+        dec.seqs.push(SeqChunk {
+            tokens: vec![300 + i as u32],
+            start_pos: CTX,
+            block_table: t.clone(),
+            want_logits: true,
+        });
+        tables.push(t);
+    }
+    let both = StepBatch {
+        seqs: dec.seqs.iter().chain(&chunk.seqs).cloned().collect(),
+    };
+    let mut times = [Vec::new(), Vec::new(), Vec::new()];
+    for _ in 0..10 * reps.max(1) {
+        for (k, b) in [chunk, &dec, &both].into_iter().enumerate() {
+            let t = Instant::now();
+            let logits = e.model.forward(b, &e.cache).unwrap().unwrap();
+            let _ = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+            times[k].push(t.elapsed().as_secs_f64());
+        }
+    }
+    let p90 = |t: &Vec<f64>| {
+        let mut t = t.clone();
+        t.sort_by(f64::total_cmp);
+        t[t.len() * 9 / 10] * 1e3
+    };
+    let spread = times.each_ref().map(p90);
+    let [c, d, m] = times.map(|t| median(t) * 1e3);
+    let (n, ctx) = (chunk.seqs[0].tokens.len(), chunk.seqs[0].start_pos);
+    println!(
+        "{n}-token chunk after {ctx} cached: {c:.1} ms (p90 {:.1}) | {decodes} decodes after \
+         {CTX}: {d:.1} ms (p90 {:.1}) | both in one step: {m:.1} ms (p90 {:.1}), {:.2}x the sum",
+        spread[0],
+        spread[1],
+        spread[2],
+        m / (c + d)
+    );
+    for t in &tables {
+        e.pool.release(t);
+    }
+}
+
 fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
     let vocab = e.model.config().vocab_size;
     let bs = e.cache.block_size();
@@ -511,21 +586,25 @@ fn main() {
             e.model.forward(&step(ctx, 1, 0, false), &e.cache).unwrap();
         }
         let turn = step(n, 100, ctx, true);
-        let t = median(
-            (0..10 * a.reps.max(1))
-                .map(|_| {
-                    let t = Instant::now();
-                    e.model.forward(&turn, &e.cache).unwrap();
-                    t.elapsed().as_secs_f64()
-                })
-                .collect(),
-        );
-        println!(
-            "{} seqs x {n} new tokens after {ctx} cached: {:.1} ms ({:.0} tok/s)",
-            a.seqs,
-            t * 1e3,
-            (a.seqs * n) as f64 / t
-        );
+        if a.decodes > 0 {
+            mixed_step(&mut e, &turn, a.decodes, a.reps);
+        } else {
+            let t = median(
+                (0..10 * a.reps.max(1))
+                    .map(|_| {
+                        let t = Instant::now();
+                        e.model.forward(&turn, &e.cache).unwrap();
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            );
+            println!(
+                "{} seqs x {n} new tokens after {ctx} cached: {:.1} ms ({:.0} tok/s)",
+                a.seqs,
+                t * 1e3,
+                (a.seqs * n) as f64 / t
+            );
+        }
         for table in &tables {
             e.pool.release(table);
         }
