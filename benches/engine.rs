@@ -13,6 +13,9 @@
 //!     cargo bench --bench engine -- --chunk 27 --context 433 --seqs 10   # ten such turns in one step
 //!     cargo bench --bench engine -- --chunk 12 --context 5000 --decodes 8  # a long prompt's chunk
 //!                                   # beside 8 streams: alone, the decodes alone, one step
+//!     cargo bench --bench engine -- --attention 64 --context 1000 [--chunk 1] [--device cuda:0]
+//!                                   # one layer's attention alone, each implementation the
+//!                                   # device has (fast: CPU only; generic: any device)
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -430,8 +433,15 @@ fn kernels_k(reps: usize) {
 /// `seqs` sequences, each `q_len` new tokens after `ctx` cached ones, scattered over a cache of 30
 /// layers' worth of blocks (so the rows come from DRAM, as in a step). Time per call and the K/V bytes
 /// it reads per second.
-fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
-    use candle_core::{DType, Device, Tensor};
+fn attention(
+    seqs: usize,
+    ctx: usize,
+    q_len: usize,
+    f16: bool,
+    reps: usize,
+    dev: &candle_core::Device,
+) {
+    use candle_core::{DType, Tensor};
     use llama_relay::model::attention::{paged_attention, AttentionImpl, AttnDims};
     use llama_relay::model::batch::SeqMeta;
     let (h, kvh, hd, bs) = (9, 3, 64, 16);
@@ -446,18 +456,17 @@ fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
             .wrapping_add(1442695040888963407);
         order.swap(i, (r >> 33) as usize % (i + 1));
     }
-    let dev = Device::Cpu;
     let dt = if f16 { DType::F16 } else { DType::F32 };
     let slots = total_blocks * bs;
-    let kc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), &dev)
+    let kc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), dev)
         .unwrap()
         .to_dtype(dt)
         .unwrap();
-    let vc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), &dev)
+    let vc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), dev)
         .unwrap()
         .to_dtype(dt)
         .unwrap();
-    let q = Tensor::randn(0f32, 1.0, (seqs * q_len, h * hd), &dev).unwrap();
+    let q = Tensor::randn(0f32, 1.0, (seqs * q_len, h * hd), dev).unwrap();
     let metas: Vec<SeqMeta> = (0..seqs)
         .map(|i| SeqMeta {
             q_start: i * q_len,
@@ -472,26 +481,45 @@ fn attention(seqs: usize, ctx: usize, q_len: usize, f16: bool, reps: usize) {
         head_dim: hd,
         block_size: bs,
     };
-    // From a pool thread, as the model's forward runs: a call from outside would pay for waking
-    // the pool each time.
-    let t = rayon::scope(|_| {
-        median(
-            (0..20 * reps.max(1))
-                .map(|_| {
-                    let t = Instant::now();
-                    paged_attention(AttentionImpl::FastCpu, &q, &kc, &vc, &metas, dims).unwrap();
-                    t.elapsed().as_secs_f64()
-                })
-                .collect(),
-        )
-    });
     let bytes = (seqs * (ctx + q_len) * 2 * kvh * hd * dt.size_in_bytes()) as f64;
-    println!(
-        "attention {seqs} seqs x {q_len} tokens after {ctx}, {dt:?}: {:.1} us per layer, {:.1} GB/s of K/V, x30 layers = {:.2} ms",
-        t * 1e6,
-        bytes / t / 1e9,
-        t * 30e3
-    );
+    let imps: &[AttentionImpl] = if dev.is_cpu() {
+        &[AttentionImpl::FastCpu, AttentionImpl::Generic]
+    } else {
+        &[AttentionImpl::Generic]
+    };
+    for &imp in imps {
+        let once = || {
+            let o = paged_attention(imp, &q, &kc, &vc, &metas, dims).unwrap();
+            // Wait for the device: reading one value back ends the queued work.
+            let _ = o
+                .narrow(0, 0, 1)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+        };
+        // From a pool thread, as the model's forward runs: a call from outside would pay for
+        // waking the pool each time.
+        let t = rayon::scope(|_| {
+            once();
+            median(
+                (0..20 * reps.max(1))
+                    .map(|_| {
+                        let t = Instant::now();
+                        once();
+                        t.elapsed().as_secs_f64()
+                    })
+                    .collect(),
+            )
+        });
+        println!(
+            "attention {imp:?} on {dev:?}, {seqs} seqs x {q_len} tokens after {ctx}, {dt:?}: {:.1} us per layer, {:.1} GB/s of K/V, x30 layers = {:.2} ms",
+            t * 1e6,
+            bytes / t / 1e9,
+            t * 30e3
+        );
+    }
 }
 
 fn main() {
@@ -508,7 +536,14 @@ fn main() {
     }
     if let Some(n) = a.attention {
         apply_process_settings(a.threads, a.malloc_tuning);
-        attention(n, a.context, a.chunk.unwrap_or(1), a.kv_f16, a.reps);
+        attention(
+            n,
+            a.context,
+            a.chunk.unwrap_or(1),
+            a.kv_f16,
+            a.reps,
+            &a.device,
+        );
         return;
     }
     if a.compare_malloc {

@@ -89,6 +89,15 @@ for w in keep f32; do
   endsection
 done
 
+# One layer's attention alone (the generic path: decodes in padded groups, chunks alone): where
+# a paged-attention kernel would pay.
+section "Attention on cuda:0, one layer (decodes after 1,000 positions; a 256-token chunk)"
+for n in 1 16 64; do
+  "$ENGINE" --device cuda:0 --attention $n --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep '^attention' >>"$REPORT" || status=1
+done
+"$ENGINE" --device cuda:0 --attention 1 --chunk 256 --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep '^attention' >>"$REPORT" || status=1
+endsection
+
 section "Serving bench on cuda:0 (1, 16, 64 users; 100-word prompts, 64 new tokens)"
 LLAMA_RELAY__ENGINE__DEVICE=cuda:0 LLAMA_RELAY__SCHEDULER__MAX_RUNNING=64 \
   "$BIN" bench --users 1,16,64 2>&1 | tee -a "$LOG" | grep -E 'users|tok/s|TTFT' >>"$REPORT" || status=1

@@ -252,7 +252,7 @@ impl SelfAttention {
         let (kc, vc) = ctx.cache.layer(layer)?;
         let o = match &ctx.attn {
             AttnPlan::Fast(plan) => fast_cpu(&q, &kc, &vc, &ctx.plan.seqs, plan)?,
-            AttnPlan::Generic(plan) => generic(&q, &kc, &vc, &ctx.plan.seqs, ctx.dims, plan)?,
+            AttnPlan::Generic(plan) => generic(&q, &kc, &vc, ctx.dims, plan)?,
         };
         self.o_proj.forward(&o)
     }
@@ -518,7 +518,7 @@ impl Llama {
             attn: match self.attention {
                 AttentionImpl::FastCpu => AttnPlan::Fast(FastCpuPlan::new(&plan.seqs, dims)),
                 AttentionImpl::Generic => {
-                    AttnPlan::Generic(GenericPlan::new(&plan.seqs, dims.block_size, dev)?)
+                    AttnPlan::Generic(GenericPlan::new(&plan.seqs, dims, dev)?)
                 }
             },
             plan: &plan,
