@@ -306,14 +306,20 @@ pub(crate) struct GenericPlan {
     order: Option<Tensor>,
 }
 
+/// Where a group's query rows sit in the step.
+enum Rows {
+    /// Consecutive, from this row.
+    From(usize),
+    /// Anywhere: `[n * q_len]` u32 row ids.
+    At(Tensor),
+}
+
 /// Sequences attended together: `n` of them, `q_len` rows each, histories padded to `ctx`.
 struct Group {
     n: usize,
     q_len: usize,
     ctx: usize,
-    /// The group's query rows in the step (`[n * q_len]` u32), or the first of them when they are
-    /// consecutive (`Err`).
-    rows: std::result::Result<Tensor, usize>,
+    rows: Rows,
     /// `[n * ctx]` u32 cache slots; a sequence's padding repeats its position 0's slot (written,
     /// so finite) and the mask hides it.
     slots: Tensor,
@@ -362,9 +368,9 @@ impl Group {
             q_len,
             ctx,
             rows: if consecutive {
-                Err(starts[0] as usize)
+                Rows::From(starts[0] as usize)
             } else {
-                Ok(Tensor::from_vec(starts, n * q_len, device)?)
+                Rows::At(Tensor::from_vec(starts, n * q_len, device)?)
             },
             slots: Tensor::from_vec(slots, n * ctx, device)?,
             mask: masked
@@ -385,8 +391,8 @@ impl Group {
         let (h, kvh, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
         let group = h / kvh;
         let q = match &self.rows {
-            Err(first) => q.narrow(0, *first, n * ql)?,
-            Ok(rows) => q.index_select(rows, 0)?,
+            Rows::From(first) => q.narrow(0, *first, n * ql)?,
+            Rows::At(rows) => q.index_select(rows, 0)?,
         };
         // Query head i reads KV head i / group: [n, ql, kvh, group, hd] -> [n * kvh, ql * group, hd],
         // so the heads of a GQA group share their K and V without copies.
