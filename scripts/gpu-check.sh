@@ -2,8 +2,8 @@
 # The GPU check, on a machine with an NVIDIA GPU: builds with `--features cuda`, runs the GPU
 # tests (tests/integration/gpu.rs: the tiny Llama 3 models on cuda:0 against transformers'
 # references and the CPU F32 path), the engine bench on cuda:0 (quantized weights as stored and
-# dequantized to F32) and the serving bench at 1, 16 and 64 users on the default model, and
-# writes a report:
+# dequantized to F32), one layer's attention alone and the serving bench at 1, 16 and 64 users
+# on the default model, each step limited to GPU_CHECK_STEP_S seconds (240), and writes a report:
 #
 #   scripts/gpu-check.sh [REPORT_DIR]          # default target/gpu-check
 #
@@ -60,6 +60,18 @@ if ldd "$BIN" | grep -q 'not found'; then
   exit 2
 fi
 
+# Each step gets at most GPU_CHECK_STEP_S seconds (default 240): on a device lent for minutes, one
+# step that hangs or crawls must not take the others' time. A step cut short says so in the report.
+STEP_S=${GPU_CHECK_STEP_S:-240}
+limited() {
+  local rc=0
+  timeout -k 5 "$STEP_S" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "gpu-check: timed out after $STEP_S s: ${*##*/}"
+  fi
+  return "$rc"
+}
+
 section() { printf '\n## %s\n\n```\n' "$1" >>"$REPORT"; }
 endsection() { printf '```\n' >>"$REPORT"; }
 
@@ -74,7 +86,7 @@ endsection() { printf '```\n' >>"$REPORT"; }
 
 status=0
 section "GPU tests (gpu_*, against the references and the CPU F32 path)"
-if "$TESTS" gpu_ --test-threads 1 2>&1 | tee -a "$LOG" | grep -E '^test |test result|skipped' >>"$REPORT"; then
+if limited "$TESTS" gpu_ --test-threads 1 2>&1 | tee -a "$LOG" | grep -E '^test |test result|skipped|^gpu-check:' >>"$REPORT"; then
   :
 fi
 grep -q 'test result: ok' "$REPORT" || status=1
@@ -85,7 +97,7 @@ endsection
 # (cuBLAS): engine.weights picks the faster for the GPU from these.
 for w in keep f32; do
   section "Engine bench on cuda:0 (default model, F16 KV, weights $w)"
-  "$ENGINE" --device cuda:0 --weights $w --reps 5 2>&1 | tee -a "$LOG" | grep -vE '^\s*$' >>"$REPORT" || status=1
+  limited "$ENGINE" --device cuda:0 --weights $w --reps 5 2>&1 | tee -a "$LOG" | grep -vE '^\s*$' >>"$REPORT" || status=1
   endsection
 done
 
@@ -93,14 +105,14 @@ done
 # a paged-attention kernel would pay.
 section "Attention on cuda:0, one layer (decodes after 1,000 positions; a 256-token chunk)"
 for n in 1 16 64; do
-  "$ENGINE" --device cuda:0 --attention $n --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep '^attention' >>"$REPORT" || status=1
+  limited "$ENGINE" --device cuda:0 --attention $n --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep -E '^(attention|gpu-check:)' >>"$REPORT" || status=1
 done
-"$ENGINE" --device cuda:0 --attention 1 --chunk 256 --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep '^attention' >>"$REPORT" || status=1
+limited "$ENGINE" --device cuda:0 --attention 1 --chunk 256 --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep -E '^(attention|gpu-check:)' >>"$REPORT" || status=1
 endsection
 
 section "Serving bench on cuda:0 (1, 16, 64 users; 100-word prompts, 64 new tokens)"
 LLAMA_RELAY__ENGINE__DEVICE=cuda:0 LLAMA_RELAY__SCHEDULER__MAX_RUNNING=64 \
-  "$BIN" bench --users 1,16,64 2>&1 | tee -a "$LOG" | grep -E 'users|tok/s|TTFT' >>"$REPORT" || status=1
+  limited "$BIN" bench --users 1,16,64 2>&1 | tee -a "$LOG" | grep -E 'users|tok/s|TTFT|^gpu-check:' >>"$REPORT" || status=1
 endsection
 
 echo "gpu-check: report in $REPORT (full log $LOG), status $status" >&2
