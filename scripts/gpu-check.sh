@@ -36,13 +36,16 @@ if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
   TESTS="$GPU_CHECK_PREBUILT/integration"
   ENGINE="$GPU_CHECK_PREBUILT/engine"
   BUILD_S=prebuilt
+  for f in "$BIN" "$TESTS" "$ENGINE"; do
+    [ -x "$f" ] || { echo "gpu-check: $f is missing or not executable" >&2; exit 2; }
+  done
 else
   if ! command -v nvcc >/dev/null 2>&1; then
     eval "$(scripts/cuda-toolchain.sh)"
   fi
   start=$(date +%s)
   cargo build --release --features cuda --bin llama-relay --test integration --bench engine 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
-  BUILD_S=$(($(date +%s) - start))
+  BUILD_S="$(($(date +%s) - start)) s"
   BIN=target/release/llama-relay
   TESTS=$(ls -t target/release/deps/integration-* | grep -v '\.d$' | head -n1)
   ENGINE=$(ls -t target/release/deps/engine-* | grep -v '\.d$' | head -n1)
@@ -75,29 +78,50 @@ limited() {
 section() { printf '\n## %s\n\n```\n' "$1" >>"$REPORT"; }
 endsection() { printf '```\n' >>"$REPORT"; }
 
+# step PATTERN CMD...: runs CMD (limited), its whole output into the log and the lines matching
+# PATTERN into the report; a step that fails adds its exit status and why (a panic's message, or
+# the first error line) and marks the check failed.
+step() {
+  local pattern=$1 out rc=0 why
+  shift
+  out=$(mktemp)
+  limited "$@" >"$out" 2>&1 || rc=$?
+  cat "$out" >>"$LOG"
+  grep -E "$pattern|^gpu-check:" "$out" >>"$REPORT" || true
+  if [ "$rc" -ne 0 ]; then
+    why=$(grep -m1 -A1 'panicked at' "$out" | sed -n 2p || true)
+    [ -n "$why" ] || why=$(grep -m1 -iE 'error|invalid|gpu-check:' "$out" || true)
+    echo "step failed (exit $rc): $why" >>"$REPORT"
+    status=1
+  fi
+  rm -f "$out"
+}
+
 {
   echo "# GPU check"
   echo
   echo "- GPU: $GPU"
   echo "- compute capability built for: $CUDA_COMPUTE_CAP"
   echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "- build: ${BUILD_S}s"
+  echo "- build: $BUILD_S"
 } >"$REPORT"
 
 status=0
 section "GPU tests (gpu_*, against the references and the CPU F32 path)"
-if limited "$TESTS" gpu_ --test-threads 1 2>&1 | tee -a "$LOG" | grep -E '^test |test result|skipped|^gpu-check:' >>"$REPORT"; then
-  :
-fi
+# --nocapture: a test that skips says so only on its output, which passing tests otherwise hide.
+step '^test |test result|skipped' "$TESTS" gpu_ --test-threads 1 --nocapture
 grep -q 'test result: ok' "$REPORT" || status=1
-grep -q 'skipped' "$LOG" && status=1
+if grep -q 'skipped' "$LOG"; then
+  echo "gpu-check: GPU tests skipped (see above): no GPU result" >>"$REPORT"
+  status=1
+fi
 endsection
 
 # Quantized weights as stored (candle's CUDA quantized matmul) against dequantized to F32
 # (cuBLAS): engine.weights picks the faster for the GPU from these.
 for w in keep f32; do
   section "Engine bench on cuda:0 (default model, F16 KV, weights $w)"
-  limited "$ENGINE" --device cuda:0 --weights $w --reps 5 2>&1 | tee -a "$LOG" | grep -vE '^\s*$' >>"$REPORT" || status=1
+  step 'tok/s|ms|model|RSS' "$ENGINE" --device cuda:0 --weights $w --reps 5
   endsection
 done
 
@@ -105,14 +129,14 @@ done
 # a paged-attention kernel would pay.
 section "Attention on cuda:0, one layer (decodes after 1,000 positions; a 256-token chunk)"
 for n in 1 16 64; do
-  limited "$ENGINE" --device cuda:0 --attention $n --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep -E '^(attention|gpu-check:)' >>"$REPORT" || status=1
+  step '^attention' "$ENGINE" --device cuda:0 --attention $n --context 1000 --reps 3
 done
-limited "$ENGINE" --device cuda:0 --attention 1 --chunk 256 --context 1000 --reps 3 2>&1 | tee -a "$LOG" | grep -E '^(attention|gpu-check:)' >>"$REPORT" || status=1
+step '^attention' "$ENGINE" --device cuda:0 --attention 1 --chunk 256 --context 1000 --reps 3
 endsection
 
 section "Serving bench on cuda:0 (1, 16, 64 users; 100-word prompts, 64 new tokens)"
 LLAMA_RELAY__ENGINE__DEVICE=cuda:0 LLAMA_RELAY__SCHEDULER__MAX_RUNNING=64 \
-  limited "$BIN" bench --users 1,16,64 2>&1 | tee -a "$LOG" | grep -E 'users|tok/s|TTFT|^gpu-check:' >>"$REPORT" || status=1
+  step 'users|tok/s|TTFT' "$BIN" bench --users 1,16,64
 endsection
 
 echo "gpu-check: report in $REPORT (full log $LOG), status $status" >&2
