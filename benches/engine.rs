@@ -190,8 +190,6 @@ fn prefill_once(e: &mut Engine, prompt: &[u32]) -> f64 {
     s
 }
 
-/// `n` sequences with `ctx`-token prompts, then `steps` decode steps over all of them at once.
-/// Returns the median step time.
 /// A chunk step beside `decodes` one-token rows (each after 400 cached positions, as chat replies
 /// streaming while a long prompt prefills): the chunk alone, the decodes alone and both in one
 /// step, alternating, each the median of `10 * reps`. Whether a mixed step costs the sum of its
@@ -262,6 +260,8 @@ fn mixed_step(e: &mut Engine, chunk: &StepBatch, decodes: usize, reps: usize) {
     }
 }
 
+/// `n` sequences with `ctx`-token prompts, then `steps` decode steps over all of them at once.
+/// Returns the median step time.
 fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
     let vocab = e.model.config().vocab_size;
     let bs = e.cache.block_size();
