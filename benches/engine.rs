@@ -196,37 +196,8 @@ fn prefill_once(e: &mut Engine, prompt: &[u32]) -> f64 {
 /// parts is what the stall-free scheduler's cost model assumes.
 fn mixed_step(e: &mut Engine, chunk: &StepBatch, decodes: usize, reps: usize) {
     const CTX: usize = 400;
-    let vocab = e.model.config().vocab_size;
-    let bs = e.cache.block_size();
-    let mut dec = StepBatch::default();
-    let mut tables = Vec::new();
-    for i in 0..decodes {
-        let mut t = Vec::new();
-        assert!(
-            e.pool.ensure_capacity(&mut t, CTX + 1, bs),
-            "cache too small"
-        );
-        e.model
-            .forward(
-                &StepBatch {
-                    seqs: vec![SeqChunk {
-                        tokens: tokens(CTX, 1000 + i as u64, vocab),
-                        start_pos: 0,
-                        block_table: t.clone(),
-                        want_logits: false,
-                    }],
-                },
-                &e.cache,
-            )
-            .unwrap();
-        dec.seqs.push(SeqChunk {
-            tokens: vec![300 + i as u32],
-            start_pos: CTX,
-            block_table: t.clone(),
-            want_logits: true,
-        });
-        tables.push(t);
-    }
+    let tables = prefilled(e, decodes, CTX, 1, 1000);
+    let dec = decode_rows(&tables, CTX);
     let both = StepBatch {
         seqs: dec.seqs.iter().chain(&chunk.seqs).cloned().collect(),
     };
@@ -260,40 +231,56 @@ fn mixed_step(e: &mut Engine, chunk: &StepBatch, decodes: usize, reps: usize) {
     }
 }
 
+/// `n` sequences with `ctx`-token prompts (seeds from `seed`) prefilled in one step, each with room
+/// for `room` more tokens: their block tables, for `e.pool.release` after.
+fn prefilled(e: &mut Engine, n: usize, ctx: usize, room: usize, seed: u64) -> Vec<Vec<u32>> {
+    let vocab = e.model.config().vocab_size;
+    let bs = e.cache.block_size();
+    let tables: Vec<Vec<u32>> = (0..n)
+        .map(|_| {
+            let mut t = Vec::new();
+            assert!(
+                e.pool.ensure_capacity(&mut t, ctx + room, bs),
+                "cache too small"
+            );
+            t
+        })
+        .collect();
+    let batch = StepBatch {
+        seqs: (tables.iter().enumerate())
+            .map(|(i, t)| SeqChunk {
+                tokens: tokens(ctx, seed + i as u64, vocab),
+                start_pos: 0,
+                block_table: t.clone(),
+                want_logits: false,
+            })
+            .collect(),
+    };
+    e.model.forward(&batch, &e.cache).unwrap();
+    tables
+}
+
+/// One decode row per table, each the token `300 + i` at position `pos`.
+fn decode_rows(tables: &[Vec<u32>], pos: usize) -> StepBatch {
+    StepBatch {
+        seqs: (tables.iter().enumerate())
+            .map(|(i, t)| SeqChunk {
+                tokens: vec![300 + i as u32],
+                start_pos: pos,
+                block_table: t.clone(),
+                want_logits: true,
+            })
+            .collect(),
+    }
+}
+
 /// `n` sequences with `ctx`-token prompts, then `steps` decode steps over all of them at once.
 /// Returns the median step time.
 fn decode_batch(e: &mut Engine, n: usize, ctx: usize, steps: usize) -> f64 {
-    let vocab = e.model.config().vocab_size;
-    let bs = e.cache.block_size();
-    let mut tables = Vec::new();
-    let mut batch = StepBatch::default();
-    for i in 0..n {
-        let mut t = Vec::new();
-        assert!(
-            e.pool.ensure_capacity(&mut t, ctx + steps + 1, bs),
-            "cache too small"
-        );
-        batch.seqs.push(SeqChunk {
-            tokens: tokens(ctx, i as u64, vocab),
-            start_pos: 0,
-            block_table: t.clone(),
-            want_logits: true,
-        });
-        tables.push(t);
-    }
-    e.model.forward(&batch, &e.cache).unwrap();
+    let tables = prefilled(e, n, ctx, steps + 1, 0);
     let mut times = Vec::new();
     for s in 0..steps {
-        let step = StepBatch {
-            seqs: (0..n)
-                .map(|i| SeqChunk {
-                    tokens: vec![300 + i as u32],
-                    start_pos: ctx + s,
-                    block_table: tables[i].clone(),
-                    want_logits: true,
-                })
-                .collect(),
-        };
+        let step = decode_rows(&tables, ctx + s);
         let t = Instant::now();
         let logits = e.model.forward(&step, &e.cache).unwrap().unwrap();
         // Sampling needs the logits on the host: include that copy.

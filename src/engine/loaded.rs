@@ -61,7 +61,7 @@ impl EngineOptions {
 /// The CPU-only paths a GPU engine goes without, named in its start-up log: on a GPU the step's
 /// weights, KV cache and attention stay on the device and run through candle's CUDA ops.
 pub const CPU_ONLY: [&str; 5] = [
-    "the paged attention kernel (candle ops over each sequence's block table instead)",
+    "the paged attention kernel (candle ops over the block tables instead, decodes in padded groups)",
     "the repacked 8-row quantized matmul kernels and the dense F32 path for big steps (candle's CUDA quantized matmul on the stored types instead)",
     "the layer path over plain row buffers (norms, RoPE, SiLU, cache writes without a tensor op each)",
     "requantizing Q5_0/Q5_1 to Q8_0 and F16/BF16 to F32 at load (kept as stored)",

@@ -334,11 +334,11 @@ impl Group {
         debug_assert!(seqs.iter().all(|s| s.q_len == q_len));
         let ctx = seqs.iter().map(|s| s.context_len()).max().unwrap_or(0);
         let mut slots = Vec::with_capacity(n * ctx);
-        let mut masked = false;
-        let mut mask = Vec::with_capacity(n * q_len * ctx);
         for s in seqs {
-            let own = s.context_len();
-            let first = slot_of(&s.block_table, 0, block_size) as u32;
+            let (own, first) = (
+                s.context_len(),
+                slot_of(&s.block_table, 0, block_size) as u32,
+            );
             slots.extend((0..ctx).map(|p| {
                 if p < own {
                     slot_of(&s.block_table, p, block_size) as u32
@@ -346,18 +346,26 @@ impl Group {
                     first
                 }
             }));
-            // Row j (position start_pos + j) sees positions 0..=start_pos + j.
-            for j in 0..q_len {
-                mask.extend((0..ctx).map(|p| {
-                    if p <= s.start_pos + j {
-                        0.0f32
-                    } else {
-                        masked = true;
-                        f32::NEG_INFINITY
-                    }
-                }));
-            }
         }
+        // Nothing to hide when every row sees its group's whole padded history: one row each
+        // over equal histories.
+        let masked = q_len > 1 || seqs.iter().any(|s| s.context_len() < ctx);
+        let mask = masked.then(|| {
+            // Row j (position start_pos + j) sees positions 0..=start_pos + j.
+            let mut mask = Vec::with_capacity(n * q_len * ctx);
+            for s in seqs {
+                for j in 0..q_len {
+                    mask.extend((0..ctx).map(|p| {
+                        if p <= s.start_pos + j {
+                            0.0f32
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    }));
+                }
+            }
+            mask
+        });
         let starts: Vec<u32> = seqs
             .iter()
             .flat_map(|s| (s.q_start..s.q_start + q_len).map(|r| r as u32))
@@ -373,8 +381,8 @@ impl Group {
                 Rows::At(Tensor::from_vec(starts, n * q_len, device)?)
             },
             slots: Tensor::from_vec(slots, n * ctx, device)?,
-            mask: masked
-                .then(|| Tensor::from_vec(mask, (n, 1, q_len, 1, ctx), device))
+            mask: mask
+                .map(|m| Tensor::from_vec(m, (n, 1, q_len, 1, ctx), device))
                 .transpose()?,
         })
     }
@@ -493,11 +501,7 @@ pub(crate) fn generic(
         .iter()
         .map(|g| g.attend(q, k_cache, v_cache, d))
         .collect::<Result<Vec<_>>>()?;
-    let mut out = if outs.len() == 1 {
-        outs.into_iter().next().expect("one group")
-    } else {
-        Tensor::cat(&outs, 0)?
-    };
+    let mut out = Tensor::cat(&outs, 0)?;
     if let Some(order) = &plan.order {
         out = out.index_select(order, 0)?;
     }

@@ -276,9 +276,7 @@ async fn realtime(
             (Some(auth), None) => caller_as(&req, &state, Some(auth.as_str()))?,
             _ => caller(&req, &state)?,
         };
-        let query =
-            web::Query::<std::collections::HashMap<String, String>>::from_query(req.query_string())
-                .map_err(|e| ApiError::invalid("model", format!("malformed query: {e}")))?;
+        let query = super::routes::query(&req).map_err(|e| ApiError::invalid("model", e))?;
         check_model(query.get("model").map(String::as_str), &ready)?;
         admitted(&req, &state, identity, ready)
     })();
