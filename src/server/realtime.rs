@@ -710,15 +710,7 @@ impl Realtime {
                 })? + 1
             }
         };
-        if self.items.len() >= MAX_ITEMS {
-            return Err(refuse(
-                "invalid_value",
-                Some("item"),
-                format!(
-                    "the conversation holds {MAX_ITEMS} items, the most it may: delete older items"
-                ),
-            ));
-        }
+        self.check_room()?;
         let id = item.id.unwrap_or_else(|| new_id("item"));
         if self.items.iter().any(|i| i.id == id) {
             return Err(refuse(
@@ -787,6 +779,21 @@ impl Realtime {
         ))
     }
 
+    /// Refuses a new item when the conversation is full; a response in flight holds the place
+    /// its item will take.
+    fn check_room(&self) -> Result<(), EventError> {
+        if self.items.len() + usize::from(self.response.is_some()) >= MAX_ITEMS {
+            return Err(refuse(
+                "invalid_value",
+                Some("item"),
+                format!(
+                    "the conversation holds {MAX_ITEMS} items, the most it may (a response in progress counts as one): delete older items"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn check_not_generating(&self, id: &str) -> Result<(), EventError> {
         if self.response.as_ref().is_some_and(|r| r.item_id == id) {
             return Err(refuse(
@@ -823,6 +830,7 @@ impl Realtime {
                 format!("response {} is still in progress", r.id),
             ));
         }
+        self.check_room()?;
         let mut want = Vec::new();
         if let Some(i) = settings.instructions.as_deref().filter(|i| !i.is_empty()) {
             want.push(Message::new("system", i));
@@ -1307,6 +1315,47 @@ mod tests {
         let first = rt.items[0].id.clone();
         rt.delete_item(&first).unwrap();
         rt.create_item(None, more).unwrap();
+    }
+
+    /// A response's item counts against `MAX_ITEMS` from the moment it begins: neither a
+    /// response on a full conversation nor an item created while one is in flight can take the
+    /// conversation past the bound.
+    #[test]
+    fn responses_never_take_a_conversation_past_max_items() {
+        let mut rt = Realtime::new("m".into());
+        let mut conv = Vec::new();
+        for _ in 0..MAX_ITEMS {
+            user(&mut rt, "q");
+        }
+        let s = rt.for_response(&Settings::default());
+        let e = rt.begin_response(&s, &conv).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("item"), "{e:?}");
+        let first = rt.items[0].id.clone();
+        rt.delete_item(&first).unwrap();
+        // One place left: the response takes it, so an item created meanwhile is refused.
+        let (id, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        conv.truncate(from);
+        conv.extend(new);
+        let more = NewItem {
+            id: None,
+            role: "user".into(),
+            text: "late".into(),
+        };
+        let e = rt.create_item(None, more).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("item"), "{e:?}");
+        rt.on_frame(&ServerFrame::Started {
+            id: id.clone(),
+            prompt_tokens: 1,
+            cached_tokens: 0,
+        });
+        rt.on_frame(&ServerFrame::Done {
+            id,
+            finish_reason: FinishReason::Stop,
+            usage: Usage::default(),
+            timings: Default::default(),
+            seal: None,
+        });
+        assert_eq!(rt.items.len(), MAX_ITEMS);
     }
 
     #[test]
