@@ -18,7 +18,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
-use crate::protocol::{ChatParams, FinishReason, ServerFrame, Usage};
+use super::tenants::Roles;
+use super::SessionConfig;
+use crate::protocol::{ChatParams, FinishReason, RequestError, ServerFrame, Usage};
 use crate::tokenizer::Message;
 
 /// Event types of the audio half of the API, answered with an `error` naming this server's
@@ -558,6 +560,136 @@ struct InFlight {
     max_output_tokens: Value,
 }
 
+/// What a session allows its client, as the Realtime checks need it: the limits and sampling
+/// defaults of every session, and the roles this client may send.
+pub struct Rules<'a> {
+    pub session: &'a SessionConfig,
+    pub roles: Roles,
+}
+
+impl Rules<'_> {
+    fn refused(param: &str, message: String) -> EventError {
+        EventError {
+            code: "invalid_value",
+            message,
+            param: Some(param.into()),
+        }
+    }
+
+    /// An item the client may add to a conversation holding `held` characters: a role it may
+    /// send, within the message limit, all items within what one `/ws` chat frame may carry.
+    fn check_item(&self, item: &NewItem, held: usize) -> Result<(), EventError> {
+        let limits = &self.session.limits;
+        let chars = item.text.chars().count();
+        let total = held + chars;
+        let cap = limits.max_message_chars * limits.max_messages;
+        if !self.roles.allows(&item.role) {
+            Err(Self::refused(
+                "item.role",
+                format!(
+                    "{:?} is not allowed for this client (allowed: {})",
+                    item.role,
+                    self.roles.names()
+                ),
+            ))
+        } else if chars > limits.max_message_chars {
+            Err(Self::refused(
+                "item.content",
+                format!(
+                    "must be at most {} characters (limits.max_message_chars). Given: {chars}",
+                    limits.max_message_chars
+                ),
+            ))
+        } else if total > cap {
+            Err(Self::refused(
+                "item.content",
+                format!("the conversation's items would hold {total} characters; at most {cap} (limits.max_message_chars x limits.max_messages): delete older items"),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The sampling parameters and `max_output_tokens` are checked as a `/ws` chat's are (the
+    /// field named as the Realtime API names it); instructions are a system message: the
+    /// client must be allowed to send one, within the message limit.
+    fn check_settings(&self, s: &Settings, what: &str) -> Result<(), EventError> {
+        let cfg = self.session;
+        let params = chat_params(s)?;
+        let probe = vec![Message::new("user", "-")];
+        let checked = (cfg.limits).validate_chat(
+            "check".into(),
+            probe,
+            params,
+            &cfg.sampling,
+            cfg.default_max_tokens,
+        );
+        if let Err(e) = checked {
+            let param = match &e {
+                RequestError::InvalidParam { param, .. } => {
+                    let field = param.trim_start_matches("params.");
+                    let field = if field == "max_tokens" {
+                        "max_output_tokens"
+                    } else {
+                        field
+                    };
+                    Some(format!("{what}.{field}"))
+                }
+                _ => None,
+            };
+            let message = match &e {
+                RequestError::InvalidParam { reason, .. } => reason.clone(),
+                other => other.to_string(),
+            };
+            return Err(EventError {
+                code: "invalid_value",
+                message,
+                param,
+            });
+        }
+        let Some(i) = &s.instructions else {
+            return Ok(());
+        };
+        let param = format!("{what}.instructions");
+        if !self.roles.allows("system") {
+            return Err(Self::refused(
+                &param,
+                format!(
+                    "instructions are a system message, which this client may not send (allowed: {})",
+                    self.roles.names()
+                ),
+            ));
+        }
+        let max = cfg.limits.max_message_chars;
+        let n = i.chars().count();
+        if n > max {
+            return Err(Self::refused(
+                &param,
+                format!("must be at most {max} characters (limits.max_message_chars). Given: {n}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the session does for a client event.
+#[derive(Debug)]
+pub enum Action {
+    /// Send these events.
+    Send(Vec<Value>),
+    /// Send `created`, then start the turn: `messages` replace the session's conversation from
+    /// message `from`; the response id is the turn's id.
+    Start {
+        id: String,
+        from: usize,
+        messages: Vec<Message>,
+        params: ChatParams,
+        created: Value,
+    },
+    /// Cancel the response in flight, this one (`response.done` follows when its reply ends).
+    Cancel(String),
+}
+
 /// The Realtime dialect's state in a session.
 #[derive(Debug)]
 pub struct Realtime {
@@ -567,7 +699,7 @@ pub struct Realtime {
     items: Vec<Item>,
     response: Option<InFlight>,
     /// The `event_id` of the client event being handled, for the `error` it may cause.
-    pub client_event: Option<String>,
+    client_event: Option<String>,
     next_id: u64,
 }
 
@@ -616,6 +748,77 @@ impl Realtime {
         body
     }
 
+    /// One client event (a text frame), checked against `rules`, on a session whose KV holds
+    /// `conversation` and which is `busy` with a reply (in flight or being prepared). What the
+    /// session does, or the refusal to send as an `error` event (`error`).
+    pub fn handle(
+        &mut self,
+        text: &str,
+        rules: &Rules,
+        conversation: &[Message],
+        busy: bool,
+    ) -> Result<Action, EventError> {
+        let (event_id, parsed) = parse(text);
+        self.client_event = event_id;
+        match parsed? {
+            ClientEvent::SessionUpdate(s) => {
+                rules.check_settings(&s, "session")?;
+                Ok(Action::Send(vec![self.update(s)]))
+            }
+            ClientEvent::ItemCreate {
+                previous_item_id,
+                item,
+            } => {
+                rules.check_item(&item, self.total_chars())?;
+                self.create_item(previous_item_id, item).map(Action::Send)
+            }
+            ClientEvent::ItemDelete { item_id } => {
+                Ok(Action::Send(vec![self.delete_item(&item_id)?]))
+            }
+            ClientEvent::ItemRetrieve { item_id } => {
+                Ok(Action::Send(vec![self.retrieve_item(&item_id)?]))
+            }
+            ClientEvent::ItemTruncate { item_id, text_end } => {
+                Ok(Action::Send(vec![self.truncate_item(&item_id, text_end)?]))
+            }
+            ClientEvent::ResponseCreate(r) => {
+                rules.check_settings(&r, "response")?;
+                let settings = self.for_response(&r);
+                if busy {
+                    return Err(refuse(
+                        "conversation_already_has_active_response",
+                        None,
+                        format!(
+                            "response {} is still in progress",
+                            self.active().unwrap_or_default()
+                        ),
+                    ));
+                }
+                let params = chat_params(&settings)?;
+                let (id, from, messages, created) = self.begin_response(&settings, conversation)?;
+                Ok(Action::Start {
+                    id,
+                    from,
+                    messages,
+                    params,
+                    created,
+                })
+            }
+            ClientEvent::ResponseCancel { response_id } => match (self.active(), response_id) {
+                (None, _) => Err(refuse(
+                    "response_cancel_not_active",
+                    None,
+                    "no response is in progress",
+                )),
+                (Some(a), Some(r)) if a != r => Err(Rules::refused(
+                    "response_id",
+                    format!("response {r:?} is not in progress ({a} is)"),
+                )),
+                (Some(a), _) => Ok(Action::Cancel(a.to_string())),
+            },
+        }
+    }
+
     /// An `error` event for the client event being handled.
     pub fn error(&mut self, e: &EventError) -> Value {
         let kind = match e.code {
@@ -657,7 +860,7 @@ impl Realtime {
     }
 
     /// `session.update`: validated against the server's limits by the caller.
-    pub fn update(&mut self, s: Settings) -> Value {
+    fn update(&mut self, s: Settings) -> Value {
         let old = std::mem::take(&mut self.settings);
         self.settings = Settings {
             instructions: s.instructions.or(old.instructions),
@@ -669,7 +872,7 @@ impl Realtime {
     }
 
     /// The settings in force for a response asking for `r`.
-    pub fn for_response(&self, r: &Settings) -> Settings {
+    fn for_response(&self, r: &Settings) -> Settings {
         Settings {
             instructions: r
                 .instructions
@@ -695,7 +898,7 @@ impl Realtime {
 
     /// `conversation.item.create`: the item goes after `previous_item_id` (the end without it;
     /// "root" for the start). The events to send.
-    pub fn create_item(
+    fn create_item(
         &mut self,
         previous: Option<String>,
         item: NewItem,
@@ -739,21 +942,21 @@ impl Realtime {
         ])
     }
 
-    pub fn delete_item(&mut self, id: &str) -> Result<Value, EventError> {
+    fn delete_item(&mut self, id: &str) -> Result<Value, EventError> {
         self.check_not_generating(id)?;
         let at = self.position(id)?;
         self.items.remove(at);
         Ok(self.event("conversation.item.deleted", json!({ "item_id": id })))
     }
 
-    pub fn retrieve_item(&mut self, id: &str) -> Result<Value, EventError> {
+    fn retrieve_item(&mut self, id: &str) -> Result<Value, EventError> {
         let at = self.position(id)?;
         let item = self.items[at].to_json("completed");
         Ok(self.event("conversation.item.retrieved", json!({ "item": item })))
     }
 
     /// Keeps the first `text_end` characters of assistant item `id` (what the user heard).
-    pub fn truncate_item(&mut self, id: &str, text_end: usize) -> Result<Value, EventError> {
+    fn truncate_item(&mut self, id: &str, text_end: usize) -> Result<Value, EventError> {
         self.check_not_generating(id)?;
         let at = self.position(id)?;
         let item = &mut self.items[at];
@@ -805,8 +1008,38 @@ impl Realtime {
         Ok(())
     }
 
+    /// The conversation as the client sees it.
+    pub fn items(&self) -> &[Item] {
+        &self.items
+    }
+
+    /// The invariants (for tests and the fuzz harness): at most `MAX_ITEMS` items counting the
+    /// one a response in flight will add, each with a valid id of its own and a role the API
+    /// has, and the response's item not among them yet.
+    pub fn check(&self) -> Result<(), String> {
+        let held = self.items.len() + usize::from(self.response.is_some());
+        if held > MAX_ITEMS {
+            return Err(format!("{held} items held, at most {MAX_ITEMS}"));
+        }
+        let mut ids = std::collections::HashSet::new();
+        for i in &self.items {
+            if !super::tenants::valid_id(&i.id) || !ids.insert(i.id.as_str()) {
+                return Err(format!("item id {:?} invalid or repeated", i.id));
+            }
+            if !["user", "assistant", "system"].contains(&i.role.as_str()) {
+                return Err(format!("item {:?} has role {:?}", i.id, i.role));
+            }
+        }
+        if let Some(r) = &self.response {
+            if ids.contains(r.item_id.as_str()) {
+                return Err(format!("response item {:?} already an item", r.item_id));
+            }
+        }
+        Ok(())
+    }
+
     /// Characters in all items (bounded by the session).
-    pub fn total_chars(&self) -> usize {
+    fn total_chars(&self) -> usize {
         self.items.iter().map(|i| i.text.chars().count()).sum()
     }
 
@@ -818,7 +1051,7 @@ impl Realtime {
     /// `response.create`: the messages the items make after the session's `conversation`
     /// (from `replace_from`), the response's id and `response.created`. The caller starts the
     /// turn; its frames then come to `on_frame`.
-    pub fn begin_response(
+    fn begin_response(
         &mut self,
         settings: &Settings,
         conversation: &[Message],

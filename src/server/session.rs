@@ -1417,209 +1417,51 @@ impl Session {
 /// the session does for `/ws` frames, under the same rules and limits.
 impl Session {
     fn on_realtime(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
-        use super::realtime::{chat_params, parse, ClientEvent, EventError};
+        use super::realtime::{Action, Rules};
         self.used = true;
         if self.ticket.is_some() {
             return self.refuse_ticket(ctx);
         }
         let Some(rt) = &self.realtime else { return };
-        let (event_id, parsed) = parse(text);
-        rt.borrow_mut().client_event = event_id;
-        let refused = |param: &str, message: String| EventError {
-            code: "invalid_value",
-            message,
-            param: Some(param.into()),
+        let rules = Rules {
+            session: &self.state.session,
+            roles: self.identity.roles,
         };
-        let limits = &self.state.session.limits;
-        let result: Result<Vec<serde_json::Value>, EventError> = match parsed {
-            Err(e) => Err(e),
-            Ok(ClientEvent::SessionUpdate(s)) => {
-                let checked = self.check_realtime_settings(&s, "session");
-                checked.map(|()| vec![rt.borrow_mut().update(s)])
-            }
-            Ok(ClientEvent::ItemCreate {
-                previous_item_id,
-                item,
-            }) => {
-                let chars = item.text.chars().count();
-                let total = rt.borrow().total_chars() + chars;
-                let cap = limits.max_message_chars * limits.max_messages;
-                if !self.identity.roles.allows(&item.role) {
-                    Err(refused(
-                        "item.role",
-                        format!(
-                            "{:?} is not allowed for this client (allowed: {})",
-                            item.role,
-                            self.identity.roles.names()
-                        ),
-                    ))
-                } else if chars > limits.max_message_chars {
-                    Err(refused(
-                        "item.content",
-                        format!(
-                            "must be at most {} characters (limits.max_message_chars). Given: {chars}",
-                            limits.max_message_chars
-                        ),
-                    ))
-                } else if total > cap {
-                    Err(refused(
-                        "item.content",
-                        format!("the conversation's items would hold {total} characters; at most {cap} (limits.max_message_chars x limits.max_messages): delete older items"),
-                    ))
-                } else {
-                    rt.borrow_mut().create_item(previous_item_id, item)
-                }
-            }
-            Ok(ClientEvent::ItemDelete { item_id }) => {
-                rt.borrow_mut().delete_item(&item_id).map(|e| vec![e])
-            }
-            Ok(ClientEvent::ItemRetrieve { item_id }) => {
-                rt.borrow_mut().retrieve_item(&item_id).map(|e| vec![e])
-            }
-            Ok(ClientEvent::ItemTruncate { item_id, text_end }) => rt
-                .borrow_mut()
-                .truncate_item(&item_id, text_end)
-                .map(|e| vec![e]),
-            Ok(ClientEvent::ResponseCreate(r)) => {
-                if let Err(e) = self.check_realtime_settings(&r, "response") {
-                    return self.realtime_refused(ctx, e);
-                }
-                let settings = rt.borrow().for_response(&r);
-                if self.current.is_some() || self.preparing.is_some() {
-                    let id = self.current.as_ref().map(|c| c.client_id.clone());
-                    return self.realtime_refused(
-                        ctx,
-                        EventError {
-                            code: "conversation_already_has_active_response",
-                            message: format!(
-                                "response {} is still in progress",
-                                id.unwrap_or_default()
-                            ),
-                            param: None,
-                        },
-                    );
-                }
-                let begun = chat_params(&settings).and_then(|params| {
-                    let (id, from, new, created) = rt
-                        .borrow_mut()
-                        .begin_response(&settings, &self.conversation)?;
-                    Ok((id, from, new, created, params))
-                });
-                match begun {
-                    Ok((id, from, new, created, params)) => {
-                        ctx.text(created.to_string());
-                        // Its refusals and its reply come back as frames (`on_frame`).
-                        return self.validated_turn(id, new, params, from, ctx);
-                    }
-                    Err(e) => Err(e),
-                }
-            }
-            Ok(ClientEvent::ResponseCancel { response_id }) => {
-                let active = rt.borrow().active().map(str::to_string);
-                match (active, response_id) {
-                    (None, _) => Err(EventError {
-                        code: "response_cancel_not_active",
-                        message: "no response is in progress".into(),
-                        param: None,
-                    }),
-                    (Some(a), Some(r)) if a != r => Err(refused(
-                        "response_id",
-                        format!("response {r:?} is not in progress ({a} is)"),
-                    )),
-                    (Some(a), _) => {
-                        if let Some(c) = self.current.as_mut().filter(|c| c.client_id == a) {
-                            if !c.ending {
-                                c.ending = true;
-                                c.cancelled_at = Some(c.text.tokens());
-                                self.ready.batcher.do_send(Cancel {
-                                    request: c.request,
-                                    reason: CancelReason::Client { keep: None },
-                                });
-                            }
-                        }
-                        // `response.done` (cancelled) follows when the reply ends.
-                        Ok(Vec::new())
-                    }
-                }
-            }
-        };
-        match result {
-            Ok(events) => {
+        let busy = self.current.is_some() || self.preparing.is_some();
+        let action = rt
+            .borrow_mut()
+            .handle(text, &rules, &self.conversation, busy);
+        match action {
+            Ok(Action::Send(events)) => {
                 for e in events {
                     ctx.text(e.to_string());
                 }
             }
+            Ok(Action::Start {
+                id,
+                from,
+                messages,
+                params,
+                created,
+            }) => {
+                ctx.text(created.to_string());
+                // Its refusals and its reply come back as frames (`on_frame`).
+                self.validated_turn(id, messages, params, from, ctx);
+            }
+            Ok(Action::Cancel(response)) => {
+                if let Some(c) = self.current.as_mut().filter(|c| c.client_id == response) {
+                    if !c.ending {
+                        c.ending = true;
+                        c.cancelled_at = Some(c.text.tokens());
+                        self.ready.batcher.do_send(Cancel {
+                            request: c.request,
+                            reason: CancelReason::Client { keep: None },
+                        });
+                    }
+                }
+            }
             Err(e) => self.realtime_refused(ctx, e),
         }
-    }
-
-    /// The sampling parameters and `max_output_tokens` are checked as a `/ws` chat's are (the
-    /// field named as the Realtime API names it); instructions are a system message: the
-    /// client must be allowed to send one, within the message limit.
-    fn check_realtime_settings(
-        &self,
-        s: &super::realtime::Settings,
-        what: &str,
-    ) -> Result<(), super::realtime::EventError> {
-        let cfg = &self.state.session;
-        let params = super::realtime::chat_params(s)?;
-        let probe = vec![Message::new("user", "-")];
-        let checked = (cfg.limits).validate_chat(
-            "check".into(),
-            probe,
-            params,
-            &cfg.sampling,
-            cfg.default_max_tokens,
-        );
-        if let Err(e) = checked {
-            let param = match &e {
-                RequestError::InvalidParam { param, .. } => {
-                    let field = param.trim_start_matches("params.");
-                    let field = if field == "max_tokens" {
-                        "max_output_tokens"
-                    } else {
-                        field
-                    };
-                    Some(format!("{what}.{field}"))
-                }
-                _ => None,
-            };
-            let message = match &e {
-                RequestError::InvalidParam { reason, .. } => reason.clone(),
-                other => other.to_string(),
-            };
-            return Err(super::realtime::EventError {
-                code: "invalid_value",
-                message,
-                param,
-            });
-        }
-        let Some(i) = &s.instructions else {
-            return Ok(());
-        };
-        let param = Some(format!("{what}.instructions"));
-        if !self.identity.roles.allows("system") {
-            return Err(super::realtime::EventError {
-                code: "invalid_value",
-                message: format!(
-                    "instructions are a system message, which this client may not send (allowed: {})",
-                    self.identity.roles.names()
-                ),
-                param,
-            });
-        }
-        let max = self.state.session.limits.max_message_chars;
-        let n = i.chars().count();
-        if n > max {
-            return Err(super::realtime::EventError {
-                code: "invalid_value",
-                message: format!(
-                    "must be at most {max} characters (limits.max_message_chars). Given: {n}"
-                ),
-                param,
-            });
-        }
-        Ok(())
     }
 
     /// An `error` event for the client event being handled; it counts as a refused frame.
