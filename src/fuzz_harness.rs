@@ -9,25 +9,34 @@
 //! - `detokenizer`: arbitrary token ids and stop strings through `ReplyText` (the incremental
 //!   detokenizer and the stop-string scanner): the pieces sent concatenate to what it says it
 //!   sent, never contain a stop string, and without stop strings equal decoding all ids at once.
+//! - `realtime`: a `/v1/realtime` connection's events, any bytes, interleaved with the frames the
+//!   session sends back, through the dialect's dispatch (`Realtime::handle`, what the session
+//!   calls) with the shipped limits: the dialect's invariants hold (`Realtime::check`; its item
+//!   bound after every event), every event it sends is a typed object with a fresh id, and a response
+//!   starts the session on exactly the conversation the items make.
 
-use crate::protocol::{ChatParams, ClientFrame, Limits};
-use crate::sampler::SamplingParams;
+use serde_json::Value;
+
+use crate::protocol::{ChatParams, ClientFrame, FinishReason, ServerFrame, Usage};
 use crate::server::openai::wire::{ChatRequest, CompletionRequest};
+use crate::server::realtime::{Action, Realtime, Rules};
 use crate::server::reply::ReplyText;
+use crate::server::tenants::Roles;
+use crate::server::SessionConfig;
 use crate::tokenizer::{Message, TextTokenizer};
 
-/// The shipped limits and sampling defaults (config/default.toml).
-fn shipped() -> &'static (Limits, SamplingParams, usize) {
-    static S: std::sync::OnceLock<(Limits, SamplingParams, usize)> = std::sync::OnceLock::new();
+/// The shipped session configuration: limits and sampling defaults (config/default.toml).
+fn shipped() -> &'static SessionConfig {
+    static S: std::sync::OnceLock<SessionConfig> = std::sync::OnceLock::new();
     S.get_or_init(|| {
         let s = crate::settings::Settings::load(None).expect("the shipped settings load");
-        let c = s.session_config();
-        (c.limits, c.sampling, c.default_max_tokens)
+        s.session_config()
     })
 }
 
 pub fn client_frame(data: &[u8]) {
-    let (limits, sampling, max_tokens) = shipped();
+    let c = shipped();
+    let (limits, sampling, max_tokens) = (&c.limits, &c.sampling, &c.default_max_tokens);
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
@@ -152,5 +161,191 @@ pub fn detokenizer(tok: &TextTokenizer, data: &[u8]) {
             out, all,
             "incremental text differs from decoding all at once"
         );
+    }
+}
+
+/// Fuzz bytes as a Realtime connection: the first byte picks the client's roles (odd: all, as
+/// an API key; even: user only, as the widget) and the most items the conversation may hold (1
+/// to 16, so that few events reach the bound), the rest splits at 0xFF bytes into up to 256
+/// pieces. A piece that starts with a byte below 8 is something only the server knows: a frame
+/// of the session for the response in flight (0 started, 1 delta with the rest as text, 2 done
+/// (the finish reason from the next byte), 3 error) or an event naming a real item (4 truncate,
+/// 5 delete, 6 retrieve the item the next byte picks; 7 create after it); any other piece is a
+/// client event's text (lossy UTF-8).
+pub fn realtime(data: &[u8]) {
+    let Some((&who, rest)) = data.split_first() else {
+        return;
+    };
+    let roles = if who % 2 == 1 {
+        Roles::ALL
+    } else {
+        Roles::parse(&["user".into()]).expect("a role")
+    };
+    let rules = Rules {
+        session: shipped(),
+        roles,
+    };
+    let max_items = 1 + usize::from(who / 2 % 16);
+    let mut rt = Realtime::with_max_items("m".into(), max_items);
+    let mut events = EventIds::default();
+    events.check(&[rt.created()]);
+    // What the session holds: its conversation, and the response it is generating.
+    let mut conversation: Vec<Message> = Vec::new();
+    let mut flight: Option<(String, String)> = None;
+    for piece in rest.split(|&b| b == 0xFF).take(256) {
+        let sent = match piece.split_first() {
+            Some((&kind @ 0..=3, body)) => {
+                let id = flight.as_ref().map_or("resp_gone", |f| f.0.as_str());
+                let id = id.to_string();
+                let text = String::from_utf8_lossy(body).into_owned();
+                let frame = match kind {
+                    0 => ServerFrame::Started {
+                        id,
+                        prompt_tokens: body.len(),
+                        cached_tokens: 0,
+                    },
+                    1 => ServerFrame::Delta {
+                        id,
+                        index: 0,
+                        text: text.clone(),
+                    },
+                    2 => ServerFrame::Done {
+                        id,
+                        finish_reason: [
+                            FinishReason::Stop,
+                            FinishReason::Length,
+                            FinishReason::Cancelled,
+                            FinishReason::Shutdown,
+                        ][body.first().map_or(0, |&b| b as usize % 4)],
+                        usage: Usage::default(),
+                        timings: Default::default(),
+                        seal: None,
+                    },
+                    _ => ServerFrame::Error {
+                        id: Some(id),
+                        error_type: text,
+                        message: "fuzz".into(),
+                    },
+                };
+                let sent = rt.on_frame(&frame);
+                // The session's side of the same frames.
+                match (&frame, flight.as_mut()) {
+                    (ServerFrame::Delta { text, .. }, Some(f)) => f.1.push_str(text),
+                    (ServerFrame::Done { .. }, Some(_)) => {
+                        let (_, reply) = flight.take().expect("in flight");
+                        conversation.push(Message::new("assistant", &reply));
+                    }
+                    (ServerFrame::Error { .. }, Some(_)) => flight = None,
+                    _ => {}
+                }
+                sent
+            }
+            Some((&kind @ 4..=7, body)) => {
+                let items = rt.items();
+                let pick = body.first().map_or(0, |&b| b as usize);
+                let id = items
+                    .get(pick % items.len().max(1))
+                    .map_or("none", |i| &i.id);
+                let text = match kind {
+                    4 => format!(
+                        r#"{{"type":"conversation.item.truncate","item_id":"{id}","content_index":0,"text_end":{}}}"#,
+                        body.get(1).copied().unwrap_or(0)
+                    ),
+                    5 => format!(r#"{{"type":"conversation.item.delete","item_id":"{id}"}}"#),
+                    6 => format!(r#"{{"type":"conversation.item.retrieve","item_id":"{id}"}}"#),
+                    _ => format!(
+                        r#"{{"type":"conversation.item.create","previous_item_id":"{id}","item":{{"type":"message","role":"user","content":[{{"type":"input_text","text":"x"}}]}}}}"#
+                    ),
+                };
+                client_event(&mut rt, &rules, &text, &mut conversation, &mut flight)
+            }
+            _ => {
+                let text = String::from_utf8_lossy(piece);
+                client_event(&mut rt, &rules, &text, &mut conversation, &mut flight)
+            }
+        };
+        events.check(&sent);
+        // The bound after every event; the whole check (linear in the items) at the end.
+        assert!(
+            rt.held() <= max_items,
+            "{} items held, at most {max_items}",
+            rt.held()
+        );
+        assert_eq!(
+            rt.active().is_some(),
+            flight.is_some(),
+            "a response in flight on one side only"
+        );
+    }
+    if let Err(e) = rt.check() {
+        panic!("realtime invariant: {e}");
+    }
+}
+
+/// One client event through the dispatch, and the session's side of what it asks for; the
+/// events sent.
+fn client_event(
+    rt: &mut Realtime,
+    rules: &Rules,
+    text: &str,
+    conversation: &mut Vec<Message>,
+    flight: &mut Option<(String, String)>,
+) -> Vec<Value> {
+    let held = conversation.len();
+    match rt.handle(text, rules, conversation, flight.is_some()) {
+        Ok(Action::Send(sent)) => sent,
+        Ok(Action::Start {
+            id,
+            from,
+            messages,
+            params,
+            created,
+        }) => {
+            assert!(
+                flight.is_none(),
+                "a response started while one is in flight"
+            );
+            assert!(from <= held && !messages.is_empty(), "{from} of {held}");
+            let limits = &rules.session.limits;
+            assert!(params.max_tokens.is_none_or(|m| m <= limits.max_tokens));
+            conversation.truncate(from);
+            conversation.extend(messages);
+            // The session now holds what the items make, after the instructions if any.
+            let items: Vec<Message> = (rt.items().iter())
+                .map(|i| Message::new(&i.role, &i.text))
+                .collect();
+            let head = conversation.len() - items.len().min(conversation.len());
+            assert_eq!(&conversation[head..], &items[..], "conversation != items");
+            assert!(head == 0 || (head == 1 && conversation[0].role == "system"));
+            if !rules.roles.allows("system") {
+                assert!(conversation
+                    .iter()
+                    .all(|m| rules.roles.allows(&m.role) || m.role == "assistant"));
+            }
+            *flight = Some((id, String::new()));
+            vec![created]
+        }
+        Ok(Action::Cancel(id)) => {
+            assert_eq!(Some(&id), flight.as_ref().map(|f| &f.0));
+            Vec::new()
+        }
+        Err(e) => {
+            assert!(!e.code.is_empty() && !e.message.is_empty());
+            vec![rt.error(&e)]
+        }
+    }
+}
+
+/// Every event the dialect sends is an object with a type and an id not used before.
+#[derive(Default)]
+struct EventIds(std::collections::HashSet<String>);
+
+impl EventIds {
+    fn check(&mut self, sent: &[Value]) {
+        for e in sent {
+            assert!(e["type"].as_str().is_some_and(|t| !t.is_empty()), "{e}");
+            let id = e["event_id"].as_str().expect("an event id").to_string();
+            assert!(self.0.insert(id), "event id repeated: {e}");
+        }
     }
 }

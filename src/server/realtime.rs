@@ -683,7 +683,7 @@ pub enum Action {
         id: String,
         from: usize,
         messages: Vec<Message>,
-        params: ChatParams,
+        params: Box<ChatParams>,
         created: Value,
     },
     /// Cancel the response in flight, this one (`response.done` follows when its reply ends).
@@ -697,6 +697,8 @@ pub struct Realtime {
     model: String,
     settings: Settings,
     items: Vec<Item>,
+    /// `MAX_ITEMS` but in tests, which try the bound with a few items.
+    max_items: usize,
     response: Option<InFlight>,
     /// The `event_id` of the client event being handled, for the `error` it may cause.
     client_event: Option<String>,
@@ -731,9 +733,19 @@ impl Realtime {
             model,
             settings: Settings::default(),
             items: Vec::new(),
+            max_items: MAX_ITEMS,
             response: None,
             client_event: None,
             next_id: 0,
+        }
+    }
+
+    /// A conversation of at most `max_items` items (the fuzz harness reaches the bound with few
+    /// events).
+    pub fn with_max_items(model: String, max_items: usize) -> Self {
+        Realtime {
+            max_items,
+            ..Realtime::new(model)
         }
     }
 
@@ -800,7 +812,7 @@ impl Realtime {
                     id,
                     from,
                     messages,
-                    params,
+                    params: Box::new(params),
                     created,
                 })
             }
@@ -985,12 +997,13 @@ impl Realtime {
     /// Refuses a new item when the conversation is full; a response in flight holds the place
     /// its item will take.
     fn check_room(&self) -> Result<(), EventError> {
-        if self.items.len() + usize::from(self.response.is_some()) >= MAX_ITEMS {
+        if self.held() >= self.max_items {
             return Err(refuse(
                 "invalid_value",
                 Some("item"),
                 format!(
-                    "the conversation holds {MAX_ITEMS} items, the most it may (a response in progress counts as one): delete older items"
+                    "the conversation holds {} items, the most it may (a response in progress counts as one): delete older items",
+                    self.max_items
                 ),
             ));
         }
@@ -1013,13 +1026,21 @@ impl Realtime {
         &self.items
     }
 
-    /// The invariants (for tests and the fuzz harness): at most `MAX_ITEMS` items counting the
+    /// Items, counting the one a response in flight will add.
+    pub fn held(&self) -> usize {
+        self.items.len() + usize::from(self.response.is_some())
+    }
+
+    /// The invariants (for tests and the fuzz harness): at most `max_items` items counting the
     /// one a response in flight will add, each with a valid id of its own and a role the API
     /// has, and the response's item not among them yet.
     pub fn check(&self) -> Result<(), String> {
-        let held = self.items.len() + usize::from(self.response.is_some());
-        if held > MAX_ITEMS {
-            return Err(format!("{held} items held, at most {MAX_ITEMS}"));
+        if self.held() > self.max_items {
+            return Err(format!(
+                "{} items held, at most {}",
+                self.held(),
+                self.max_items
+            ));
         }
         let mut ids = std::collections::HashSet::new();
         for i in &self.items {

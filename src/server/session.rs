@@ -1446,7 +1446,7 @@ impl Session {
             }) => {
                 ctx.text(created.to_string());
                 // Its refusals and its reply come back as frames (`on_frame`).
-                self.validated_turn(id, messages, params, from, ctx);
+                self.validated_turn(id, messages, *params, from, ctx);
             }
             Ok(Action::Cancel(response)) => {
                 if let Some(c) = self.current.as_mut().filter(|c| c.client_id == response) {

@@ -43,7 +43,7 @@ const ROLE_NAMES: [&str; 3] = ["system", "user", "assistant"];
 impl Roles {
     pub const ALL: Roles = Roles(0b111);
 
-    fn parse(names: &[String]) -> Option<Roles> {
+    pub(crate) fn parse(names: &[String]) -> Option<Roles> {
         let mut r = 0;
         for n in names {
             r |= 1 << ROLE_NAMES.iter().position(|x| x == n)?;

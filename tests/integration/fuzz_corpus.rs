@@ -58,3 +58,8 @@ fn detokenizer_corpus() {
     let tok = tokenizer();
     replay("detokenizer", |d| fuzz_harness::detokenizer(&tok, d));
 }
+
+#[test]
+fn realtime_corpus() {
+    replay("realtime", fuzz_harness::realtime);
+}
