@@ -19,7 +19,7 @@ use serde_json::Value;
 
 use crate::protocol::{ChatParams, ClientFrame, FinishReason, ServerFrame, Usage};
 use crate::server::openai::wire::{ChatRequest, CompletionRequest};
-use crate::server::realtime::{Action, Realtime, Rules};
+use crate::server::realtime::{Action, Item, Realtime, Rules};
 use crate::server::reply::ReplyText;
 use crate::server::tenants::Roles;
 use crate::server::SessionConfig;
@@ -291,7 +291,7 @@ fn client_event(
     conversation: &mut Vec<Message>,
     flight: &mut Option<(String, String)>,
 ) -> Vec<Value> {
-    let held = conversation.len();
+    let before = conversation.len();
     match rt.handle(text, rules, conversation, flight.is_some()) {
         Ok(Action::Send(sent)) => sent,
         Ok(Action::Start {
@@ -305,15 +305,13 @@ fn client_event(
                 flight.is_none(),
                 "a response started while one is in flight"
             );
-            assert!(from <= held && !messages.is_empty(), "{from} of {held}");
+            assert!(from <= before && !messages.is_empty(), "{from} of {before}");
             let limits = &rules.session.limits;
             assert!(params.max_tokens.is_none_or(|m| m <= limits.max_tokens));
             conversation.truncate(from);
             conversation.extend(messages);
             // The session now holds what the items make, after the instructions if any.
-            let items: Vec<Message> = (rt.items().iter())
-                .map(|i| Message::new(&i.role, &i.text))
-                .collect();
+            let items: Vec<Message> = rt.items().iter().map(Item::message).collect();
             let head = conversation.len() - items.len().min(conversation.len());
             assert_eq!(&conversation[head..], &items[..], "conversation != items");
             assert!(head == 0 || (head == 1 && conversation[0].role == "system"));

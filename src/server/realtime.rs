@@ -533,7 +533,8 @@ pub struct Item {
 }
 
 impl Item {
-    fn message(&self) -> Message {
+    /// The item as a chat message.
+    pub fn message(&self) -> Message {
         Message::new(&self.role, &self.text)
     }
 
@@ -568,24 +569,18 @@ pub struct Rules<'a> {
 }
 
 impl Rules<'_> {
-    fn refused(param: &str, message: String) -> EventError {
-        EventError {
-            code: "invalid_value",
-            message,
-            param: Some(param.into()),
-        }
-    }
-
-    /// An item the client may add to a conversation holding `held` characters: a role it may
-    /// send, within the message limit, all items within what one `/ws` chat frame may carry.
-    fn check_item(&self, item: &NewItem, held: usize) -> Result<(), EventError> {
+    /// An item the client may add to a conversation whose items hold `chars_held` characters: a
+    /// role it may send, within the message limit, all items within what one `/ws` chat frame
+    /// may carry.
+    fn check_item(&self, item: &NewItem, chars_held: usize) -> Result<(), EventError> {
         let limits = &self.session.limits;
         let chars = item.text.chars().count();
-        let total = held + chars;
+        let total = chars_held + chars;
         let cap = limits.max_message_chars * limits.max_messages;
         if !self.roles.allows(&item.role) {
-            Err(Self::refused(
-                "item.role",
+            Err(refuse(
+                "invalid_value",
+                Some("item.role"),
                 format!(
                     "{:?} is not allowed for this client (allowed: {})",
                     item.role,
@@ -593,16 +588,18 @@ impl Rules<'_> {
                 ),
             ))
         } else if chars > limits.max_message_chars {
-            Err(Self::refused(
-                "item.content",
+            Err(refuse(
+                "invalid_value",
+                Some("item.content"),
                 format!(
                     "must be at most {} characters (limits.max_message_chars). Given: {chars}",
                     limits.max_message_chars
                 ),
             ))
         } else if total > cap {
-            Err(Self::refused(
-                "item.content",
+            Err(refuse(
+                "invalid_value",
+                Some("item.content"),
                 format!("the conversation's items would hold {total} characters; at most {cap} (limits.max_message_chars x limits.max_messages): delete older items"),
             ))
         } else {
@@ -652,8 +649,9 @@ impl Rules<'_> {
         };
         let param = format!("{what}.instructions");
         if !self.roles.allows("system") {
-            return Err(Self::refused(
-                &param,
+            return Err(refuse(
+                "invalid_value",
+                Some(&param),
                 format!(
                     "instructions are a system message, which this client may not send (allowed: {})",
                     self.roles.names()
@@ -663,8 +661,9 @@ impl Rules<'_> {
         let max = cfg.limits.max_message_chars;
         let n = i.chars().count();
         if n > max {
-            return Err(Self::refused(
-                &param,
+            return Err(refuse(
+                "invalid_value",
+                Some(&param),
                 format!("must be at most {max} characters (limits.max_message_chars). Given: {n}"),
             ));
         }
@@ -795,7 +794,6 @@ impl Realtime {
             }
             ClientEvent::ResponseCreate(r) => {
                 rules.check_settings(&r, "response")?;
-                let settings = self.for_response(&r);
                 if busy {
                     return Err(refuse(
                         "conversation_already_has_active_response",
@@ -806,6 +804,7 @@ impl Realtime {
                         ),
                     ));
                 }
+                let settings = self.for_response(&r);
                 let params = chat_params(&settings)?;
                 let (id, from, messages, created) = self.begin_response(&settings, conversation)?;
                 Ok(Action::Start {
@@ -822,8 +821,9 @@ impl Realtime {
                     None,
                     "no response is in progress",
                 )),
-                (Some(a), Some(r)) if a != r => Err(Rules::refused(
-                    "response_id",
+                (Some(a), Some(r)) if a != r => Err(refuse(
+                    "invalid_value",
+                    Some("response_id"),
                     format!("response {r:?} is not in progress ({a} is)"),
                 )),
                 (Some(a), _) => Ok(Action::Cancel(a.to_string())),
