@@ -30,6 +30,8 @@ GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,nohea
 CAP=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n1 | tr -d '.')
 export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-$CAP}
 echo "gpu-check: $GPU, compute capability $CUDA_COMPUTE_CAP" | tee -a "$LOG"
+# On a GPU machine a GPU test that finds no device fails instead of skipping.
+export LLAMA_RELAY_REQUIRE_GPU=1
 
 if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
   BIN="$GPU_CHECK_PREBUILT/llama-relay"

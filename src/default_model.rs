@@ -68,10 +68,18 @@ pub fn ensure_default_model() -> Result<PathBuf> {
         }
         tracing::warn!(path = %target.display(), size = meta.len(), "cached default model has the wrong size; fetching it again");
     }
-    std::fs::create_dir_all(&dir).map_err(|e| EngineError::io(&dir, e))?;
+    let not_writable = |path: &Path, e: std::io::Error| {
+        EngineError::DefaultModel(format!(
+            "the cache folder {} cannot be written ({e}): set LLAMA_RELAY_CACHE to a writable \
+             folder. {}",
+            path.display(),
+            how_to_point_elsewhere()
+        ))
+    };
+    std::fs::create_dir_all(&dir).map_err(|e| not_writable(&dir, e))?;
     let work = dir.join(format!("download-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work).map_err(|e| EngineError::io(&work, e))?;
+    std::fs::create_dir_all(&work).map_err(|e| not_writable(&dir, e))?;
     let result = fetch_into(&work, &target);
     let _ = std::fs::remove_dir_all(&work);
     result.map(|_| target)

@@ -11,6 +11,10 @@ pub enum EngineError {
     #[error("model file not found: {path}")]
     ModelNotFound { path: PathBuf },
 
+    /// The `--config` file: missing, unreadable or not valid TOML.
+    #[error("config file {path}: {message}")]
+    Config { path: PathBuf, message: String },
+
     #[error("cannot read {path}: {source}")]
     Io {
         path: PathBuf,
@@ -70,9 +74,27 @@ impl EngineError {
             EngineError::Tokenizer(_) | EngineError::ChatTemplate(_) => "tokenizer",
             EngineError::KvCache(_) => "kv_cache",
             EngineError::InvalidBatch(_) => "invalid_batch",
-            EngineError::InvalidSetting { .. } => "invalid_setting",
+            EngineError::InvalidSetting { .. } | EngineError::Config { .. } => "invalid_setting",
             EngineError::Candle(_) => "internal",
         }
+    }
+
+    /// Whether what the operator gave cannot work (a config file, a setting, a model path that
+    /// does not exist or is not a model, model files that do not fit together), as opposed to the machine failing (a read error, a port
+    /// in use, a folder not writable, a fetch). The command line exits 2 for the first, 1 for the
+    /// second.
+    pub fn is_usage(&self) -> bool {
+        matches!(
+            self,
+            EngineError::Config { .. }
+                | EngineError::InvalidSetting { .. }
+                | EngineError::ModelNotFound { .. }
+                | EngineError::BadModelFile { .. }
+                | EngineError::UnsupportedArchitecture { .. }
+                | EngineError::BadTensor { .. }
+                | EngineError::Tokenizer(_)
+                | EngineError::ChatTemplate(_)
+        )
     }
 
     pub(crate) fn bad_file(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {

@@ -160,3 +160,38 @@ fn run(
     stats.decode = first.map(|f| f.elapsed()).unwrap_or_default();
     Ok(stats)
 }
+
+/// The warm-up's prompt, in tokens at most (the first step of a run pays its one-time costs at
+/// this size already; a bigger one would only delay readiness).
+const WARM_UP_TOKENS: usize = 256;
+
+/// Runs the costs a first request would otherwise pay (first-touch pages of the step's buffers
+/// and the KV cache, the thread team's start, first-use allocations in the kernels) before the
+/// server reports ready, as llama.cpp's server does with an empty run at load: one prefill chunk
+/// of up to `step_tokens` (at most 256) tokens, then a few decode steps. Caching is off in
+/// `generate`, so the warm-up leaves no block behind and no later request can find it.
+pub fn warm_up(engine: &mut Engine, step_tokens: usize) -> Result<Duration> {
+    let t = Instant::now();
+    let context = engine.model.max_positions();
+    let decodes = 4;
+    let n = step_tokens
+        .clamp(1, WARM_UP_TOKENS)
+        .min(context.saturating_sub(decodes + 1))
+        .max(1);
+    // Ordinary text's ids, not one repeated id: the kernels' speed does not depend on the values,
+    // but a warm-up that reads the embedding rows a real prompt reads is a fairer one.
+    let text = "The quick brown fox jumps over the lazy dog while the support team answers. ";
+    let mut prompt = engine.tokenizer.encode_prompt(text)?;
+    if prompt.is_empty() {
+        prompt.push(0);
+    }
+    let prompt: Vec<u32> = prompt.iter().copied().cycle().take(n).collect();
+    let params = GenerateParams {
+        max_new_tokens: decodes,
+        prefill_chunk: n,
+        stop_at_eos: false,
+        ..GenerateParams::default()
+    };
+    generate(engine, &prompt, &params, |_, _| Ok(()))?;
+    Ok(t.elapsed())
+}

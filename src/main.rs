@@ -209,9 +209,74 @@ fn init_tracing() {
         .init();
 }
 
-fn main() -> anyhow::Result<()> {
+/// A failure whose exit status is decided where it happens (see `exit_status`).
+#[derive(Debug)]
+struct Fatal {
+    message: String,
+    /// 2: what the operator gave cannot work; 1: the machine or the engine failed.
+    status: u8,
+}
+
+impl std::fmt::Display for Fatal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Fatal {}
+
+impl From<llama_relay::server::Failure> for Fatal {
+    fn from(failure: llama_relay::server::Failure) -> Self {
+        use llama_relay::server::Failure;
+        match failure {
+            Failure::Load { reason, usage } => Fatal {
+                message: format!("the model failed to load: {reason}"),
+                status: if usage { 2 } else { 1 },
+            },
+            Failure::Engine(reason) => Fatal {
+                message: format!("the engine failed: {reason}; exiting for a restart"),
+                status: 1,
+            },
+        }
+    }
+}
+
+/// The process's exit status for an error: 2 when what the operator gave cannot work (a flag,
+/// the config file, a setting, a model path that does not exist or is not a model; clap exits 2
+/// for a bad flag itself), 1 when the machine or the engine failed (a read error, a port in use,
+/// a folder that cannot be written, the default model's fetch, a failed step).
+fn exit_status(e: &anyhow::Error) -> u8 {
+    e.chain()
+        .find_map(|c| {
+            if let Some(f) = c.downcast_ref::<Fatal>() {
+                Some(f.status)
+            } else {
+                (c.downcast_ref::<llama_relay::EngineError>())
+                    .map(|e| if e.is_usage() { 2 } else { 1 })
+            }
+        })
+        .unwrap_or(1)
+}
+
+/// One line on stderr: the error and its causes, `: `-joined; with RUST_BACKTRACE set, anyhow's
+/// whole report (causes one per line, and the backtrace).
+fn main() -> std::process::ExitCode {
     init_tracing();
     let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+                eprintln!("llama-relay: error: {e:?}");
+            } else {
+                eprintln!("llama-relay: error: {e:#}");
+            }
+            std::process::ExitCode::from(exit_status(&e))
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
     let mut settings = Settings::load(cli.common.config.as_deref())?;
     if let Some(m) = &cli.common.model {
         settings.model.path = m.display().to_string();
@@ -228,6 +293,16 @@ fn main() -> anyhow::Result<()> {
     let opts = settings.engine_options()?;
     settings.validate_server()?;
     apply_process_settings(settings.threads(), settings.engine.malloc_tuning);
+    // A model path that cannot work ends the process now, before a listener is bound or a
+    // background load starts (the default model is checked when it is fetched).
+    let loads_a_model = match &cli.command {
+        Some(Command::Soak(_)) => false,
+        Some(Command::Bench(a)) => a.url.is_none(),
+        _ => true,
+    };
+    if let (true, Some(model)) = (loads_a_model, &opts.model) {
+        Engine::check_model(model, opts.tokenizer.as_deref())?;
+    }
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
@@ -273,19 +348,20 @@ fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow
             llama_relay::server::shutdown(&state, grace).await;
             handle.stop(true).await;
         });
-        // An engine that failed for good: its clients have their errors; give the sockets a
-        // moment to carry them, then exit non-zero for the supervisor to restart the process.
+        // A model that failed to load can never serve: exit at once. An engine that failed for
+        // good has told its clients; give the sockets a moment to carry that, then exit. Either
+        // way non-zero, for the supervisor to restart the process or show the crash.
         let mut failed = running.failed.clone();
         let failure = async move {
-            let reason = failed.wait_for(|f| f.is_some()).await.ok()?.clone();
-            actix_web::rt::time::sleep(FAILURE_EXIT_DELAY).await;
-            reason
+            let failure = failed.wait_for(|f| f.is_some()).await.ok()?.clone()?;
+            if matches!(failure, llama_relay::server::Failure::Engine(_)) {
+                actix_web::rt::time::sleep(FAILURE_EXIT_DELAY).await;
+            }
+            Some(failure)
         };
         tokio::select! {
             r = running.server => r.context("server"),
-            Some(reason) = failure => {
-                anyhow::bail!("the engine failed: {reason}; exiting for a restart")
-            }
+            Some(failure) = failure => Err(Fatal::from(failure).into()),
         }
     })
 }
@@ -787,8 +863,8 @@ async fn start_in_process(
         if let Some(r) = state.ready() {
             break r;
         }
-        if let llama_relay::server::Status::Failed(e) = &*state.status.read().unwrap() {
-            anyhow::bail!("the model failed to load: {e}");
+        if let Some(failure) = running.failed.borrow().clone() {
+            return Err(Fatal::from(failure).into());
         }
         actix_web::rt::time::sleep(std::time::Duration::from_millis(50)).await;
     };

@@ -4,7 +4,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::sampler::SamplingParams;
+use crate::sampler::{SamplingOverrides, SamplingParams};
 use crate::tokenizer::Message;
 
 /// Frames a client sends.
@@ -72,14 +72,8 @@ pub enum ClientFrame {
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatParams {
-    pub temperature: Option<f32>,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub seed: Option<u64>,
+    #[serde(flatten)]
+    pub sampling: SamplingOverrides,
     pub max_tokens: Option<usize>,
     #[serde(default)]
     pub stop: Vec<String>,
@@ -481,16 +475,7 @@ impl Limits {
 /// definition of their ranges (the defaults were checked at start, so a value out of range is
 /// the client's).
 fn sampling(p: &ChatParams, defaults: &SamplingParams) -> Result<SamplingParams, RequestError> {
-    let sampling = SamplingParams {
-        temperature: p.temperature.unwrap_or(defaults.temperature),
-        top_k: p.top_k.unwrap_or(defaults.top_k),
-        top_p: p.top_p.unwrap_or(defaults.top_p),
-        min_p: p.min_p.unwrap_or(defaults.min_p),
-        repetition_penalty: p.repetition_penalty.unwrap_or(defaults.repetition_penalty),
-        presence_penalty: p.presence_penalty.unwrap_or(defaults.presence_penalty),
-        frequency_penalty: p.frequency_penalty.unwrap_or(defaults.frequency_penalty),
-        seed: p.seed.or(defaults.seed),
-    };
+    let sampling = p.sampling.over(defaults);
     sampling.check().map_err(|e| {
         bad(
             &format!("params.{}", e.field),
@@ -601,7 +586,10 @@ mod tests {
             "{s}"
         );
         let s = e(ChatParams {
-            temperature: Some(3.0),
+            sampling: SamplingOverrides {
+                temperature: Some(3.0),
+                ..Default::default()
+            },
             ..Default::default()
         });
         assert!(

@@ -46,6 +46,101 @@ impl Default for SamplingParams {
     }
 }
 
+/// The sampling settings as a request or the config file gives them, each optional (absent: the
+/// level below decides). The one spelling of the knobs: the native `params`, OpenAI's bodies and
+/// Realtime's `session` / `response` flatten it into their own shapes, and the config file's
+/// `[sampling]` section is one. A new knob is a field here, in `SamplingParams` and in `check`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Any 64-bit integer (OpenAI's seed is signed): a negative one is taken as its bits.
+    #[serde(default, deserialize_with = "any_64_bit_integer")]
+    pub seed: Option<u64>,
+}
+
+/// Reads an optional signed or unsigned 64-bit integer as its 64 bits.
+fn any_64_bit_integer<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    struct Bits;
+    impl serde::de::Visitor<'_> for Bits {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a 64-bit integer")
+        }
+        fn visit_u64<E>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E>(self, v: i64) -> Result<u64, E> {
+            Ok(v as u64)
+        }
+    }
+    struct Optional;
+    impl<'de> serde::de::Visitor<'de> for Optional {
+        type Value = Option<u64>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a 64-bit integer or null")
+        }
+        fn visit_none<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_any(Bits).map(Some)
+        }
+    }
+    d.deserialize_option(Optional)
+}
+
+impl SamplingOverrides {
+    /// The field names, as the wire and the config file spell them.
+    pub const FIELDS: [&'static str; 8] = [
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+    ];
+
+    /// These values where given, `base`'s elsewhere (not yet checked: see `SamplingParams::check`).
+    pub fn over(&self, base: &SamplingParams) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(base.temperature),
+            top_k: self.top_k.unwrap_or(base.top_k),
+            top_p: self.top_p.unwrap_or(base.top_p),
+            min_p: self.min_p.unwrap_or(base.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(base.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(base.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(base.frequency_penalty),
+            seed: self.seed.or(base.seed),
+        }
+    }
+
+    /// `top`'s values where it has them, these elsewhere (a Realtime response over its session).
+    pub fn under(&self, top: &SamplingOverrides) -> SamplingOverrides {
+        SamplingOverrides {
+            temperature: top.temperature.or(self.temperature),
+            top_k: top.top_k.or(self.top_k),
+            top_p: top.top_p.or(self.top_p),
+            min_p: top.min_p.or(self.min_p),
+            repetition_penalty: top.repetition_penalty.or(self.repetition_penalty),
+            presence_penalty: top.presence_penalty.or(self.presence_penalty),
+            frequency_penalty: top.frequency_penalty.or(self.frequency_penalty),
+            seed: top.seed.or(self.seed),
+        }
+    }
+}
+
 /// A sampling setting outside its range: the field (as `SamplingParams` names it), what is
 /// allowed, and the value given.
 #[derive(Debug, Clone, PartialEq)]
@@ -323,6 +418,40 @@ pub fn log_probs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn overrides_name_every_field_once_and_take_any_64_bit_seed() {
+        let all: SamplingOverrides = serde_json::from_str(
+            r#"{"temperature":0.5,"top_k":3,"top_p":0.9,"min_p":0.1,"repetition_penalty":1.1,
+                "presence_penalty":0.2,"frequency_penalty":0.3,"seed":-1}"#,
+        )
+        .unwrap();
+        let v = serde_json::to_value(&all).unwrap();
+        let keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        let mut want = SamplingOverrides::FIELDS.to_vec();
+        let mut got = keys.clone();
+        want.sort();
+        got.sort();
+        assert_eq!(got, want);
+        assert_eq!(all.seed, Some(u64::MAX));
+        let p = all.over(&SamplingParams::default());
+        assert_eq!((p.temperature, p.top_k, p.seed), (0.5, 3, Some(u64::MAX)));
+        assert!(serde_json::from_str::<SamplingOverrides>(r#"{"temprature":1}"#).is_err());
+        let base = SamplingOverrides {
+            temperature: Some(1.0),
+            top_k: Some(5),
+            ..Default::default()
+        };
+        let top = SamplingOverrides {
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        let m = base.under(&top);
+        assert_eq!((m.temperature, m.top_k), (Some(0.0), Some(5)));
+        let d = SamplingOverrides::default().over(&p);
+        assert_eq!(d, p, "nothing given: the base");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

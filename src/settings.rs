@@ -44,6 +44,8 @@ pub struct EngineSettings {
     pub weights: String,
     pub kv_dtype: String,
     pub malloc_tuning: bool,
+    /// Run one prefill chunk and a few decode steps after loading, before the server is ready.
+    pub warm_up: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -119,13 +121,9 @@ pub struct CacheSettings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SamplingSettings {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repetition_penalty: f32,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
+    /// Each request's defaults (a knob left out here is the sampler's neutral value).
+    #[serde(flatten)]
+    pub knobs: crate::sampler::SamplingOverrides,
     pub max_tokens: usize,
 }
 
@@ -159,6 +157,16 @@ pub struct Settings {
     pub tenants: Vec<TenantSettings>,
 }
 
+/// A TOML parser's error on one line: its first line (where) and its last (what), without the
+/// quoted source lines between them.
+fn one_line(e: &dyn std::fmt::Display) -> String {
+    let text = e.to_string();
+    let lines: Vec<&str> = (text.lines().map(str::trim))
+        .filter(|l| !l.is_empty() && !l.contains('|'))
+        .collect();
+    lines.join(": ")
+}
+
 /// The error for a setting outside what is allowed (one shape for every key).
 pub(crate) fn invalid(key: &str, value: impl std::fmt::Display, allowed: &str) -> EngineError {
     EngineError::InvalidSetting {
@@ -176,10 +184,24 @@ impl Settings {
             config::FileFormat::Toml,
         ));
         if let Some(f) = file {
-            if !f.exists() {
-                return Err(EngineError::ModelNotFound { path: f.into() });
-            }
-            b = b.add_source(config::File::from(f).format(config::FileFormat::Toml));
+            let config_error = |message: String| EngineError::Config {
+                path: f.into(),
+                message,
+            };
+            let text = std::fs::read_to_string(f).map_err(|e| {
+                config_error(match e.kind() {
+                    std::io::ErrorKind::NotFound => "not found (give --config an existing TOML \
+                        file, or leave it out for config/default.toml's settings)"
+                        .into(),
+                    _ => format!("cannot be read: {e}"),
+                })
+            })?;
+            // The file alone first, so a syntax error names the file rather than "the settings".
+            config::Config::builder()
+                .add_source(config::File::from_str(&text, config::FileFormat::Toml))
+                .build()
+                .map_err(|e| config_error(format!("not valid TOML: {}", one_line(&e))))?;
+            b = b.add_source(config::File::from_str(&text, config::FileFormat::Toml));
         }
         b = b.add_source(
             config::Environment::with_prefix("LLAMA_RELAY")
@@ -206,17 +228,7 @@ impl Settings {
 
     /// The `[sampling]` section as a request's defaults.
     pub fn sampling_defaults(&self) -> crate::sampler::SamplingParams {
-        let sp = &self.sampling;
-        crate::sampler::SamplingParams {
-            temperature: sp.temperature,
-            top_k: sp.top_k,
-            top_p: sp.top_p,
-            min_p: sp.min_p,
-            repetition_penalty: sp.repetition_penalty,
-            presence_penalty: sp.presence_penalty,
-            frequency_penalty: sp.frequency_penalty,
-            seed: None,
-        }
+        (self.sampling.knobs).over(&crate::sampler::SamplingParams::default())
     }
 
     /// Checks every value and builds the engine options.

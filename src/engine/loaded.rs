@@ -99,7 +99,62 @@ fn is_gguf(path: &Path) -> bool {
         && &magic == b"GGUF"
 }
 
+/// What a model path must be, for errors that name it.
+const EXPECTED_MODEL: &str = "expected a GGUF file (llama architecture) or a Hugging Face folder \
+     (config.json, *.safetensors, tokenizer.json)";
+
 impl Engine {
+    /// Checks in milliseconds, without reading weights, that `path` is a model `load` can take:
+    /// it exists and can be read, and it is a GGUF file whose header names the llama
+    /// architecture, or a Hugging Face folder whose config.json names a Llama model and whose
+    /// weight files and tokenizer are there. The server runs this before it binds, so a wrong
+    /// path ends the process at once instead of a background load failing later.
+    pub fn check_model(path: &Path, tokenizer: Option<&Path>) -> Result<()> {
+        let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
+        if meta.is_dir() {
+            let cpu = LoadOptions {
+                device: Device::Cpu,
+                weights: WeightMode::Keep,
+            };
+            if !path.join("config.json").exists() {
+                return Err(EngineError::bad_file(
+                    path,
+                    format!("a folder without config.json: {EXPECTED_MODEL}"),
+                ));
+            }
+            HfSource::open(path, cpu)?;
+            let tok = tokenizer.map_or_else(|| path.join("tokenizer.json"), Path::to_path_buf);
+            if !tok.exists() {
+                return Err(EngineError::ModelNotFound { path: tok });
+            }
+            return Ok(());
+        }
+        let mut magic = [0u8; 4];
+        std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => EngineError::bad_file(
+                    path,
+                    format!("too short to be a model: {EXPECTED_MODEL}"),
+                ),
+                _ => EngineError::io(path, e),
+            })?;
+        if &magic != b"GGUF" {
+            return Err(EngineError::bad_file(
+                path,
+                format!("not a model (it does not start with `GGUF`): {EXPECTED_MODEL}"),
+            ));
+        }
+        let (content, mut reader) = crate::model::loader::read_gguf(path)?;
+        crate::model::loader::gguf_config(path, &content, &mut reader)?;
+        if let Some(t) = tokenizer {
+            if !t.exists() {
+                return Err(EngineError::ModelNotFound { path: t.into() });
+            }
+        }
+        Ok(())
+    }
+
     pub fn load(opts: &EngineOptions) -> Result<Self> {
         let path = match &opts.model {
             Some(p) => p.clone(),
@@ -131,7 +186,7 @@ impl Engine {
         } else {
             return Err(EngineError::bad_file(
                 &path,
-                "neither a GGUF file nor a folder with config.json and safetensors",
+                format!("not a model (it does not start with `GGUF`): {EXPECTED_MODEL}"),
             ));
         };
         let max_positions = match opts.max_context {

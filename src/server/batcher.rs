@@ -856,6 +856,9 @@ impl Batcher {
     }
 }
 
+/// How often an idle batcher looks for expired leases and parked replies (a step looks too).
+const EXPIRY_SWEEP: Duration = Duration::from_secs(1);
+
 /// When things go (closed sessions' leases, parked sessions' requests), in time order: each step
 /// looks only at the ones due.
 struct Expiry<K> {
@@ -887,6 +890,10 @@ impl<K: Copy + Ord + std::hash::Hash> Expiry<K> {
         }
     }
 
+    fn len(&self) -> usize {
+        self.at.len()
+    }
+
     /// Removes and returns the keys due at `now`.
     fn due(&mut self, now: Instant) -> Vec<K> {
         let mut out = Vec::new();
@@ -908,6 +915,16 @@ impl Actor for Batcher {
     fn started(&mut self, ctx: &mut Self::Context) {
         // Sessions may queue many events at once; the batcher itself must never refuse a Cancel.
         ctx.set_mailbox_capacity(usize::MAX);
+        // Leases and parked replies expire on time on an idle server too, not only at the next
+        // step: their blocks go back to the pool and the gauges say so.
+        ctx.run_interval(EXPIRY_SWEEP, |b, _| {
+            let (leases, parked) = (b.lease_expiry.len(), b.park_expiry.len());
+            b.expire_leases();
+            b.expire_parked();
+            if (leases, parked) != (b.lease_expiry.len(), b.park_expiry.len()) {
+                b.update_gauges();
+            }
+        });
     }
 
     /// The batcher only stops when a handler panicked (the runtime drops the actor): its

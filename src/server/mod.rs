@@ -204,6 +204,42 @@ impl Peer {
         }
     }
 
+    /// How far the client has taken what was written: the bytes it acknowledged so far and
+    /// whether bytes wait (unsent, or sent and not acknowledged), from the kernel's TCP_INFO.
+    /// `None` where the kernel does not tell. A client that reads nothing fills its receive
+    /// window, after which nothing more is acknowledged, however much the send buffer still takes.
+    pub fn send_progress(&self) -> Option<SendProgress> {
+        #[cfg(target_os = "linux")]
+        {
+            // SAFETY: an all-zero tcp_info is valid (plain integers); getsockopt fills at most
+            // `len` bytes of it from a live descriptor (see `outbox::watch`).
+            let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+            let rc = unsafe {
+                libc::getsockopt(
+                    self.0,
+                    libc::IPPROTO_TCP,
+                    libc::TCP_INFO,
+                    (&mut info as *mut libc::tcp_info).cast(),
+                    &mut len,
+                )
+            };
+            // Kernels before 4.6 end the struct before the fields read here.
+            let needed = std::mem::offset_of!(libc::tcp_info, tcpi_notsent_bytes) + 4;
+            if rc != 0 || (len as usize) < needed {
+                return None;
+            }
+            Some(SendProgress {
+                acked: info.tcpi_bytes_acked,
+                waiting: info.tcpi_unacked > 0 || info.tcpi_notsent_bytes > 0,
+            })
+        }
+        #[cfg(not(target_os = "linux"))]
+        {
+            None
+        }
+    }
+
     /// The client closed or reset the connection (a peek finds end of stream or an error; a
     /// pipelined request waiting to be read is data, so the client is still there).
     pub fn gone(&self) -> bool {
@@ -231,6 +267,15 @@ impl Peer {
     }
 }
 
+/// What `Peer::send_progress` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SendProgress {
+    /// Bytes the client has acknowledged since the connection began.
+    pub acked: u64,
+    /// Bytes wait in the socket: not sent yet, or sent and not acknowledged.
+    pub waiting: bool,
+}
+
 /// A bound, not yet awaited server.
 pub struct Running {
     pub server: actix_web::dev::Server,
@@ -238,9 +283,20 @@ pub struct Running {
     /// Where `/health` and `/metrics` are served when `server.admin_port` is set.
     pub admin_addr: Option<SocketAddr>,
     pub state: web::Data<AppState>,
-    /// Becomes `Some(reason)` when the engine fails for good (`/health` is then 503 `failed`):
-    /// the process should exit once clients have had their errors, so a supervisor restarts it.
-    pub failed: tokio::sync::watch::Receiver<Option<String>>,
+    /// Becomes `Some` when the server can never serve (the model failed to load) or the engine
+    /// failed for good (`/health` is then 503 `failed`): the process should exit, after clients
+    /// have had their errors, so a supervisor restarts it or shows the crash.
+    pub failed: tokio::sync::watch::Receiver<Option<Failure>>,
+}
+
+/// Why the server cannot go on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// The model did not load: nothing was ever served. `usage` when the operator's model path
+    /// or settings cannot work (`EngineError::is_usage`), so the command line exits 2, not 1.
+    Load { reason: String, usage: bool },
+    /// The engine failed after serving: clients got their errors.
+    Engine(String),
 }
 
 /// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
@@ -254,10 +310,10 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         .map_err(invalid)?
         .with_anonymous_quota(settings.anonymous_quota());
     let sv = &settings.server;
-    let listener = std::net::TcpListener::bind((sv.host.as_str(), sv.port))?;
+    let listener = bind(&sv.host, sv.port, "server.port")?;
     let addr = listener.local_addr()?;
     let admin = match sv.admin_port {
-        Some(port) => Some(std::net::TcpListener::bind((sv.admin_host.as_str(), port))?),
+        Some(port) => Some(bind(&sv.admin_host, port, "server.admin_port")?),
         None => None,
     };
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
@@ -328,21 +384,37 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         });
     }
     let (failed_tx, failed) = tokio::sync::watch::channel(None);
+    let failed_tx = Arc::new(failed_tx);
     let failure_state = state.clone();
+    let engine_failed = failed_tx.clone();
     let batcher_cfg = crate::server::batcher::BatcherConfig {
         on_failure: Some(Arc::new(move |reason: String| {
             failure_state.set(Status::Failed(reason.clone()));
-            let _ = failed_tx.send(Some(reason));
+            let _ = engine_failed.send(Some(Failure::Engine(reason)));
         })),
         ..settings.batcher_config()
     };
+    let warm_up = settings
+        .engine
+        .warm_up
+        .then_some(settings.scheduler.step_tokens);
     let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
     let pins = state.tenants.operator_prompts();
     let load_state = state.clone();
     let arbiter = Arbiter::new();
     arbiter.spawn_fn(move || {
         let started = std::time::Instant::now();
-        match Engine::load(&opts) {
+        let loaded = Engine::load(&opts).and_then(|mut engine| {
+            if let Some(step_tokens) = warm_up {
+                let took = crate::generate::warm_up(&mut engine, step_tokens)?;
+                tracing::info!(
+                    ms = took.as_millis() as u64,
+                    "warmed up (one prefill chunk and a few decode steps)"
+                );
+            }
+            Ok(engine)
+        });
+        match loaded {
             Ok(engine) => {
                 let tokenizer = engine.tokenizer.clone();
                 let model = engine.info.name.clone();
@@ -383,6 +455,10 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             Err(e) => {
                 tracing::error!(error = %e, "the model failed to load");
                 load_state.set(Status::Failed(e.to_string()));
+                let _ = failed_tx.send(Some(Failure::Load {
+                    reason: e.to_string(),
+                    usage: e.is_usage(),
+                }));
             }
         }
     });
@@ -412,6 +488,27 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         admin_addr,
         state,
         failed,
+    })
+}
+
+/// Binds a listener; an error names the address, the setting and, for an address in use, the fix.
+fn bind(host: &str, port: u16, setting: &str) -> std::io::Result<std::net::TcpListener> {
+    std::net::TcpListener::bind((host, port)).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => format!(
+                " (another process listens there: stop it, or choose another port with {} or \
+                 --port)",
+                setting
+            ),
+            std::io::ErrorKind::PermissionDenied => {
+                " (ports below 1024 need privileges: choose a higher one)".into()
+            }
+            _ => String::new(),
+        };
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on {host}:{port}: {e}{hint}"),
+        )
     })
 }
 

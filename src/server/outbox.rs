@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::Stream;
 
-use super::Peer;
+use super::{Peer, SendProgress};
 use crate::metrics::Metrics;
 
 /// Events posted to a client's handler and not yet taken.
@@ -131,16 +131,20 @@ async fn watch(
     on_reset: Option<Arc<AtomicBool>>,
 ) {
     let tick = (timeout / 4).max(Duration::from_millis(50));
+    let mut acks = AckWatch::new(Instant::now());
     loop {
         actix_web::rt::time::sleep(tick).await;
         let Some(last) = last.upgrade() else { return };
-        if last.idle() >= timeout {
+        let unacked =
+            (peer.send_progress()).map_or(Duration::ZERO, |p| acks.stalled(p, Instant::now()));
+        if last.idle() >= timeout || unacked >= timeout {
             metrics
                 .slow_readers
                 .with_label_values(&["connection_closed"])
                 .inc();
             tracing::info!(
                 idle_ms = last.idle().as_millis() as u64,
+                unacknowledged_ms = unacked.as_millis() as u64,
                 "a client read nothing for server.write_timeout_s; resetting its connection"
             );
             if let Some(f) = on_reset {
@@ -152,9 +156,72 @@ async fn watch(
     }
 }
 
+/// The second rule, for what the first cannot see: a send buffer big enough for the whole reply
+/// (the kernel's autotuning, or `server.send_buffer_kib`) keeps the body polled while the client
+/// reads nothing. Once the client's receive window is full nothing more is acknowledged, so
+/// bytes waiting in the socket with none acknowledged for the timeout are a client that reads
+/// nothing, whatever the buffers hold. (A client whose kernel buffers the whole reply unread
+/// acknowledges it all and is not caught: that is memory of the client's, not the server's.)
+#[derive(Debug)]
+struct AckWatch {
+    acked: u64,
+    since: Instant,
+}
+
+impl AckWatch {
+    fn new(now: Instant) -> Self {
+        AckWatch {
+            acked: 0,
+            since: now,
+        }
+    }
+
+    /// Takes a reading; returns how long bytes have waited with none acknowledged.
+    fn stalled(&mut self, p: SendProgress, now: Instant) -> Duration {
+        if !p.waiting || p.acked != self.acked {
+            self.acked = p.acked;
+            self.since = now;
+        }
+        now.saturating_duration_since(self.since)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bytes_waiting_unacknowledged_count_as_a_stall_and_any_ack_or_empty_socket_ends_it() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let p = |acked, waiting| SendProgress { acked, waiting };
+        let mut w = AckWatch::new(t0);
+        assert_eq!(
+            w.stalled(p(100, true), t0),
+            s(0),
+            "the first acks are progress"
+        );
+        assert_eq!(w.stalled(p(100, true), t0 + s(3)), s(3));
+        assert_eq!(w.stalled(p(100, true), t0 + s(5)), s(5));
+        assert_eq!(
+            w.stalled(p(101, true), t0 + s(6)),
+            s(0),
+            "one byte acknowledged"
+        );
+        assert_eq!(w.stalled(p(101, true), t0 + s(8)), s(2));
+        assert_eq!(
+            w.stalled(p(101, false), t0 + s(9)),
+            s(0),
+            "nothing waits: an idle client"
+        );
+        assert_eq!(w.stalled(p(101, false), t0 + s(30)), s(0));
+        assert_eq!(
+            w.stalled(p(101, true), t0 + s(31)),
+            s(1),
+            "counted from the last empty look"
+        );
+        assert_eq!(w.stalled(p(101, true), t0 + s(33)), s(3));
+    }
 
     #[test]
     fn backlog_counts_posted_minus_taken_and_never_wraps() {

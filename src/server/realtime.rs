@@ -15,12 +15,13 @@
 //! message that differs, so deleting or truncating an item costs a prefill from there, and
 //! everything before it stays cached. Written by hand: no Rust crate serves this protocol.
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::tenants::Roles;
 use super::SessionConfig;
 use crate::protocol::{ChatParams, FinishReason, RequestError, ServerFrame, Usage};
+use crate::sampler::SamplingOverrides;
 use crate::tokenizer::Message;
 
 /// Event types of the audio half of the API, answered with an `error` naming this server's
@@ -83,35 +84,8 @@ impl MaxTokens {
 }
 
 /// The sampling parameters this server takes beyond the Realtime API's (an extension: in
-/// `session` and in `response`).
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct Sampling {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub seed: Option<u64>,
-}
-
-impl Sampling {
-    /// `other`'s values where it has them, else these.
-    fn or(&self, other: &Sampling) -> Sampling {
-        Sampling {
-            temperature: other.temperature.or(self.temperature),
-            top_p: other.top_p.or(self.top_p),
-            top_k: other.top_k.or(self.top_k),
-            min_p: other.min_p.or(self.min_p),
-            repetition_penalty: other.repetition_penalty.or(self.repetition_penalty),
-            presence_penalty: other.presence_penalty.or(self.presence_penalty),
-            frequency_penalty: other.frequency_penalty.or(self.frequency_penalty),
-            seed: other.seed.or(self.seed),
-        }
-    }
-}
+/// `session` and in `response`): the one `SamplingOverrides`.
+pub type Sampling = SamplingOverrides;
 
 /// Splits an object's fields into the ones `known` names (kept) and this server's sampling
 /// extension; fields the API has that this server ignores are dropped, others refused.
@@ -121,20 +95,10 @@ fn split_fields(
     known: &[&str],
     ignored: &[&str],
 ) -> Result<(Map<String, Value>, Sampling), EventError> {
-    const SAMPLING: &[&str] = &[
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-    ];
     let mut sampling = Map::new();
     let mut kept = Map::new();
     for (k, v) in std::mem::take(&mut obj) {
-        if SAMPLING.contains(&k.as_str()) {
+        if SamplingOverrides::FIELDS.contains(&k.as_str()) {
             sampling.insert(k, v);
         } else if known.contains(&k.as_str()) {
             kept.insert(k, v);
@@ -877,7 +841,7 @@ impl Realtime {
         self.settings = Settings {
             instructions: s.instructions.or(old.instructions),
             max_output_tokens: s.max_output_tokens.or(old.max_output_tokens),
-            sampling: old.sampling.or(&s.sampling),
+            sampling: old.sampling.under(&s.sampling),
         };
         let session = self.session_json();
         self.event("session.updated", json!({ "session": session }))
@@ -894,7 +858,7 @@ impl Realtime {
                 .max_output_tokens
                 .clone()
                 .or(self.settings.max_output_tokens.clone()),
-            sampling: self.settings.sampling.or(&r.sampling),
+            sampling: self.settings.sampling.under(&r.sampling),
         }
     }
 
@@ -1329,14 +1293,7 @@ pub fn chat_params(s: &Settings) -> Result<ChatParams, EventError> {
 
 fn sampling_params(s: &Sampling) -> ChatParams {
     ChatParams {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        repetition_penalty: s.repetition_penalty,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        seed: s.seed,
+        sampling: s.clone(),
         ..ChatParams::default()
     }
 }

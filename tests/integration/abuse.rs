@@ -171,6 +171,39 @@ fn a_client_that_reads_nothing_is_reset_after_the_write_timeout() {
     });
 }
 
+/// The same when the server's send buffer holds the whole reply (so actix keeps polling the body
+/// and the first rule never fires): the client acknowledges nothing once its small receive window
+/// is full, and that is caught after `write_timeout_s` too.
+#[test]
+fn a_client_that_reads_nothing_is_reset_even_when_the_send_buffer_holds_its_reply() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = 8192;
+        s.engine.cache_tokens = 16384;
+        s.server.heartbeat_s = 1;
+        s.server.client_timeout_s = 60;
+        s.server.write_timeout_s = 2;
+        s.server.max_queued_frames = 1 << 20;
+        // 16 MiB (32 with the kernel's doubling): far more than a 4,000-token reply's frames.
+        s.server.send_buffer_kib = 16384;
+    });
+    run(async {
+        let mut c = RawWs::connect(app.addr);
+        c.send(long_reply());
+        let took =
+            wait_for_slow_reader(&app, "connection_closed", 1, Duration::from_secs(60)).await;
+        eprintln!("reset and KV freed {took:?} after the chat");
+        let t0 = Instant::now();
+        loop {
+            match c.recv() {
+                Ok(f) if f["type"] == "closed" => panic!("a close frame, not a reset"),
+                Ok(_) => assert!(t0.elapsed() < Duration::from_secs(30), "still open"),
+                Err(_) => break,
+            }
+        }
+    });
+}
+
 /// A client that stops reading while its reply streams: once `max_queued_frames` events wait
 /// untaken, the reply is cancelled and its KV freed, long before the write timeout; when the
 /// client reads again it finds the deltas, then `error` slow_reader, and the session still works.

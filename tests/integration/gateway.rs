@@ -30,7 +30,7 @@ pub fn spawn_app(model: &Path, tweak: impl FnOnce(&mut Settings)) -> App {
     s.server.port = 0;
     s.engine.cache_tokens = 8192;
     s.engine.max_context = 2048;
-    s.sampling.temperature = 0.0;
+    s.sampling.knobs.temperature = Some(0.0);
     tweak(&mut s);
     s.validate_server().unwrap();
     let opts = s.engine_options().unwrap();
@@ -432,6 +432,43 @@ fn cancel_and_disconnects_free_the_kv_cache() {
                 app.status().await
             );
             actix_web::rt::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
+}
+
+#[test]
+fn an_idle_server_releases_expired_leases_without_a_new_request() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.cache.lease_grace_s = 1;
+        s.server.resume_grace_s = 0;
+    });
+    run(async {
+        for i in 0..3 {
+            let mut c = app.connect().await;
+            c.chat(&format!("t{i}"), "Say something about the sea.", greedy(4))
+                .await;
+            assert_eq!(c.reply(&format!("t{i}")).await.done["type"], "done");
+            drop(c);
+        }
+        let held = app.wait_idle().await.kv_blocks_held;
+        assert!(
+            held > 0,
+            "the closed sessions' leases are kept for their grace"
+        );
+        // No request comes: the leases still go once their grace is over, and the gauge says so.
+        let t0 = Instant::now();
+        loop {
+            let s = app.status().await;
+            let gauge = app.state.metrics.kv_blocks_held.get();
+            if s.kv_blocks_held == 0 && gauge == 0 {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "still held after 30 s on an idle server: {s:?}, gauge {gauge}"
+            );
+            actix_web::rt::time::sleep(Duration::from_millis(100)).await;
         }
     });
 }

@@ -18,5 +18,6 @@ mod realtime;
 mod replicas;
 mod security;
 mod smollm2;
+mod startup;
 mod tiny_llama3;
 mod tokenizers_fixtures;

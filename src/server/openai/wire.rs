@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::protocol::{ChatParams, Limits, RequestError, ValidChat};
-use crate::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
 use crate::tokenizer::Message;
 
 /// Most choices (`n`) one request may ask for: each is a running sequence.
@@ -37,22 +37,18 @@ pub struct StreamOptions {
 pub struct CommonFields {
     pub model: Option<String>,
     pub max_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    /// OpenAI's temperature, top_p, seed, presence and frequency penalties, and this server's
+    /// top_k, min_p and repetition_penalty.
+    #[serde(flatten)]
+    pub sampling: SamplingOverrides,
     pub n: Option<i64>,
     pub stop: Option<OneOrMany>,
-    pub seed: Option<i64>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
     pub user: Option<String>,
     pub prompt_cache_key: Option<String>,
     pub logit_bias: Option<Map<String, Value>>,
     // This server's extras.
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
     pub ignore_eos: Option<bool>,
     pub priority: Option<String>,
 }
@@ -237,15 +233,7 @@ impl CommonFields {
             Some(OneOrMany::Many(v)) => v.clone(),
         };
         let params = ChatParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            // OpenAI's seed is any 64-bit integer.
-            seed: self.seed.map(|s| s as u64),
+            sampling: self.sampling.clone(),
             max_tokens,
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
