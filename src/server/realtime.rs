@@ -1262,21 +1262,9 @@ impl Realtime {
     }
 }
 
-/// The session's error types as Realtime error codes.
+/// A session's error frame's type as a Realtime error code (`ErrorKind::wire`, the one table).
 fn static_code(error_type: &str) -> &'static str {
-    match error_type {
-        "invalid_request" => "invalid_request",
-        "prompt_too_long" => "prompt_too_long",
-        "overloaded" => "overloaded",
-        "busy" => "conversation_already_has_active_response",
-        "rate_limited" => "rate_limit_exceeded",
-        "cancelled" => "cancelled",
-        "slow_reader" => "slow_reader",
-        "not_ready" => "not_ready",
-        "draining" => "draining",
-        "resume_failed" => "resume_failed",
-        _ => "server_error",
-    }
+    crate::protocol::ErrorKind::from_ws(error_type).map_or("server_error", |k| k.wire().realtime)
 }
 
 /// A response's chat parameters from its settings.

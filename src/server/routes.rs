@@ -139,6 +139,15 @@ async fn metrics(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse {
         .body(state.metrics.render())
 }
 
+/// An upgrade refused, in the native dialect's shape (`ErrorKind::wire`, the one table), counted.
+fn refuse(state: &AppState, r: Refusal) -> HttpResponse {
+    let w = r.kind().wire();
+    state.metrics.error(w.ws);
+    let status = actix_web::http::StatusCode::from_u16(w.http)
+        .unwrap_or(actix_web::http::StatusCode::INTERNAL_SERVER_ERROR);
+    HttpResponse::build(status).json(json!({"error_type": w.ws, "message": r.into_message()}))
+}
+
 async fn ws(
     req: HttpRequest,
     stream: web::Payload,
@@ -154,10 +163,7 @@ async fn ws(
             .insert_header(("Retry-After", "1"))
             .json(json!({"error_type": "draining", "message": "this server is shutting down; connect again (a load balancer sends you to another replica)"})));
     }
-    let bad_request = |m: String| {
-        state.metrics.error("invalid_request");
-        HttpResponse::BadRequest().json(json!({"error_type": "invalid_request", "message": m}))
-    };
+    let bad_request = |m: String| refuse(&state, Refusal::BadRequest(m));
     let query = match query(&req) {
         Ok(q) => q,
         Err(m) => return Ok(bad_request(m)),
@@ -168,18 +174,11 @@ async fn ws(
     };
     let identity = match authorization(&req).and_then(|a| identify_with(&req, &state, a, &query)) {
         Ok(i) => i,
-        Err(Refusal::BadRequest(m)) => return Ok(bad_request(m)),
-        Err(Refusal::Unauthorized(m)) => {
-            state.metrics.error("unauthorized");
-            return Ok(HttpResponse::Unauthorized()
-                .json(json!({"error_type": "unauthorized", "message": m})));
-        }
-        Err(Refusal::Forbidden(m)) => {
-            state.metrics.error("forbidden");
-            tracing::info!(reason = %m, "WebSocket upgrade refused");
-            return Ok(
-                HttpResponse::Forbidden().json(json!({"error_type": "forbidden", "message": m}))
-            );
+        Err(r) => {
+            if let Refusal::Forbidden(m) = &r {
+                tracing::info!(reason = %m, "WebSocket upgrade refused");
+            }
+            return Ok(refuse(&state, r));
         }
     };
     // An address whose dropped sessions hold its places may come back to resume them.
@@ -383,9 +382,14 @@ async fn widget_check(
         .insert_header(("Cache-Control", "no-store"));
     match verdict {
         Ok(_) => resp.json(json!({"widget": id.as_str(), "ws": format!("/ws?widget={id}")})),
-        Err(Refusal::Forbidden(m) | Refusal::Unauthorized(m) | Refusal::BadRequest(m)) => {
-            let error_type = if known { "forbidden" } else { "not_found" };
-            resp.json(json!({"error_type": error_type, "message": m}))
+        Err(r) => {
+            // A known widget is refused to this origin; an unknown one is not found.
+            let error_type = if known {
+                crate::protocol::ErrorKind::Forbidden.wire().ws
+            } else {
+                "not_found"
+            };
+            resp.json(json!({"error_type": error_type, "message": r.into_message()}))
         }
     }
 }

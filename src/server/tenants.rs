@@ -115,6 +115,23 @@ pub enum Refusal {
     Forbidden(String),
 }
 
+impl Refusal {
+    pub fn kind(&self) -> crate::protocol::ErrorKind {
+        use crate::protocol::ErrorKind;
+        match self {
+            Refusal::BadRequest(_) => ErrorKind::InvalidRequest,
+            Refusal::Unauthorized(_) => ErrorKind::Unauthorized,
+            Refusal::Forbidden(_) => ErrorKind::Forbidden,
+        }
+    }
+
+    pub fn into_message(self) -> String {
+        match self {
+            Refusal::BadRequest(m) | Refusal::Unauthorized(m) | Refusal::Forbidden(m) => m,
+        }
+    }
+}
+
 pub const DEFAULT_TENANT: &str = "default";
 
 /// `scheme://host[:port]` with nothing after it.

@@ -87,7 +87,10 @@ fn a_file_that_is_not_gguf_is_named() {
     let f = d.join("weights.bin");
     std::fs::write(&f, b"hello").unwrap();
     let e = load_err(&f).to_string();
-    assert!(e.contains("does not start with `GGUF`") && e.contains("expected a GGUF file"), "{e}");
+    assert!(
+        e.contains("does not start with `GGUF`") && e.contains("expected a GGUF file"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -44,7 +44,7 @@ use super::tenants::{ClientKind, Identity, Refusal, Roles};
 use super::{AppState, Peer, Ready};
 use crate::engine::core::Fork;
 use crate::engine::scheduler::{Priority, RequestId};
-use crate::protocol::{FinishReason, RequestError};
+use crate::protocol::{ErrorKind, FinishReason, RequestError};
 use crate::sampler::{SamplingParams, TokenLogprobs};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -113,76 +113,33 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// The error kind's OpenAI form (`ErrorKind::wire`, the one table).
+    fn of_kind(kind: ErrorKind, message: String) -> Self {
+        let w = kind.wire();
+        let status = StatusCode::from_u16(w.http).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        Self::new(status, w.openai_type, w.openai_code, message)
+    }
+}
+
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
         let m = e.to_string();
         match e {
             RequestError::InvalidParam { param, .. } => ApiError::invalid(&param, m),
-            RequestError::InvalidRequest(_) | RequestError::Busy(_) => {
-                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
-            }
             RequestError::PromptTooLong(_) => ApiError {
                 param: Some("messages".into()),
-                ..Self::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    Some("context_length_exceeded"),
-                    m,
-                )
+                ..Self::of_kind(ErrorKind::PromptTooLong, m)
             },
-            RequestError::RateLimited(_) => Self::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                Some("rate_limited"),
-                m,
-            ),
-            RequestError::Overloaded(_) => Self::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                Some("overloaded"),
-                m,
-            ),
-            RequestError::NotReady(_) => Self::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "service_unavailable",
-                Some("not_ready"),
-                m,
-            ),
-            RequestError::SlowReader(_) => Self::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "timeout",
-                Some("slow_reader"),
-                m,
-            ),
-            RequestError::ResumeFailed(_) => {
-                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
-            }
-            RequestError::Internal(_) => {
-                Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, m)
-            }
+            e => Self::of_kind(e.kind(), m),
         }
     }
 }
 
 impl From<Refusal> for ApiError {
     fn from(r: Refusal) -> Self {
-        match r {
-            Refusal::BadRequest(m) => {
-                Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", None, m)
-            }
-            Refusal::Unauthorized(m) => Self::new(
-                StatusCode::UNAUTHORIZED,
-                "authentication_error",
-                Some("invalid_api_key"),
-                m,
-            ),
-            Refusal::Forbidden(m) => Self::new(
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                Some("forbidden"),
-                m,
-            ),
-        }
+        let kind = r.kind();
+        Self::of_kind(kind, r.into_message())
     }
 }
 
