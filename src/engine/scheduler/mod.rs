@@ -1,0 +1,327 @@
+//! The scheduler: which requests run in the next step and how many of their tokens. Policy only:
+//! which blocks hold them is the KV cache manager's (`kv_cache::manager`), which the scheduler
+//! owns and asks. Pure code: no actors, no tensors; the batcher owns it and feeds it sampled tokens.
+//!
+//! Continuous batching at iteration level (Orca, vLLM): every step, running decodes go first (one
+//! token each, oldest admission first), then prefill chunks of partly prefilled requests
+//! (admission order) and of queued ones (queue order) fill the rest of the step's token budget, up
+//! to a maximum of running requests. Nothing waits for a batch to fill. When blocks run out for a
+//! decode, the most recently admitted running request is preempted (vLLM's recompute policy): its
+//! blocks are freed and it goes back to the front of the queue to prefill its prompt and what it
+//! had generated again. Full blocks are handed to the manager to cache at the start of the next
+//! step, once their K/V have been written.
+//!
+//! Between tenants: free slots go by max-min fairness (`next_to_admit`), a tenant with nothing
+//! running takes a slot from the one with the most (`preempt_for_fairness`), and a tenant over
+//! its share of the slots sits out the one step that runs such a newcomer's first chunk
+//! (`tenants_to_hold`), so the newcomer's first token does not wait behind the flood's decodes.
+//!
+//! While replies decode, a step's prefill is sized to the step-time target (Sarathi-Serve's
+//! stall-free batching, with a cost model learned from measured steps); only the step's first
+//! prompt, when it fits the token budget, goes whole. Two kinds of request exist for the
+//! conversation features: prefill-only requests (type-ahead drafts), which take only what the
+//! target leaves and end once computed (`Scheduled::prefilled`), and paused replies (a paced
+//! stream at its window), which keep their slot and blocks but do not decode.
+//!
+//! One file per concern: this one plans a step (`schedule`) and preempts for blocks; `request`
+//! holds the per-request state and the queue API; `budget` the step-time target and chunk sizes;
+//! `admit` the order prefills are admitted in; `fairness` the rules between tenants. Each is an
+//! `impl Scheduler` block over the same state, so a policy reads alone.
+
+mod admit;
+mod budget;
+mod fairness;
+mod request;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+
+use super::cost::{CostModel, LinearCost};
+use crate::kv_cache::manager::KvManager;
+use crate::kv_cache::Salt;
+use crate::model::batch::SeqChunk;
+
+pub use budget::MIN_CHUNK;
+use budget::*;
+pub use request::*;
+
+#[derive(Debug, Clone, Copy)]
+pub struct SchedulerConfig {
+    /// Requests running at once (prefilling or decoding).
+    pub max_running: usize,
+    /// Requests waiting for admission; past it `add` refuses.
+    pub max_waiting: usize,
+    /// Tokens per step (decodes count one each); prefill chunks fill what decodes leave.
+    pub step_tokens: usize,
+    /// The step time to stay under while replies are decoding (`None`: token budget only).
+    pub itl_target: Option<std::time::Duration>,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    kv: KvManager,
+    cost: Box<dyn CostModel>,
+    /// Recent steps' measured time over predicted time: steps are planned to the target divided
+    /// by a high percentile of it, so that most steps, not the average one, stay under.
+    errors: VecDeque<f64>,
+    /// Steps with decodes whose predicted time went over the target.
+    itl_misses: u64,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    next_admission: u64,
+    preemptions: u64,
+    prefix: PrefixStats,
+    /// Tokens scheduled in prefill chunks (not decodes), in all.
+    prefill_tokens: u64,
+    /// The last step held tenants back (`tenants_to_hold`); the next one may not.
+    held_last: bool,
+    /// Steps that held tenants back, in all.
+    holds: u64,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, kv: KvManager) -> Self {
+        Self::with_cost(cfg, kv, Box::new(LinearCost::default()))
+    }
+
+    /// With a given cost model (tests use a fixed one).
+    pub fn with_cost(cfg: SchedulerConfig, kv: KvManager, cost: Box<dyn CostModel>) -> Self {
+        Scheduler {
+            cfg,
+            kv,
+            cost,
+            errors: VecDeque::new(),
+            itl_misses: 0,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_admission: 0,
+            preemptions: 0,
+            prefix: PrefixStats::default(),
+            prefill_tokens: 0,
+            held_last: false,
+            holds: 0,
+        }
+    }
+
+    /// The KV cache manager (blocks, leases, pins).
+    pub fn kv(&self) -> &KvManager {
+        &self.kv
+    }
+
+    /// The KV cache manager, ending the scheduler.
+    pub fn into_kv(self) -> KvManager {
+        self.kv
+    }
+
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The queued requests in the order they would be admitted, roughly: interactive before
+    /// batch, then queue order (turns across tenants are not simulated). Drafts are left out.
+    pub fn waiting_order(&self) -> Vec<RequestId> {
+        let of = |p: Priority| {
+            (self.waiting.iter())
+                .filter(move |s| s.priority == p && !s.prefill_only)
+                .map(|s| s.id)
+        };
+        of(Priority::Interactive)
+            .chain(of(Priority::Batch))
+            .collect()
+    }
+
+    /// Queued interactive requests.
+    pub fn waiting_interactive(&self) -> usize {
+        (self.waiting.iter())
+            .filter(|s| s.priority == Priority::Interactive)
+            .count()
+    }
+
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Steps that held over-share tenants' work back for another tenant's first chunk.
+    pub fn holds(&self) -> u64 {
+        self.holds
+    }
+
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix
+    }
+
+    /// Tokens scheduled in prefill chunks so far (prompt tokens not found in the cache, and
+    /// recomputation after preemption).
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+
+    /// Steps carrying decodes that were predicted to take longer than the target (the target
+    /// could not be met even with the smallest chunk, or the decodes alone exceed it).
+    pub fn itl_misses(&self) -> u64 {
+        self.itl_misses
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    pub fn get(&self, id: RequestId) -> Option<&Sequence> {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .find(|s| s.id == id)
+    }
+
+    fn preempt_latest(&mut self) -> Option<RequestId> {
+        // A paused reply first: it is not decoding anyway.
+        let i = (0..self.running.len())
+            .max_by_key(|&i| (self.running[i].paused, self.running[i].admitted))?;
+        Some(self.preempt(i))
+    }
+
+    /// Sends running request `i` back to the front of the queue, its blocks freed: it
+    /// recomputes its prompt and what it generated when admitted again.
+    fn preempt(&mut self, i: usize) -> RequestId {
+        let mut s = self.running.remove(i);
+        self.kv.free(s.blocks.take());
+        s.computed = 0;
+        self.preemptions += 1;
+        let id = s.id;
+        self.waiting.push_front(s);
+        id
+    }
+
+    /// Picks the next step's work; `None` when there is nothing to run.
+    pub fn schedule(&mut self) -> Option<Scheduled> {
+        let mut out = self.plan();
+        if out.batch.seqs.is_empty() && self.held_last {
+            // What the hold was for could not run (no block free for it): plan without it,
+            // keeping what the first plan did to the running set and the blocks.
+            self.holds -= 1;
+            let mut again = self.plan();
+            out.preempted.append(&mut again.preempted);
+            out.copies.append(&mut again.copies);
+            again.preempted = out.preempted;
+            again.copies = out.copies;
+            out = again;
+        }
+        (!out.batch.seqs.is_empty()).then_some(out)
+    }
+
+    fn plan(&mut self) -> Scheduled {
+        let mut out = Scheduled::default();
+        self.cache_written_blocks();
+        let mut b = StepBudget {
+            tokens: self.cfg.step_tokens,
+            ..StepBudget::default()
+        };
+        self.preempt_for_fairness(&mut out);
+        b.hold = self.tenants_to_hold();
+        let decoding = self.schedule_decodes(&b.hold, &mut out);
+        for id in &decoding {
+            let s = self
+                .running
+                .iter_mut()
+                .find(|s| s.id == *id)
+                .expect("a decode id is running");
+            out.batch.seqs.push(SeqChunk {
+                tokens: vec![*s.tokens.last().expect("a decoding request has tokens")],
+                start_pos: s.computed,
+                block_table: s.blocks.table().to_vec(),
+                want_logits: true,
+            });
+            out.entries.push(Entry {
+                id: s.id,
+                sample: true,
+            });
+            b.shape.add_run(s.computed, 1);
+            s.computed += 1;
+            b.tokens = b.tokens.saturating_sub(1);
+        }
+        if !decoding.is_empty() {
+            let safety = self.safety();
+            b.limit = self
+                .cfg
+                .itl_target
+                .map(|t| t.as_secs_f64() * PLAN_FRACTION / safety);
+            b.spare = Some(self.cost.predict(&b.shape) * (1.0 + DRAFT_SLACK));
+        }
+        for priority in [Priority::Interactive, Priority::Batch] {
+            self.schedule_running_prefills(&decoding, priority, Remainder::Short, &mut b, &mut out);
+            self.admit_short_before_long(priority, &mut b, &mut out);
+            self.schedule_running_prefills(&decoding, priority, Remainder::Long, &mut b, &mut out);
+            self.admit(priority, &mut b, &mut out);
+        }
+        if b.limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
+            self.itl_misses += 1;
+        }
+        self.prefill_tokens += (out.batch.num_tokens() - decoding.len()) as u64;
+        out.shape = b.shape;
+        out.copies = self.kv.take_copies();
+        out
+    }
+
+    /// Hands the blocks the previous step filled to the manager, and moves prefilled pinned
+    /// prefixes out of the running set into the manager's keeping.
+    fn cache_written_blocks(&mut self) {
+        for s in &mut self.running {
+            self.kv
+                .cache_full_blocks(&mut s.blocks, &s.tokens, s.computed);
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if r.pin && r.computed == r.tokens.len() {
+                let p = self.running.remove(i);
+                self.kv.pin(p.blocks, &p.tokens);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Finds room for every running decode, oldest admission first, preempting the newest
+    /// admission when blocks run out. Returns the requests that decode this step, in order.
+    fn schedule_decodes(&mut self, hold: &[Salt], out: &mut Scheduled) -> Vec<RequestId> {
+        let mut ids: Vec<(u64, RequestId)> = self
+            .running
+            .iter()
+            .filter(|s| {
+                s.computed > 0
+                    && s.pending() == 1
+                    && !s.paused
+                    && !s.prefill_only
+                    && !hold.contains(&s.tenant())
+            })
+            .map(|s| (s.admitted, s.id))
+            .collect();
+        ids.sort();
+        let mut ids: Vec<RequestId> = ids.into_iter().map(|(_, id)| id).collect();
+        let mut i = 0;
+        while i < ids.len() {
+            let Some(pos) = self.running.iter().position(|s| s.id == ids[i]) else {
+                i += 1;
+                continue;
+            };
+            let s = &mut self.running[pos];
+            if self.kv.allocate_slots(&mut s.blocks, s.tokens.len()) {
+                i += 1;
+                continue;
+            }
+            match self.preempt_latest() {
+                Some(p) => {
+                    out.preempted.push(p);
+                    ids.retain(|&d| d != p);
+                }
+                None => break,
+            }
+        }
+        ids
+    }
+}
