@@ -17,11 +17,13 @@
 
 use serde_json::Value;
 
-use crate::protocol::{ChatParams, ClientFrame, FinishReason, ServerFrame, Usage};
+use crate::server::gate::tenants::Roles;
 use crate::server::openai::wire::{ChatRequest, CompletionRequest};
 use crate::server::realtime::{Action, Item, Realtime, Rules};
-use crate::server::reply::ReplyText;
-use crate::server::tenants::Roles;
+use crate::server::request::reply::ReplyText;
+use crate::server::request::reply::{FinishReason, Usage};
+use crate::server::request::GenerateParams;
+use crate::server::ws::protocol::{ClientFrame, ServerFrame};
 use crate::server::SessionConfig;
 use crate::tokenizer::{Message, TextTokenizer};
 
@@ -46,7 +48,7 @@ pub fn client_frame(data: &[u8]) {
         params,
     }) = serde_json::from_str::<ClientFrame>(text)
     {
-        if let Ok(v) = limits.validate_chat(id, messages, params, sampling, *max_tokens) {
+        if let Ok(v) = limits.validate(id, messages, params, sampling, *max_tokens) {
             assert!(v.max_tokens >= 1 && v.max_tokens <= limits.max_tokens);
             assert!(!v.messages.is_empty() && v.messages.len() <= limits.max_messages);
             assert!(v.stop.len() <= limits.max_stop_strings);
@@ -60,7 +62,7 @@ pub fn client_frame(data: &[u8]) {
     if let Ok(r) = serde_json::from_str::<CompletionRequest>(text) {
         let _ = r.validate("x".into(), limits, sampling);
     }
-    let _ = serde_json::from_str::<ChatParams>(text);
+    let _ = serde_json::from_str::<GenerateParams>(text);
 }
 
 /// Splits fuzz bytes into messages: each starts with a role byte (user, assistant, system) and

@@ -25,7 +25,6 @@ pub mod generate;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
-pub mod protocol;
 pub mod sampler;
 pub mod server;
 pub mod settings;

@@ -446,9 +446,9 @@ fn bench(
         (None, None, true) => {
             settings
                 .tenants
-                .push(llama_relay::server::tenants::TenantSettings {
+                .push(llama_relay::server::gate::tenants::TenantSettings {
                     name: "bench".into(),
-                    widgets: vec![llama_relay::server::tenants::WidgetSettings {
+                    widgets: vec![llama_relay::server::gate::tenants::WidgetSettings {
                         id: BENCH_WIDGET.0.into(),
                         origins: vec![BENCH_WIDGET.1.into()],
                         system_prompt: llama_relay::bench::system_prompt(a.system_words),
@@ -475,7 +475,7 @@ fn bench(
             let key = format!("bench-{}", uuid::Uuid::new_v4().simple());
             settings
                 .tenants
-                .push(llama_relay::server::tenants::TenantSettings {
+                .push(llama_relay::server::gate::tenants::TenantSettings {
                     name: "bench-api".into(),
                     api_keys: vec![key.clone()],
                     ..Default::default()
@@ -685,7 +685,7 @@ fn bench_flood(
         (Some(_), None) => anyhow::bail!("--workload flood with --url needs --api-key"),
         (None, _) => {
             let key = format!("bench-{:032x}", rand::random::<u128>());
-            settings.tenants = vec![llama_relay::server::tenants::TenantSettings {
+            settings.tenants = vec![llama_relay::server::gate::tenants::TenantSettings {
                 name: "bench".into(),
                 api_keys: vec![key.clone()],
                 ..Default::default()

@@ -7,9 +7,9 @@ use crate::settings::{invalid, Settings};
 
 impl Settings {
     /// The `[server]` keys that decide who may connect.
-    pub fn access(&self) -> crate::server::access::AccessSettings {
+    pub fn access(&self) -> crate::server::gate::access::AccessSettings {
         let s = &self.server;
-        crate::server::access::AccessSettings {
+        crate::server::gate::access::AccessSettings {
             allow_anonymous: s.allow_anonymous,
             public_origins: s.public_origins.clone(),
             allowed_hosts: s.allowed_hosts.clone(),
@@ -19,7 +19,7 @@ impl Settings {
 
     /// Checks the server-side values (the engine's are checked by `engine_options`).
     pub fn validate_server(&self) -> Result<()> {
-        crate::server::tenants::Tenants::new(&self.tenants)?;
+        crate::server::gate::tenants::Tenants::new(&self.tenants)?;
         self.access().validate()?;
         let s = &self.server;
         if s.admin_host.parse::<std::net::IpAddr>().is_err() {
@@ -181,7 +181,7 @@ impl Settings {
     pub fn session_config(&self) -> crate::server::SessionConfig {
         let sp = &self.sampling;
         crate::server::SessionConfig {
-            limits: crate::protocol::Limits {
+            limits: crate::server::request::Limits {
                 max_context: self.engine.max_context,
                 max_tokens: self.limits.max_tokens,
                 max_frame_bytes: self.limits.max_frame_bytes,

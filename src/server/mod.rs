@@ -1,23 +1,23 @@
-//! The HTTP/WebSocket server: shared state, routes (`routes`), the per-connection session actor
-//! (`session`), stop-string scanning (`stop`). The WebSocket plumbing (actix-web-actors) lives in
-//! `session.rs` alone, so a move to actix-ws stays small.
+//! The HTTP/WebSocket server, in rooms along a request's path:
+//! - `gate`: who may connect and how much (access, tenants, admission, rates, the slow-reader rule
+//!   and the TCP peer it watches);
+//! - `request`: the one seam every dialect parses into (`GenerateParams` → `ValidRequest`), its
+//!   errors and their wire forms, the prompt built under a tenant's rules, and the reply's text;
+//! - `batcher`: the actor that owns the engine and runs one batched step at a time;
+//! - the dialects, each a parser and an encoder around the seam: `ws` (the native protocol, its
+//!   session actor, parked sessions and seals), `openai` (HTTP) and `realtime`;
+//! - `state` (what handlers share), `routes` (static files, health, metrics, the upgrade) and
+//!   `config` (settings into server values). This file wires them together: `build`, `shutdown`.
 
-pub mod access;
-pub mod admission;
 pub mod batcher;
 mod config;
+pub mod gate;
 pub mod openai;
-pub mod outbox;
-pub mod parked;
-pub mod prompt;
-pub mod rate;
 pub mod realtime;
-pub mod reply;
+pub mod request;
 pub mod routes;
-pub mod seal;
-pub mod session;
-pub mod stop;
-pub mod tenants;
+pub mod state;
+pub mod ws;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -29,252 +29,14 @@ use actix_web::{web, App, HttpServer};
 
 use crate::engine::{Engine, EngineOptions};
 use crate::metrics::Metrics;
-use crate::protocol::Limits;
-use crate::sampler::SamplingParams;
 use crate::server::batcher::{Batcher, BatcherConfig};
+use crate::server::gate::peer::Peer;
+use crate::server::gate::{access, admission, tenants};
+use crate::server::state::{AppState, Ready, Status};
+use crate::server::ws::{parked, seal};
 use crate::settings::Settings;
-use crate::tokenizer::TextTokenizer;
 
-/// What a session needs once the model is loaded.
-#[derive(Clone)]
-pub struct Ready {
-    pub batcher: Addr<Batcher>,
-    pub tokenizer: Arc<TextTokenizer>,
-    pub model: String,
-    /// Each configured operator prompt rendered alone (a system message), by its text: the
-    /// prompt tokens a request shares with it are the tenant's (`Session`), and it is what is
-    /// pinned.
-    pub operator_tokens: Arc<HashMap<Arc<str>, Vec<u32>>>,
-    /// The longest sequence served (prompt plus reply), as the batcher checks it.
-    pub max_context: usize,
-}
-
-#[derive(Clone)]
-pub enum Status {
-    Loading,
-    Ready(Ready),
-    Failed(String),
-}
-
-/// Settings a session applies to every request.
-#[derive(Clone)]
-pub struct SessionConfig {
-    pub limits: Limits,
-    pub sampling: SamplingParams,
-    pub default_max_tokens: usize,
-    pub heartbeat: Duration,
-    pub client_timeout: Duration,
-    /// A connection whose body is not polled for this long is reset (`outbox`).
-    pub write_timeout: Duration,
-    /// How long a session whose connection dropped can be resumed (zero: not at all).
-    pub resume_grace: Duration,
-}
-
-pub struct AppState {
-    pub status: RwLock<Status>,
-    pub tenants: tenants::Tenants,
-    pub access: access::Access,
-    /// Places for sessions and API requests (connection caps).
-    pub admission: admission::Admission,
-    /// Sessions whose connection dropped, waiting to be resumed.
-    pub parked: parked::Parked,
-    pub metrics: Arc<Metrics>,
-    pub session: SessionConfig,
-    pub static_dir: std::path::PathBuf,
-    /// When the process started (seconds since the epoch): the model's `created` in `/v1/models`.
-    pub started_unix: u64,
-    /// True once the server drains (`shutdown`): not ready, no new connections, and each
-    /// session closes with 1012 once it has no reply running.
-    pub drain: tokio::sync::watch::Sender<bool>,
-    /// Seals the assistant's messages for `restore` (`server.conversation_secret`).
-    pub sealer: seal::Sealer,
-}
-
-impl AppState {
-    pub fn ready(&self) -> Option<Ready> {
-        match &*self.status.read().unwrap_or_else(|e| e.into_inner()) {
-            Status::Ready(r) => Some(r.clone()),
-            _ => None,
-        }
-    }
-
-    /// Why the server cannot take requests now (while `ready()` is `None`).
-    pub fn unavailable(&self) -> String {
-        match &*self.status.read().unwrap_or_else(|e| e.into_inner()) {
-            Status::Loading | Status::Ready(_) => "the model is not loaded yet".into(),
-            Status::Failed(reason) => format!("the server failed and is restarting: {reason}"),
-        }
-    }
-
-    fn set(&self, s: Status) {
-        *self.status.write().unwrap_or_else(|e| e.into_inner()) = s;
-    }
-
-    /// The server is draining (`shutdown` began).
-    pub fn draining(&self) -> bool {
-        *self.drain.borrow()
-    }
-}
-
-/// A connection's socket, kept with the connection (`HttpRequest::conn_data`) so that a handler
-/// waiting on the batcher can tell that its client has gone: actix-web drops a handler only when
-/// it next writes (actix-web issue #1313), and an answer that is not streamed writes nothing
-/// until it is complete. The descriptor stays open as long as the connection, which outlives the
-/// handler.
-#[derive(Debug, Clone, Copy)]
-pub struct Peer(std::os::fd::RawFd);
-
-/// Idle seconds before the first keepalive probe, and between probes.
-const KEEPALIVE_IDLE_S: libc::c_int = 30;
-const KEEPALIVE_INTERVAL_S: libc::c_int = 10;
-
-impl Peer {
-    /// Records an accepted connection's socket, with keepalive on and its send buffer set to
-    /// `send_buffer` bytes (0: the kernel's autotuning).
-    fn record(send_buffer: usize, conn: &dyn std::any::Any, ext: &mut actix_web::dev::Extensions) {
-        use std::os::fd::AsRawFd;
-        if let Some(s) = conn.downcast_ref::<actix_web::rt::net::TcpStream>() {
-            let p = Peer(s.as_raw_fd());
-            if let Err(e) = p.keepalive() {
-                tracing::debug!(error = %e, "cannot turn on TCP keepalive");
-            }
-            if send_buffer > 0 {
-                let v = send_buffer.min(libc::c_int::MAX as usize) as libc::c_int;
-                if let Err(e) = p.set(libc::SOL_SOCKET, libc::SO_SNDBUF, v) {
-                    tracing::debug!(error = %e, "cannot set the socket's send buffer");
-                }
-            }
-            ext.insert(p);
-        }
-    }
-
-    fn set(
-        &self,
-        level: libc::c_int,
-        name: libc::c_int,
-        value: libc::c_int,
-    ) -> std::io::Result<()> {
-        // SAFETY: setsockopt reads an int from a live descriptor's option.
-        let rc = unsafe {
-            libc::setsockopt(
-                self.0,
-                level,
-                name,
-                (&value as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    }
-
-    /// TCP keepalive: a peer that vanished without a FIN (a dropped mobile link, a crashed
-    /// host) is found after `KEEPALIVE_IDLE_S` idle seconds plus three probes, even for a
-    /// connection the server is not writing to.
-    fn keepalive(&self) -> std::io::Result<()> {
-        let set = |level, name, value| self.set(level, name, value);
-        set(libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
-        set(libc::IPPROTO_TCP, libc::TCP_KEEPIDLE, KEEPALIVE_IDLE_S)?;
-        set(libc::IPPROTO_TCP, libc::TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)?;
-        set(libc::IPPROTO_TCP, libc::TCP_KEEPCNT, 3)
-    }
-
-    /// Resets the connection (a client that reads nothing): the socket is shut down both ways,
-    /// which fails the dispatcher's pending write so it drops the connection, and with linger 0
-    /// its close discards the unread bytes and sends RST instead of waiting on a zero window.
-    pub fn abort(&self) {
-        let linger = libc::linger {
-            l_onoff: 1,
-            l_linger: 0,
-        };
-        // SAFETY: setsockopt reads a linger struct, shutdown takes the descriptor; the caller
-        // guarantees the descriptor is still the connection's (see `outbox::watch`).
-        unsafe {
-            libc::setsockopt(
-                self.0,
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&linger as *const libc::linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
-            );
-            libc::shutdown(self.0, libc::SHUT_RDWR);
-        }
-    }
-
-    /// How far the client has taken what was written: the bytes it acknowledged so far and
-    /// whether bytes wait (unsent, or sent and not acknowledged), from the kernel's TCP_INFO.
-    /// `None` where the kernel does not tell. A client that reads nothing fills its receive
-    /// window, after which nothing more is acknowledged, however much the send buffer still takes.
-    pub fn send_progress(&self) -> Option<SendProgress> {
-        #[cfg(target_os = "linux")]
-        {
-            // SAFETY: an all-zero tcp_info is valid (plain integers); getsockopt fills at most
-            // `len` bytes of it from a live descriptor (see `outbox::watch`).
-            let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-            let rc = unsafe {
-                libc::getsockopt(
-                    self.0,
-                    libc::IPPROTO_TCP,
-                    libc::TCP_INFO,
-                    (&mut info as *mut libc::tcp_info).cast(),
-                    &mut len,
-                )
-            };
-            // Kernels before 4.6 end the struct before the fields read here.
-            let needed = std::mem::offset_of!(libc::tcp_info, tcpi_notsent_bytes) + 4;
-            if rc != 0 || (len as usize) < needed {
-                return None;
-            }
-            Some(SendProgress {
-                acked: info.tcpi_bytes_acked,
-                waiting: info.tcpi_unacked > 0 || info.tcpi_notsent_bytes > 0,
-            })
-        }
-        #[cfg(not(target_os = "linux"))]
-        {
-            None
-        }
-    }
-
-    /// The client closed or reset the connection (a peek finds end of stream or an error; a
-    /// pipelined request waiting to be read is data, so the client is still there).
-    pub fn gone(&self) -> bool {
-        let mut b = [0u8; 1];
-        // SAFETY: a peek into a one-byte buffer on a descriptor the connection keeps open.
-        let n = unsafe {
-            libc::recv(
-                self.0,
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        match n {
-            0 => true,
-            n if n > 0 => false,
-            _ => {
-                let e = std::io::Error::last_os_error();
-                !matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                )
-            }
-        }
-    }
-}
-
-/// What `Peer::send_progress` reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SendProgress {
-    /// Bytes the client has acknowledged since the connection began.
-    pub acked: u64,
-    /// Bytes wait in the socket: not sent yet, or sent and not acknowledged.
-    pub waiting: bool,
-}
+pub use state::SessionConfig;
 
 /// A bound, not yet awaited server.
 pub struct Running {
@@ -536,48 +298,4 @@ pub async fn shutdown(state: &AppState, grace: Duration) {
     }
     // Let the sessions write their last frames.
     actix_web::rt::time::sleep(Duration::from_millis(200)).await;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::os::fd::AsRawFd;
-
-    fn get(fd: i32, level: libc::c_int, name: libc::c_int) -> libc::c_int {
-        let mut v: libc::c_int = 0;
-        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt writes an int into `v`.
-        let rc = unsafe {
-            libc::getsockopt(
-                fd,
-                level,
-                name,
-                (&mut v as *mut libc::c_int).cast(),
-                &mut len,
-            )
-        };
-        assert_eq!(rc, 0);
-        v
-    }
-
-    #[test]
-    fn accepted_sockets_keep_alive_and_a_closed_peer_is_gone() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let client = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (server, _) = l.accept().unwrap();
-        let p = Peer(server.as_raw_fd());
-        p.keepalive().unwrap();
-        assert_eq!(get(p.0, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
-        assert_eq!(
-            get(p.0, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE),
-            KEEPALIVE_IDLE_S
-        );
-        assert!(!p.gone());
-        drop(client);
-        let t0 = std::time::Instant::now();
-        while !p.gone() {
-            assert!(t0.elapsed() < std::time::Duration::from_secs(5));
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-    }
 }

@@ -11,10 +11,11 @@ use actix_web::middleware::Next;
 use actix_web::{web, HttpRequest, HttpResponse};
 use serde_json::json;
 
-use super::admission::Place;
-use super::session::Session;
-use super::tenants::{Identity, Refusal};
-use super::{AppState, Status};
+use crate::server::gate::admission::Place;
+use crate::server::gate::credentials::Refusal;
+use crate::server::gate::tenants::Identity;
+use crate::server::state::{AppState, Status};
+use crate::server::ws::session::Session;
 
 /// Before every route: a `Host` this server does not serve gets 421 (a DNS-rebinding page sends
 /// its own name); with an admin listener, `/health` and `/metrics` answer there alone and it
@@ -210,7 +211,7 @@ async fn ws(
 fn conversation_key(query: &QueryMap) -> Result<Option<String>, String> {
     match query.get("conversation") {
         None => Ok(None),
-        Some(c) if super::tenants::valid_id(c) => Ok(Some(c.clone())),
+        Some(c) if crate::server::gate::tenants::valid_id(c) => Ok(Some(c.clone())),
         Some(_) => {
             Err("`conversation` must be 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`".into())
         }
@@ -225,7 +226,7 @@ pub(super) fn admit(
     req: &HttpRequest,
     state: &AppState,
     identity: &Identity,
-) -> Result<super::admission::Permit, super::admission::Full> {
+) -> Result<crate::server::gate::admission::Permit, crate::server::gate::admission::Full> {
     state.admission.admit(peer_ip(req), &identity.tenant)
 }
 
@@ -385,7 +386,7 @@ async fn widget_check(
         Err(r) => {
             // A known widget is refused to this origin; an unknown one is not found.
             let error_type = if known {
-                crate::protocol::ErrorKind::Forbidden.wire().ws
+                crate::server::request::ErrorKind::Forbidden.wire().ws
             } else {
                 "not_found"
             };

@@ -435,7 +435,7 @@ fn the_server_process_exits_non_zero_after_an_engine_failure() {
 /// the rest of the flood with `overloaded`.
 #[test]
 fn a_tenant_flood_does_not_hold_another_tenants_request_in_the_queue() {
-    use llama_relay::server::tenants::TenantSettings;
+    use llama_relay::server::gate::tenants::TenantSettings;
     const KEY: &str = "acme-key-0123456789";
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |s| {

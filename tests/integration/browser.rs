@@ -12,7 +12,7 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 
 use actix_web::{web, App, HttpResponse, HttpServer};
-use llama_relay::server::tenants::{TenantSettings, WidgetSettings};
+use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
 
 use crate::common::model_lock;
 use crate::gateway::spawn_app;

@@ -9,7 +9,7 @@ use awc::ws;
 use futures_util::{SinkExt, StreamExt};
 use llama_relay::generate::{generate, GenerateParams};
 use llama_relay::server::batcher::{BatcherStatus, GetStatus};
-use llama_relay::server::AppState;
+use llama_relay::server::state::AppState;
 use llama_relay::settings::Settings;
 use llama_relay::tokenizer::Message;
 use serde_json::{json, Value};

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use llama_relay::server::tenants::TenantSettings;
+use llama_relay::server::gate::tenants::TenantSettings;
 use llama_relay::settings::Settings;
 use serde_json::{json, Value};
 

@@ -64,7 +64,7 @@ async fn chat(c: &mut Client, id: &str, messages: Value, max_tokens: usize) -> (
 /// equal a server's with sharing off.
 #[test]
 fn a_shared_system_prompt_is_computed_once() {
-    use llama_relay::server::tenants::{PrefixSettings, TenantSettings};
+    use llama_relay::server::gate::tenants::{PrefixSettings, TenantSettings};
     const Q1: &str =
         "Where is my parcel? I ordered a garden hose three weeks ago and the tracking \
         page has said that it is in transit ever since.";
@@ -241,7 +241,7 @@ const WIDGET_PROMPT: &str = "You are Alpha's helper. Answer questions about Alph
     refunds and opening hours. Keep answers short, friendly and accurate; say when you do not know.";
 
 fn two_tenants(s: &mut llama_relay::settings::Settings) {
-    use llama_relay::server::tenants::{TenantSettings, WidgetSettings};
+    use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
     s.tenants = vec![
         TenantSettings {
             name: "alpha".into(),

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use llama_relay::server::tenants::TenantSettings;
+use llama_relay::server::gate::tenants::TenantSettings;
 use serde_json::Value;
 
 use crate::common::{model_lock, Tiny};
@@ -212,7 +212,7 @@ fn the_upgrade_checks_the_key_in_either_form_and_the_model() {
 /// the key may not send, a response with nothing new to answer.
 #[test]
 fn refusals_name_the_realtime_field_and_the_session_goes_on() {
-    use llama_relay::server::tenants::ClientRoles;
+    use llama_relay::server::gate::tenants::ClientRoles;
     const USER_ONLY: &str = "user-only-key-0123456789";
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |s| {

@@ -196,7 +196,7 @@ const WIDGET_ORIGIN: &str = "http://shop.acme.test";
 
 /// One tenant with a widget (which may send user messages only), and `secret`.
 fn widget_tenant(secret: &'static str) -> impl FnOnce(&mut llama_relay::settings::Settings) {
-    use llama_relay::server::tenants::{TenantSettings, WidgetSettings};
+    use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
     move |s| {
         s.tenants = vec![TenantSettings {
             name: "acme".into(),

@@ -6,7 +6,7 @@
 use std::io::{Read, Write};
 use std::net::SocketAddr;
 
-use llama_relay::server::tenants::{PrefixSettings, TenantSettings, WidgetSettings};
+use llama_relay::server::gate::tenants::{PrefixSettings, TenantSettings, WidgetSettings};
 use llama_relay::settings::Settings;
 use serde_json::{json, Value};
 

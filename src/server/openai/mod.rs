@@ -1,6 +1,6 @@
 //! OpenAI's HTTP API on the same batcher as the WebSocket sessions: `POST /v1/chat/completions`
 //! and `POST /v1/completions` (streamed as Server-Sent Events or answered whole), `GET
-//! /v1/models`. A request is validated into the WebSocket protocol's `ValidChat` (`wire`), its
+//! /v1/models`. A request is validated into the WebSocket protocol's `ValidRequest` (`wire`), its
 //! prompt built by the same code (`prompt`), submitted with a channel as its reply address
 //! (`ReplyTo::Stream`), and its tokens turned into text by the same `ReplyText`; so tenants,
 //! principals, limits, prefix sharing and stop strings are the WebSocket path's. `n` choices fork
@@ -33,19 +33,22 @@ use self::wire::{
     error_body, ApiUsage, ChatLogprob, ChatRequest, CompletionLogprobs, CompletionRequest,
     PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
 };
-use super::admission::Permit;
-use super::batcher::{
-    next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
-};
-use super::outbox::{watched, Backlog};
-use super::prompt::{chat_prompt, Prompt};
-use super::reply::ReplyText;
-use super::tenants::{ClientKind, Identity, Refusal, Roles};
-use super::{AppState, Peer, Ready};
 use crate::engine::core::Fork;
 use crate::engine::scheduler::{Priority, RequestId};
-use crate::protocol::{ErrorKind, FinishReason, RequestError};
 use crate::sampler::{SamplingParams, TokenLogprobs};
+use crate::server::batcher::{
+    next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
+};
+use crate::server::gate::admission::Permit;
+use crate::server::gate::credentials::Refusal;
+use crate::server::gate::outbox::{watched, Backlog};
+use crate::server::gate::peer::Peer;
+use crate::server::gate::tenants::{ClientKind, Identity, Roles};
+use crate::server::request::prompt::{chat_prompt, Prompt};
+use crate::server::request::reply::FinishReason;
+use crate::server::request::reply::ReplyText;
+use crate::server::request::{ErrorKind, RequestError};
+use crate::server::state::{AppState, Ready};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
     cfg.service(
@@ -104,7 +107,10 @@ impl ApiError {
             r.insert_header(("Retry-After", "1"));
         }
         if self.code == Some("connection_limit") {
-            r.insert_header(("Retry-After", super::routes::RETRY_AFTER_S.to_string()));
+            r.insert_header((
+                "Retry-After",
+                crate::server::routes::RETRY_AFTER_S.to_string(),
+            ));
         }
         if self.status == StatusCode::UNAUTHORIZED {
             r.insert_header(("WWW-Authenticate", "Bearer"));
@@ -202,7 +208,7 @@ async fn cors(
 const KEY_PROTOCOL: &str = "openai-insecure-api-key.";
 
 /// `GET /v1/realtime?model=ID`: a WebSocket session speaking OpenAI's Realtime API, text only
-/// (`super::realtime`, docs/realtime.md). The key comes as the SDKs send it (`Authorization:
+/// (`crate::server::realtime`, docs/realtime.md). The key comes as the SDKs send it (`Authorization:
 /// Bearer`) or in the browser form (a subprotocol), checked like every API request.
 async fn realtime(
     req: HttpRequest,
@@ -233,14 +239,15 @@ async fn realtime(
             (Some(auth), None) => caller_as(&req, &state, Some(auth.as_str()))?,
             _ => caller(&req, &state)?,
         };
-        let query = super::routes::query(&req).map_err(|e| ApiError::invalid("model", e))?;
+        let query =
+            crate::server::routes::query(&req).map_err(|e| ApiError::invalid("model", e))?;
         check_model(query.get("model").map(String::as_str), &ready)?;
         admitted(&req, &state, identity, ready)
     })();
     match caller {
         Ok((identity, ready, permit)) => {
-            let place = super::admission::Place::Permit(permit);
-            super::session::Session::new(state.into_inner(), ready, identity, place)
+            let place = crate::server::gate::admission::Place::Permit(permit);
+            crate::server::ws::session::Session::new(state.into_inner(), ready, identity, place)
                 .speaking_realtime()
                 .start_with_protocols(&req, stream, &["realtime"])
         }
@@ -261,7 +268,7 @@ async fn not_found(req: HttpRequest, state: web::Data<AppState>) -> HttpResponse
 /// Who is calling (an API key, or an anonymous client where the server serves them), and the
 /// loaded model.
 fn caller(req: &HttpRequest, state: &AppState) -> Result<(Identity, Ready), ApiError> {
-    caller_as(req, state, super::routes::authorization(req)?)
+    caller_as(req, state, crate::server::routes::authorization(req)?)
 }
 
 /// `caller`, with `auth` as the `Authorization` value.
@@ -287,13 +294,13 @@ fn caller_as(
         state.access.keyless(origin)?;
         state.tenants.anonymous()
     } else {
-        let query = super::routes::query(req).map_err(Refusal::BadRequest)?;
-        super::routes::identify_with(req, state, auth, &query)?
+        let query = crate::server::routes::query(req).map_err(Refusal::BadRequest)?;
+        crate::server::routes::identify_with(req, state, auth, &query)?
     };
     let ready = state.ready().ok_or_else(|| {
         let loading = matches!(
             *state.status.read().unwrap_or_else(|e| e.into_inner()),
-            super::Status::Loading
+            crate::server::state::Status::Loading
         );
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -321,7 +328,7 @@ fn admitted(
     identity: Identity,
     ready: Ready,
 ) -> Result<Caller, ApiError> {
-    let permit = super::routes::admit(req, state, &identity).map_err(|full| {
+    let permit = crate::server::routes::admit(req, state, &identity).map_err(|full| {
         ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -372,8 +379,9 @@ fn unix_now() -> u64 {
 /// Names this build and model (OpenAI's `system_fingerprint`): replies with equal seeds and
 /// equal fingerprints are reproducible.
 fn fingerprint(ready: &Ready) -> String {
-    let d =
-        super::access::sha256(format!("{}/{}", env!("CARGO_PKG_VERSION"), ready.model).as_bytes());
+    let d = crate::server::gate::credentials::sha256(
+        format!("{}/{}", env!("CARGO_PKG_VERSION"), ready.model).as_bytes(),
+    );
     let hex: String = d[..6].iter().map(|b| format!("{b:02x}")).collect();
     format!("fp_{hex}")
 }
@@ -598,8 +606,8 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         max_tokens: api.chat.max_tokens,
         ignore_eos: api.chat.ignore_eos,
         priority: match api.chat.priority {
-            crate::protocol::Priority::Interactive => Priority::Interactive,
-            crate::protocol::Priority::Batch => Priority::Batch,
+            crate::server::request::Priority::Interactive => Priority::Interactive,
+            crate::server::request::Priority::Batch => Priority::Batch,
         },
         scope: prompt.scope,
         lease: None,
@@ -734,7 +742,7 @@ struct Generation {
     cached_tokens: usize,
     failed: Option<RequestError>,
     /// The first choice's timings, for the log.
-    timings: crate::protocol::Timings,
+    timings: crate::server::request::reply::Timings,
     /// The request's place under the connection caps, held until the response ends.
     _permit: Permit,
     /// The client's connection, checked at each tick.

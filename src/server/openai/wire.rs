@@ -1,5 +1,5 @@
 //! OpenAI's request and response bodies, and their validation into the same typed request the
-//! WebSocket protocol makes (`ValidChat`, checked by the same `Limits` and sampling ranges), so
+//! WebSocket protocol makes (`ValidRequest`, checked by the same `Limits` and sampling ranges), so
 //! one definition of every limit serves both. Pure: no actix, no engine.
 //!
 //! Fields follow OpenAI's API reference. Fields that would change what a reply means and that
@@ -10,8 +10,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::protocol::{ChatParams, Limits, RequestError, ValidChat};
 use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
+use crate::server::request::{GenerateParams, Limits, RequestError, ValidRequest};
 use crate::tokenizer::Message;
 
 /// Most choices (`n`) one request may ask for: each is a running sequence.
@@ -125,7 +125,7 @@ pub enum RawPrompt {
 #[derive(Debug, Clone)]
 pub struct ValidApi {
     /// The request as the WebSocket protocol would have it (`id` is the response id).
-    pub chat: ValidChat,
+    pub chat: ValidRequest,
     /// Choices; the first is the request, the rest fork from its prefill.
     pub n: usize,
     /// Alternatives per token when log-probabilities are asked for.
@@ -141,7 +141,7 @@ fn bad(param: &str, reason: impl std::fmt::Display) -> RequestError {
     }
 }
 
-/// The field name OpenAI uses for a `ValidChat` field named as the WebSocket protocol does.
+/// The field name OpenAI uses for a `ValidRequest` field named as the WebSocket protocol does.
 pub fn api_param(ws_param: &str) -> String {
     let p = ws_param.strip_prefix("params.").unwrap_or(ws_param);
     match p {
@@ -188,7 +188,7 @@ impl CommonFields {
         }
     }
 
-    /// The fields every endpoint checks the same way, as a `ValidChat` over `messages`.
+    /// The fields every endpoint checks the same way, as a `ValidRequest` over `messages`.
     #[allow(clippy::too_many_arguments)]
     fn validate(
         &self,
@@ -232,7 +232,7 @@ impl CommonFields {
             Some(OneOrMany::One(s)) => vec![s.clone()],
             Some(OneOrMany::Many(v)) => v.clone(),
         };
-        let params = ChatParams {
+        let params = GenerateParams {
             sampling: self.sampling.clone(),
             max_tokens,
             stop,
@@ -242,7 +242,7 @@ impl CommonFields {
             window: None,
         };
         let chat = limits
-            .validate_chat(id, messages, params, defaults, default_max_tokens)
+            .validate(id, messages, params, defaults, default_max_tokens)
             .map_err(|e| match e {
                 RequestError::InvalidParam { param, reason } => RequestError::InvalidParam {
                     param: api_param(&param),

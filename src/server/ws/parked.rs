@@ -19,9 +19,9 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::tenants::Identity;
 use crate::engine::scheduler::RequestId;
-use crate::protocol::ServerFrame;
+use crate::server::gate::tenants::Identity;
+use crate::server::ws::protocol::ServerFrame;
 use crate::tokenizer::Message;
 
 /// A reply that was running when the connection dropped.
@@ -59,10 +59,10 @@ pub struct ParkedSession {
     pub reply: Option<ParkedReply>,
     pub last: Option<LastReply>,
     /// A turn whose prompt was being built when the connection dropped: it starts on resume.
-    pub preparing: Option<(crate::protocol::ValidChat, usize)>,
+    pub preparing: Option<(crate::server::request::ValidRequest, usize)>,
     /// Its place under the connection caps while its reply still runs: a parked session with a
     /// running reply counts as a connection until it is resumed or expires.
-    pub permit: Option<super::admission::Permit>,
+    pub permit: Option<crate::server::gate::admission::Permit>,
     pub expires: Instant,
 }
 
@@ -186,7 +186,7 @@ impl Parked {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::tenants::Tenants;
+    use crate::server::gate::tenants::Tenants;
     use std::time::Duration;
 
     fn session(identity: Identity, expires: Instant) -> ParkedSession {

@@ -8,7 +8,7 @@
 //! about TCP connections, which actix-server can only stop accepting.
 //!
 //! A session whose connection dropped keeps its place while its reply runs (it is parked for a
-//! resume, `parked.rs`). So that its own client can come back even when that place was its
+//! resume, `ws::parked`). So that its own client can come back even when that place was its
 //! last under a cap, an address holding parked places may open as many connections past the
 //! caps, each with a `Ticket` instead of a permit: such a connection may only resume, and takes
 //! over the parked session's place when it does.

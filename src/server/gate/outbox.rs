@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 
 use futures_util::Stream;
 
-use super::{Peer, SendProgress};
 use crate::metrics::Metrics;
+use crate::server::gate::peer::{Peer, SendProgress};
 
 /// Events posted to a client's handler and not yet taken.
 #[derive(Debug, Default)]

@@ -18,10 +18,12 @@
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::tenants::Roles;
-use super::SessionConfig;
-use crate::protocol::{ChatParams, FinishReason, RequestError, ServerFrame, Usage};
 use crate::sampler::SamplingOverrides;
+use crate::server::gate::tenants::Roles;
+use crate::server::request::reply::{FinishReason, Usage};
+use crate::server::request::{GenerateParams, RequestError};
+use crate::server::state::SessionConfig;
+use crate::server::ws::protocol::ServerFrame;
 use crate::tokenizer::Message;
 
 /// Event types of the audio half of the API, answered with an `error` naming this server's
@@ -148,7 +150,7 @@ fn parse_item(item: &Value) -> Result<NewItem, EventError> {
     };
     let id = match obj.get("id") {
         None | Some(Value::Null) => None,
-        Some(Value::String(s)) if super::tenants::valid_id(s) => Some(s.clone()),
+        Some(Value::String(s)) if crate::server::gate::tenants::valid_id(s) => Some(s.clone()),
         Some(_) => {
             return Err(refuse(
                 "invalid_value",
@@ -578,7 +580,7 @@ impl Rules<'_> {
         let cfg = self.session;
         let params = chat_params(s)?;
         let probe = vec![Message::new("user", "-")];
-        let checked = (cfg.limits).validate_chat(
+        let checked = (cfg.limits).validate(
             "check".into(),
             probe,
             params,
@@ -646,7 +648,7 @@ pub enum Action {
         id: String,
         from: usize,
         messages: Vec<Message>,
-        params: Box<ChatParams>,
+        params: Box<GenerateParams>,
         created: Value,
     },
     /// Cancel the response in flight, this one (`response.done` follows when its reply ends).
@@ -1008,7 +1010,7 @@ impl Realtime {
         }
         let mut ids = std::collections::HashSet::new();
         for i in &self.items {
-            if !super::tenants::valid_id(&i.id) || !ids.insert(i.id.as_str()) {
+            if !crate::server::gate::tenants::valid_id(&i.id) || !ids.insert(i.id.as_str()) {
                 return Err(format!("item id {:?} invalid or repeated", i.id));
             }
             if !["user", "assistant", "system"].contains(&i.role.as_str()) {
@@ -1264,25 +1266,26 @@ impl Realtime {
 
 /// A session's error frame's type as a Realtime error code (`ErrorKind::wire`, the one table).
 fn static_code(error_type: &str) -> &'static str {
-    crate::protocol::ErrorKind::from_ws(error_type).map_or("server_error", |k| k.wire().realtime)
+    crate::server::request::ErrorKind::from_ws(error_type)
+        .map_or("server_error", |k| k.wire().realtime)
 }
 
 /// A response's chat parameters from its settings.
-pub fn chat_params(s: &Settings) -> Result<ChatParams, EventError> {
+pub fn chat_params(s: &Settings) -> Result<GenerateParams, EventError> {
     let max_tokens = match &s.max_output_tokens {
         Some(m) => m.limit("max_output_tokens")?,
         None => None,
     };
-    Ok(ChatParams {
+    Ok(GenerateParams {
         max_tokens,
         ..sampling_params(&s.sampling)
     })
 }
 
-fn sampling_params(s: &Sampling) -> ChatParams {
-    ChatParams {
+fn sampling_params(s: &Sampling) -> GenerateParams {
+    GenerateParams {
         sampling: s.clone(),
-        ..ChatParams::default()
+        ..GenerateParams::default()
     }
 }
 

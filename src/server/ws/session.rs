@@ -20,21 +20,22 @@ use std::time::Instant;
 use actix::prelude::*;
 use actix_web_actors::ws;
 
-use super::admission::Place;
-use super::outbox::{watched, Backlog};
-use super::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
-use super::prompt::chat_prompt;
-use super::rate::TokenBucket;
-use super::reply::ReplyText;
-use super::tenants::{ClientKind, Identity};
-use super::{AppState, Ready};
 use crate::engine::scheduler::{Priority, RequestId};
 use crate::kv_cache::manager::LeaseKey;
-use crate::protocol::{ClientFrame, RequestError, ServerFrame, ValidChat};
 use crate::server::batcher::{
     next_request_id, Allow, Cancel, CancelReason, Draft, EndLease, EventKind, GenerationEvent,
     Park, ReplyTo, Resume, Submit,
 };
+use crate::server::gate::admission::Place;
+use crate::server::gate::outbox::{watched, Backlog};
+use crate::server::gate::rate::TokenBucket;
+use crate::server::gate::tenants::{ClientKind, Identity};
+use crate::server::request::prompt::chat_prompt;
+use crate::server::request::reply::ReplyText;
+use crate::server::request::{RequestError, ValidRequest};
+use crate::server::state::{AppState, Ready};
+use crate::server::ws::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
+use crate::server::ws::protocol::{validate_restore, ClientFrame, ServerFrame};
 use crate::tokenizer::Message;
 
 /// The request in flight.
@@ -146,8 +147,8 @@ pub struct Session {
     /// The session's place under the connection caps, given back when it ends (a parked
     /// session keeps it: its reply still runs). A connection let in past the caps holds a
     /// ticket instead, and may only resume (it then takes over the parked session's place).
-    permit: Option<super::admission::Permit>,
-    ticket: Option<super::admission::Ticket>,
+    permit: Option<crate::server::gate::admission::Permit>,
+    ticket: Option<crate::server::gate::admission::Ticket>,
     /// Text frames it may send, and refused frames it may send before it is closed.
     frames: TokenBucket,
     rejected: TokenBucket,
@@ -167,7 +168,7 @@ pub struct Session {
     reset_for_not_reading: Arc<AtomicBool>,
     /// A turn whose prompt is being built (not yet submitted), and where it replaces the
     /// conversation.
-    preparing: Option<(ValidChat, usize)>,
+    preparing: Option<(ValidRequest, usize)>,
     /// A draft sent while a reply ran: prefilled once the reply ends (the latest only).
     pending_draft: Option<String>,
     /// The client's conversation id (`?conversation=`, the load balancer's routing key), for
@@ -175,7 +176,7 @@ pub struct Session {
     conversation_id: Option<String>,
     /// A `/v1/realtime` connection: the Realtime API's events instead of this protocol's frames
     /// (`realtime`). A cell because frames are sent through `&self`.
-    realtime: Option<std::cell::RefCell<super::realtime::Realtime>>,
+    realtime: Option<std::cell::RefCell<crate::server::realtime::Realtime>>,
 }
 
 impl Session {
@@ -188,9 +189,9 @@ impl Session {
     /// Speaks OpenAI's Realtime API (`/v1/realtime`) instead of this server's protocol.
     pub fn speaking_realtime(mut self) -> Self {
         let model = self.ready.model.clone();
-        self.realtime = Some(std::cell::RefCell::new(super::realtime::Realtime::new(
-            model,
-        )));
+        self.realtime = Some(std::cell::RefCell::new(
+            crate::server::realtime::Realtime::new(model),
+        ));
         self
     }
 
@@ -198,7 +199,7 @@ impl Session {
         state: Arc<AppState>,
         ready: Ready,
         identity: Identity,
-        place: super::admission::Place,
+        place: crate::server::gate::admission::Place,
     ) -> Self {
         let l = &state.session.limits;
         let now = Instant::now();
@@ -217,7 +218,7 @@ impl Session {
             permit: None,
             ticket: None,
             backlog: Backlog::new(),
-            token: super::parked::new_token(),
+            token: crate::server::ws::parked::new_token(),
             parked: Arc::new(AtomicBool::new(false)),
             used: false,
             last: None,
@@ -260,7 +261,7 @@ impl Session {
         let reset = self.reset_for_not_reading.clone();
         let mut resp = ws::handshake_with_protocols(req, protocols)?;
         let body = Box::pin(ws::WebsocketContext::with_codec(self, stream, codec));
-        let peer = req.conn_data::<super::Peer>().copied();
+        let peer = req.conn_data::<crate::server::gate::peer::Peer>().copied();
         Ok(resp.streaming(watched(body, peer, timeout, metrics, Some(reset))))
     }
 
@@ -288,7 +289,7 @@ impl Session {
     /// Sends an error frame. A refusal of what the client sent also takes from its refused-frames
     /// bucket; when that is empty, the connection closes (1008).
     fn error(&mut self, ctx: &mut ws::WebsocketContext<Self>, id: Option<String>, e: RequestError) {
-        self.send(ctx, &e.to_frame(id));
+        self.send(ctx, &ServerFrame::error(id, &e));
         let clients_fault = matches!(
             e,
             RequestError::InvalidRequest(_)
@@ -477,7 +478,7 @@ impl Session {
                 self.validated_turn(id, messages, params, at, ctx);
             }
             ClientFrame::Restore { messages } => {
-                match self.state.session.limits.validate_restore(messages) {
+                match validate_restore(&self.state.session.limits, messages) {
                     Ok(m) => self.restore(m, ctx),
                     Err(e) => self.error(ctx, None, e),
                 }
@@ -502,7 +503,7 @@ impl Session {
     /// client may not send is refused as in a `chat`. Nothing is computed until the next chat.
     fn restore(
         &mut self,
-        messages: Vec<crate::protocol::RestoredMessage>,
+        messages: Vec<crate::server::ws::protocol::RestoredMessage>,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         if let Some(c) = &self.current {
@@ -577,7 +578,14 @@ impl Session {
         // Like a chat's prompt, built on the blocking pool; `wait` keeps the session's frames in
         // order, so a `chat` right after reaches the batcher after the draft it ends.
         actix_web::rt::task::spawn_blocking(move || {
-            super::prompt::draft_prompt(&ready, &state.tenants, &identity, &id, &history, &text)
+            crate::server::request::prompt::draft_prompt(
+                &ready,
+                &state.tenants,
+                &identity,
+                &id,
+                &history,
+                &text,
+            )
         })
         .into_actor(self)
         .map(|res, act, _| {
@@ -595,7 +603,7 @@ impl Session {
     }
 
     /// `cache_key` is for API-key clients only (a browser session is its own partition).
-    fn authorize(&self, chat: &ValidChat) -> Result<(), RequestError> {
+    fn authorize(&self, chat: &ValidRequest) -> Result<(), RequestError> {
         if chat.cache_key.is_some() && self.identity.kind != ClientKind::ApiKey {
             return Err(RequestError::InvalidRequest(
                 "`params.cache_key` is for API-key clients; a browser session is its own cache partition".into(),
@@ -610,12 +618,12 @@ impl Session {
         &mut self,
         id: String,
         messages: Vec<Message>,
-        params: crate::protocol::ChatParams,
+        params: crate::server::request::GenerateParams,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         let cfg = &self.state.session;
-        match cfg.limits.validate_chat(
+        match cfg.limits.validate(
             id.clone(),
             messages,
             params,
@@ -629,7 +637,7 @@ impl Session {
 
     fn start_chat(
         &mut self,
-        chat: ValidChat,
+        chat: ValidRequest,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
@@ -683,8 +691,8 @@ impl Session {
     /// Submits a chat whose prompt is built.
     fn submit_chat(
         &mut self,
-        chat: ValidChat,
-        prompt: super::prompt::Prompt,
+        chat: ValidRequest,
+        prompt: crate::server::request::prompt::Prompt,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
@@ -707,8 +715,8 @@ impl Session {
             max_tokens: chat.max_tokens,
             ignore_eos: chat.ignore_eos,
             priority: match chat.priority {
-                crate::protocol::Priority::Interactive => Priority::Interactive,
-                crate::protocol::Priority::Batch => Priority::Batch,
+                crate::server::request::Priority::Interactive => Priority::Interactive,
+                crate::server::request::Priority::Batch => Priority::Batch,
             },
             scope: prompt.scope,
             lease: Some(self.lease_key()),
@@ -1072,7 +1080,7 @@ impl Session {
                     deltas: c.delta_texts(),
                     client_id: id.clone(),
                     started: c.started.clone(),
-                    end: e.to_frame(Some(id.clone())),
+                    end: ServerFrame::error(Some(id.clone()), &e),
                 });
                 self.current = None;
                 self.error(ctx, Some(id), e);
@@ -1225,7 +1233,7 @@ impl Session {
         let e = RequestError::Overloaded(
             "this connection was let in past the connection caps only to resume a session of this address (`resume` first); its caps are full: try again shortly".into(),
         );
-        self.send(ctx, &e.to_frame(None));
+        self.send(ctx, &ServerFrame::error(None, &e));
         self.state.metrics.error("connection_limit");
         ctx.close(Some(ws::CloseReason {
             code: ws::CloseCode::Again,
@@ -1413,11 +1421,11 @@ impl Session {
     }
 }
 
-/// The Realtime API dialect (`/v1/realtime`, `super::realtime`): its client events become what
+/// The Realtime API dialect (`/v1/realtime`, `crate::server::realtime`): its client events become what
 /// the session does for `/ws` frames, under the same rules and limits.
 impl Session {
     fn on_realtime(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
-        use super::realtime::{Action, Rules};
+        use crate::server::realtime::{Action, Rules};
         self.used = true;
         if self.ticket.is_some() {
             return self.refuse_ticket(ctx);
@@ -1468,7 +1476,7 @@ impl Session {
     fn realtime_refused(
         &mut self,
         ctx: &mut ws::WebsocketContext<Self>,
-        e: super::realtime::EventError,
+        e: crate::server::realtime::EventError,
     ) {
         let Some(rt) = &self.realtime else { return };
         self.state.metrics.error("invalid_request");

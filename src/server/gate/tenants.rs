@@ -21,9 +21,10 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::access::{bearer, normalize_origin, sha256};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{CacheScope, Salt};
+use crate::server::gate::credentials::Refusal;
+use crate::server::gate::credentials::{bearer, normalize_origin, sha256};
 pub use crate::settings::{ClientRoles, PrefixSettings, TenantSettings, WidgetSettings};
 
 /// What kind of client a connection is.
@@ -101,34 +102,6 @@ impl Identity {
             self.kind,
             self.system_prompt.as_deref().unwrap_or("")
         )
-    }
-}
-
-/// Why an upgrade is refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Refusal {
-    /// 400: a malformed request (an unknown prefix, say).
-    BadRequest(String),
-    /// 401: a missing or wrong API key, or no credentials where the server needs them.
-    Unauthorized(String),
-    /// 403: an origin that may not connect.
-    Forbidden(String),
-}
-
-impl Refusal {
-    pub fn kind(&self) -> crate::protocol::ErrorKind {
-        use crate::protocol::ErrorKind;
-        match self {
-            Refusal::BadRequest(_) => ErrorKind::InvalidRequest,
-            Refusal::Unauthorized(_) => ErrorKind::Unauthorized,
-            Refusal::Forbidden(_) => ErrorKind::Forbidden,
-        }
-    }
-
-    pub fn into_message(self) -> String {
-        match self {
-            Refusal::BadRequest(m) | Refusal::Unauthorized(m) | Refusal::Forbidden(m) => m,
-        }
     }
 }
 

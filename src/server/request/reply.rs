@@ -1,10 +1,36 @@
 //! A reply's text as its tokens arrive: incremental detokenizing (complete UTF-8 only) and stop
 //! strings (text that could still become one is held back until it cannot; a match ends the
-//! reply before it). One per reply: the WebSocket session and the OpenAI API stream through the
+//! reply before it), and how a reply ended (`FinishReason`, `Usage`, `Timings`). One per reply: the WebSocket session and the OpenAI API stream through the
 //! same code, so both send exactly the same text for the same tokens.
 
-use super::stop::scan;
+use serde::{Deserialize, Serialize};
+
+use crate::server::request::stop::scan;
 use crate::tokenizer::{IncrementalDecoder, TextTokenizer};
+
+/// Why a reply ended.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Cancelled,
+    Shutdown,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub ttft_ms: f64,
+    pub decode_tokens_per_s: f64,
+}
 
 pub struct ReplyText {
     detok: IncrementalDecoder,

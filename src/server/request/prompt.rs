@@ -3,10 +3,10 @@
 //! template, and how many leading tokens are that operator text (shared within the tenant; the
 //! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
 
-use super::tenants::{Identity, Tenants};
-use super::Ready;
 use crate::kv_cache::CacheScope;
-use crate::protocol::RequestError;
+use crate::server::gate::tenants::{Identity, Tenants};
+use crate::server::request::RequestError;
+use crate::server::state::Ready;
 use crate::tokenizer::Message;
 
 /// The token ids to run and the blocks they may share.

@@ -20,9 +20,10 @@ use crate::engine::scheduler::{AddError, Priority, Quota, RequestId, SchedulerCo
 use crate::engine::Engine;
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
-use crate::protocol::{FinishReason, RequestError, Timings, Usage};
 use crate::sampler::{SamplingParams, TokenLogprobs};
-use crate::server::outbox::Backlog;
+use crate::server::gate::outbox::Backlog;
+use crate::server::request::reply::{FinishReason, Timings, Usage};
+use crate::server::request::RequestError;
 
 /// A fresh request id, unique in the process (sessions allocate them so that events can never
 /// arrive for an id the session does not know yet).

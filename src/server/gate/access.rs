@@ -6,67 +6,10 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::tenants::Refusal;
 use crate::error::{EngineError, Result};
-
-/// `scheme://host[:port]` lower-cased, with the scheme's default port dropped; `None` unless it
-/// is an http(s) origin with nothing after the authority.
-pub fn normalize_origin(o: &str) -> Option<String> {
-    let (scheme, rest) = o.split_once("://")?;
-    let scheme = scheme.to_ascii_lowercase();
-    let default_port = match scheme.as_str() {
-        "http" => 80,
-        "https" => 443,
-        _ => return None,
-    };
-    if rest.is_empty() || rest.contains(['/', '?', '#', '@']) {
-        return None;
-    }
-    let (host, port) = split_host(rest)?;
-    if host.is_empty() {
-        return None;
-    }
-    Some(match port {
-        Some(p) if p != default_port => format!("{scheme}://{host}:{p}"),
-        _ => format!("{scheme}://{host}"),
-    })
-}
-
-/// `host[:port]` (IPv6 in brackets) into a lower-cased host and an optional port.
-fn split_host(s: &str) -> Option<(String, Option<u16>)> {
-    let s = s.trim();
-    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
-        let (h, after) = rest.split_once(']')?;
-        let port = match after {
-            "" => None,
-            p => Some(p.strip_prefix(':')?.parse().ok()?),
-        };
-        (format!("[{h}]"), port)
-    } else {
-        match s.rsplit_once(':') {
-            Some((h, p)) => (h.to_string(), Some(p.parse().ok()?)),
-            None => (s.to_string(), None),
-        }
-    };
-    Some((host.to_ascii_lowercase(), port))
-}
-
-/// The credential of an `Authorization: Bearer X` header value (the scheme in any case).
-pub fn bearer(authorization: &str) -> Option<&str> {
-    authorization
-        .split_once(' ')
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-        .map(|(_, k)| k.trim())
-        .filter(|k| !k.is_empty())
-}
-
-/// SHA-256, the form secrets are kept and compared in.
-pub fn sha256(b: &[u8]) -> [u8; 32] {
-    Sha256::digest(b).into()
-}
+use crate::server::gate::credentials::{bearer, normalize_origin, sha256, split_host, Refusal};
 
 /// Loopback host names: `localhost`, 127.0.0.0/8 and `[::1]`.
 fn is_loopback_host(h: &str) -> bool {

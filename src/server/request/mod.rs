@@ -1,0 +1,373 @@
+//! The request seam: each dialect (the native `/ws` frames, OpenAI's HTTP API, the Realtime API)
+//! only parses its wire shape into one `GenerateParams` and messages, validated here, once, into a
+//! `ValidRequest` (parse, don't validate: TGI's `ValidGenerateRequest`). Every rejection names
+//! the field (`Field`, which each dialect spells in its own words) and the limit.
+
+pub mod error;
+pub mod prompt;
+pub mod reply;
+pub mod stop;
+
+use serde::{Deserialize, Serialize};
+
+pub use error::{ErrorKind, RequestError, Wire};
+
+use crate::sampler::{SamplingOverrides, SamplingParams};
+use crate::tokenizer::Message;
+
+/// Optional generation parameters of a `chat` frame; absent ones take the server's defaults.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct GenerateParams {
+    #[serde(flatten)]
+    pub sampling: SamplingOverrides,
+    pub max_tokens: Option<usize>,
+    #[serde(default)]
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-turn tokens (benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// A prefix-cache partition inside the API key's principal (OpenAI's `prompt_cache_key`):
+    /// requests share cached blocks only with requests of the same key. API-key clients only.
+    pub cache_key: Option<String>,
+    /// `interactive` (default) or `batch`: batch requests are admitted and prefilled only with
+    /// what interactive ones leave.
+    pub priority: Option<String>,
+    /// A paced stream: at most this many deltas unacknowledged (`ack`); past it the reply stops
+    /// generating, its KV kept, until the client acks.
+    pub window: Option<usize>,
+}
+
+/// The largest `params.window`.
+pub const MAX_WINDOW: usize = 1024;
+
+/// A request's priority on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Priority {
+    #[default]
+    Interactive,
+    Batch,
+}
+
+/// Longest `params.cache_key`.
+pub const MAX_CACHE_KEY_CHARS: usize = 64;
+
+/// Limits a server enforces, sent in `ready` so clients can respect them.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    pub max_context: usize,
+    pub max_tokens: usize,
+    pub max_frame_bytes: usize,
+    pub max_messages: usize,
+    pub max_message_chars: usize,
+    pub max_stop_strings: usize,
+    pub max_stop_chars: usize,
+    pub max_id_chars: usize,
+    /// Text frames a session may send a second on average, and at once.
+    pub frames_per_s: f64,
+    pub frame_burst: u32,
+    /// Refused frames a session may send a second on average, and at once, before it is closed.
+    pub rejected_frames_per_s: f64,
+    pub rejected_frame_burst: u32,
+}
+
+#[cfg(test)]
+impl Limits {
+    /// Small limits for unit tests (the WebSocket's and the OpenAI API's validation alike).
+    pub fn for_tests() -> Self {
+        Limits {
+            max_context: 2048,
+            max_tokens: 512,
+            max_frame_bytes: 65536,
+            max_messages: 8,
+            max_message_chars: 100,
+            max_stop_strings: 4,
+            max_stop_chars: 16,
+            max_id_chars: 64,
+            frames_per_s: 10.0,
+            frame_burst: 20,
+            rejected_frames_per_s: 1.0,
+            rejected_frame_burst: 10,
+        }
+    }
+}
+
+/// A validated `chat` request.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub id: String,
+    pub messages: Vec<Message>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub cache_key: Option<String>,
+    pub priority: Priority,
+    pub window: Option<usize>,
+}
+
+pub(crate) fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
+    RequestError::InvalidParam {
+        param: field.into(),
+        reason: msg.to_string(),
+    }
+}
+
+impl Limits {
+    /// Validates a `chat` frame's fields against these limits and the server's defaults.
+    pub fn validate(
+        &self,
+        id: String,
+        messages: Vec<Message>,
+        p: GenerateParams,
+        defaults: &SamplingParams,
+        default_max_tokens: usize,
+    ) -> Result<ValidRequest, RequestError> {
+        if id.is_empty() || id.chars().count() > self.max_id_chars {
+            return Err(bad(
+                "id",
+                format!("must be 1 to {} characters", self.max_id_chars),
+            ));
+        }
+        self.check_messages(&messages)?;
+        let sampling = sampling(&p, defaults)?;
+        let max_tokens = self.max_tokens(p.max_tokens, default_max_tokens)?;
+        self.check_stop(&p.stop)?;
+        check_cache_key(p.cache_key.as_deref())?;
+        let priority = match p.priority.as_deref() {
+            None | Some("interactive") => Priority::Interactive,
+            Some("batch") => Priority::Batch,
+            Some(other) => {
+                return Err(bad(
+                    "params.priority",
+                    format!("must be interactive or batch. Given: {other:?}"),
+                ))
+            }
+        };
+        if let Some(w) = p.window.filter(|&w| w == 0 || w > MAX_WINDOW) {
+            return Err(bad(
+                "params.window",
+                format!("must be between 1 and {MAX_WINDOW}. Given: {w}"),
+            ));
+        }
+        Ok(ValidRequest {
+            id,
+            messages,
+            sampling,
+            max_tokens,
+            stop: p.stop,
+            ignore_eos: p.ignore_eos,
+            cache_key: p.cache_key,
+            priority,
+            window: p.window,
+        })
+    }
+
+    /// Validates a `draft` frame's text (a user message's content so far).
+    pub fn validate_draft(&self, text: String) -> Result<String, RequestError> {
+        let n = text.chars().count();
+        if n > self.max_message_chars {
+            return Err(bad(
+                "text",
+                format!(
+                    "must be at most {} characters. Given: {n}",
+                    self.max_message_chars
+                ),
+            ));
+        }
+        Ok(text)
+    }
+
+    pub fn check_messages(&self, messages: &[Message]) -> Result<(), RequestError> {
+        if messages.is_empty() {
+            return Err(bad("messages", "must hold at least one message"));
+        }
+        if messages.len() > self.max_messages {
+            return Err(bad(
+                "messages",
+                format!(
+                    "must hold at most {} messages. Given: {}",
+                    self.max_messages,
+                    messages.len()
+                ),
+            ));
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+                return Err(bad(
+                    &format!("messages[{i}].role"),
+                    format!("must be system, user or assistant. Given: {:?}", m.role),
+                ));
+            }
+            let n = m.content.chars().count();
+            if n > self.max_message_chars {
+                return Err(bad(
+                    &format!("messages[{i}].content"),
+                    format!(
+                        "must be at most {} characters. Given: {n}",
+                        self.max_message_chars
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn max_tokens(&self, given: Option<usize>, default: usize) -> Result<usize, RequestError> {
+        match given {
+            Some(n) if n == 0 || n > self.max_tokens => Err(bad(
+                "params.max_tokens",
+                format!("must be between 1 and {}. Given: {n}", self.max_tokens),
+            )),
+            Some(n) => Ok(n),
+            None => Ok(default.min(self.max_tokens)),
+        }
+    }
+
+    fn check_stop(&self, stop: &[String]) -> Result<(), RequestError> {
+        if stop.len() > self.max_stop_strings {
+            return Err(bad(
+                "params.stop",
+                format!(
+                    "must hold at most {} strings. Given: {}",
+                    self.max_stop_strings,
+                    stop.len()
+                ),
+            ));
+        }
+        for (i, s) in stop.iter().enumerate() {
+            let n = s.chars().count();
+            if n == 0 || n > self.max_stop_chars {
+                return Err(bad(
+                    &format!("params.stop[{i}]"),
+                    format!(
+                        "must be 1 to {} characters. Given: {n}",
+                        self.max_stop_chars
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The request's sampling settings over the server's defaults, checked against the one
+/// definition of their ranges (the defaults were checked at start, so a value out of range is
+/// the client's).
+fn sampling(p: &GenerateParams, defaults: &SamplingParams) -> Result<SamplingParams, RequestError> {
+    let sampling = p.sampling.over(defaults);
+    sampling.check().map_err(|e| {
+        bad(
+            &format!("params.{}", e.field),
+            format!("must be {}. Given: {}", e.allowed, e.given),
+        )
+    })?;
+    Ok(sampling)
+}
+
+fn check_cache_key(key: Option<&str>) -> Result<(), RequestError> {
+    let Some(k) = key else { return Ok(()) };
+    let n = k.chars().count();
+    if n == 0 || n > MAX_CACHE_KEY_CHARS || k.chars().any(char::is_control) {
+        return Err(bad(
+            "params.cache_key",
+            format!(
+                "must be 1 to {MAX_CACHE_KEY_CHARS} characters, none of them control characters. Given: {n} characters"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> Limits {
+        Limits::for_tests()
+    }
+
+    #[test]
+    fn validation_names_field_and_limit() {
+        let l = limits();
+        let d = SamplingParams::default();
+        let m = vec![Message::new("user", "hi")];
+        let e = |p: GenerateParams| {
+            l.validate("1".into(), m.clone(), p, &d, 64)
+                .unwrap_err()
+                .to_string()
+        };
+        let s = e(GenerateParams {
+            max_tokens: Some(9000),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.max_tokens`") && s.contains("512") && s.contains("9000"),
+            "{s}"
+        );
+        let s = e(GenerateParams {
+            sampling: SamplingOverrides {
+                temperature: Some(3.0),
+                ..Default::default()
+            },
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.temperature`") && s.contains("between 0 and 2"),
+            "{s}"
+        );
+        let s = e(GenerateParams {
+            stop: vec!["a".into(); 5],
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.stop`") && s.contains("at most 4"),
+            "{s}"
+        );
+        let s = e(GenerateParams {
+            window: Some(0),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.window`") && s.contains("between 1 and 1024"),
+            "{s}"
+        );
+        let s = e(GenerateParams {
+            priority: Some("urgent".into()),
+            ..Default::default()
+        });
+        assert!(
+            s.contains("`params.priority`") && s.contains("interactive or batch"),
+            "{s}"
+        );
+        let s = l
+            .validate(
+                "1".into(),
+                vec![Message::new("robot", "x")],
+                GenerateParams::default(),
+                &d,
+                64,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(s.contains("messages[0].role"), "{s}");
+        let s = l
+            .validate(
+                "1".into(),
+                vec![Message::new("user", &"x".repeat(101))],
+                GenerateParams::default(),
+                &d,
+                64,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            s.contains("messages[0].content") && s.contains("100"),
+            "{s}"
+        );
+        let ok = l
+            .validate("1".into(), m, GenerateParams::default(), &d, 64)
+            .unwrap();
+        assert_eq!(ok.max_tokens, 64);
+    }
+}
