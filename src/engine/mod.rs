@@ -10,3 +10,4 @@ pub mod scheduler;
 
 pub use crate::model::batch::{SeqChunk, StepBatch};
 pub use loaded::{Engine, EngineOptions};
+pub use scheduler::{Priority, Quota, RequestId};

@@ -170,9 +170,9 @@ impl Settings {
     }
 
     /// Keyless clients' share of the scheduler.
-    pub fn anonymous_quota(&self) -> crate::engine::scheduler::Quota {
+    pub fn anonymous_quota(&self) -> crate::engine::Quota {
         let c = &self.scheduler;
-        crate::engine::scheduler::Quota {
+        crate::engine::Quota {
             max_running: (c.anonymous_max_running > 0).then_some(c.anonymous_max_running),
             max_waiting: (c.anonymous_max_waiting > 0).then_some(c.anonymous_max_waiting),
         }

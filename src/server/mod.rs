@@ -61,9 +61,14 @@ pub enum Failure {
     Engine(String),
 }
 
-/// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
-/// answers /health with 503 meanwhile), and builds the HTTP server. Call inside an actix System.
-pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Running> {
+/// What the handlers share, from the settings, for a server listening on `addr` (and `admin`,
+/// its admin listener): tenants, access rules, connection caps, the parked sessions' registry,
+/// the sealer; the model not loaded yet (`Status::Loading`).
+pub fn app_state(
+    settings: &Settings,
+    addr: SocketAddr,
+    admin: Option<SocketAddr>,
+) -> std::io::Result<AppState> {
     let invalid = |e: crate::error::EngineError| {
         std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string())
     };
@@ -72,18 +77,11 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         .map_err(invalid)?
         .with_anonymous_quota(settings.anonymous_quota());
     let sv = &settings.server;
-    let listener = bind(&sv.host, sv.port, "server.port")?;
-    let addr = listener.local_addr()?;
-    let admin = match sv.admin_port {
-        Some(port) => Some(bind(&sv.admin_host, port, "server.admin_port")?),
-        None => None,
-    };
-    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let access = access::Access::new(
         &settings.access(),
         &sv.host,
         addr,
-        admin_addr,
+        admin,
         !tenants.is_empty(),
     )
     .map_err(invalid)?;
@@ -95,7 +93,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
     }
     tracing::info!(
         anonymous = access.allow_anonymous,
-        admin = ?admin_addr,
+        admin = ?admin,
         "access: keyless clients {}",
         if access.allow_anonymous { "served" } else { "refused (401)" }
     );
@@ -115,11 +113,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .filter_map(|t| Some((t.name.clone(), t.max_connections?)))
             .collect(),
     });
-    let workers = match sv.workers {
-        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-        n => n,
-    };
-    let state = web::Data::new(AppState {
+    Ok(AppState {
         status: RwLock::new(Status::Loading),
         tenants,
         access,
@@ -134,7 +128,32 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
             .unwrap_or(0),
         drain: tokio::sync::watch::channel(false).0,
         sealer: seal::Sealer::new(&settings.server.conversation_secret),
-    });
+    })
+}
+
+/// Every route, behind the gate (`routes::gate`: `Host`, and what each route allows).
+pub fn configure(cfg: &mut web::ServiceConfig) {
+    openai::configure(cfg);
+    routes::configure(cfg);
+}
+
+/// Binds the listener, starts loading the model on the batcher's own thread (the HTTP side
+/// answers /health with 503 meanwhile), and builds the HTTP server. Call inside an actix System.
+pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Running> {
+    let sv = &settings.server;
+    let listener = bind(&sv.host, sv.port, "server.port")?;
+    let addr = listener.local_addr()?;
+    let admin = match sv.admin_port {
+        Some(port) => Some(bind(&sv.admin_host, port, "server.admin_port")?),
+        None => None,
+    };
+    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
+    let state = web::Data::new(app_state(settings, addr, admin_addr)?);
+    let metrics = state.metrics.clone();
+    let workers = match sv.workers {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
     // Parked sessions past their grace give back their connection places.
     if !settings.session_config().resume_grace.is_zero() {
         let sweep = state.clone();
@@ -230,8 +249,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         App::new()
             .app_data(data.clone())
             .wrap(actix_web::middleware::from_fn(routes::gate))
-            .configure(openai::configure)
-            .configure(routes::configure)
+            .configure(configure)
     })
     .on_connect(move |conn, ext| Peer::record(send_buffer, conn, ext))
     .workers(workers)

@@ -414,3 +414,145 @@ fn mime_guess_from(name: &str) -> &'static str {
         _ => "application/octet-stream",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The static routes and the widget's origin check, on the real routes and gate without a
+    //! model (`actix_web::test`): the state is the one `server::build` makes, still loading.
+
+    use actix_web::http::StatusCode;
+    use actix_web::{test, App};
+    use serde_json::Value;
+
+    use crate::settings::{Settings, TenantSettings, WidgetSettings};
+
+    const HOST: &str = "127.0.0.1:8080";
+
+    fn settings() -> Settings {
+        let mut s = Settings::load(None).unwrap();
+        s.tenants = vec![TenantSettings {
+            name: "alpha".into(),
+            api_keys: vec!["alpha-key-0123456789".into()],
+            widgets: vec![WidgetSettings {
+                id: "alpha-help".into(),
+                origins: vec!["http://shop.alpha.test".into()],
+                system_prompt: "You help Alpha's customers.".into(),
+            }],
+            ..Default::default()
+        }];
+        s
+    }
+
+    macro_rules! service {
+        () => {{
+            let addr = HOST.parse().unwrap();
+            let state = crate::server::app_state(&settings(), addr, None).unwrap();
+            test::init_service(
+                App::new()
+                    .app_data(actix_web::web::Data::new(state))
+                    .wrap(actix_web::middleware::from_fn(super::gate))
+                    .configure(crate::server::configure),
+            )
+            .await
+        }};
+    }
+
+    fn get(path: &str) -> test::TestRequest {
+        test::TestRequest::get()
+            .uri(path)
+            .insert_header(("Host", HOST))
+    }
+
+    fn header(r: &actix_web::dev::ServiceResponse, k: &str) -> String {
+        (r.headers().get(k))
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default()
+    }
+
+    #[actix_rt::test]
+    async fn the_widget_script_is_cacheable_and_loadable_from_any_site() {
+        let app = service!();
+        let r = test::call_service(&app, get("/widget.js").to_request()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(header(&r, "cache-control").contains("max-age=3600"));
+        assert_eq!(header(&r, "access-control-allow-origin"), "*");
+        assert_eq!(header(&r, "cross-origin-resource-policy"), "cross-origin");
+        assert!(header(&r, "content-type").starts_with("text/javascript"));
+        let etag = header(&r, "etag");
+        assert!(etag.starts_with('"'), "{etag}");
+        let body = test::read_body(r).await;
+        assert!(String::from_utf8_lossy(&body).contains("LlamaRelay"));
+        let again = get("/widget.js").insert_header(("If-None-Match", etag.as_str()));
+        let r = test::call_service(&app, again.to_request()).await;
+        assert_eq!(r.status(), StatusCode::NOT_MODIFIED);
+        let head = test::TestRequest::default()
+            .method(actix_web::http::Method::HEAD)
+            .uri("/widget.js")
+            .insert_header(("Host", HOST));
+        let r = test::call_service(&app, head.to_request()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(header(&r, "etag"), etag);
+        let r = test::call_service(&app, get("/").to_request()).await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert!(header(&r, "content-security-policy").contains("script-src 'self'"));
+    }
+
+    #[actix_rt::test]
+    async fn the_widget_check_answers_its_own_origins_only() {
+        let app = service!();
+        let allowed = ("Origin", "http://shop.alpha.test");
+        let r = test::call_service(
+            &app,
+            get("/widget/alpha-help")
+                .insert_header(allowed)
+                .to_request(),
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::OK);
+        assert_eq!(
+            header(&r, "access-control-allow-origin"),
+            "http://shop.alpha.test"
+        );
+        let v: Value = test::read_body_json(r).await;
+        assert_eq!(v["ws"], "/ws?widget=alpha-help");
+        let r = test::call_service(
+            &app,
+            (get("/widget/alpha-help").insert_header(("Origin", "https://evil.test"))).to_request(),
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::FORBIDDEN);
+        let v: Value = test::read_body_json(r).await;
+        assert_eq!(v["error_type"], "forbidden");
+        assert!(
+            v["message"].as_str().unwrap().contains("https://evil.test"),
+            "{v}"
+        );
+        let r = test::call_service(
+            &app,
+            get("/widget/nope").insert_header(allowed).to_request(),
+        )
+        .await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+    }
+
+    #[actix_rt::test]
+    async fn a_host_not_served_is_misdirected_and_probes_answer_while_loading() {
+        let app = service!();
+        let wrong = test::TestRequest::get()
+            .uri("/")
+            .insert_header(("Host", "rebind.attacker.test"));
+        let r = test::call_service(&app, wrong.to_request()).await;
+        assert_eq!(r.status(), StatusCode::MISDIRECTED_REQUEST);
+        // Readiness is 503 until the model is loaded; liveness answers whatever the Host.
+        let probe = |path: &str| {
+            test::TestRequest::get()
+                .uri(path)
+                .insert_header(("Host", "10.0.0.7:8080"))
+                .to_request()
+        };
+        let r = test::call_service(&app, probe("/health/ready")).await;
+        assert_eq!(r.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let r = test::call_service(&app, probe("/health/live")).await;
+        assert_eq!(r.status(), StatusCode::OK);
+    }
+}

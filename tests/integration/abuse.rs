@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{connect_when_ready, metrics_text, spawn_app, spawn_process, App};
 
 /// A WebSocket client on a raw socket with a small receive buffer, so that not reading stalls
 /// the server quickly, and whose reads the test controls.
@@ -301,7 +300,7 @@ async fn health(app: &App) -> (u16, Value) {
 }
 
 /// The first `error` or `done` frame for `id`, skipping deltas.
-async fn end_of(c: &mut crate::gateway::Client, id: &str) -> Value {
+async fn end_of(c: &mut crate::common::Client, id: &str) -> Value {
     loop {
         let f = c.recv().await;
         if matches!(f["type"].as_str(), Some("error" | "done")) {
@@ -508,7 +507,7 @@ fn a_tenant_flood_does_not_hold_another_tenants_request_in_the_queue() {
 }
 
 /// When `id`'s reply ended (with `done`).
-async fn finished_at(c: &mut crate::gateway::Client, id: String) -> Instant {
+async fn finished_at(c: &mut crate::common::Client, id: String) -> Instant {
     let r = c.reply(&id).await;
     assert_eq!(r.done["type"], "done", "{}", r.done);
     Instant::now()
@@ -550,7 +549,7 @@ fn what_cannot_fit_by_length_is_refused_before_tokenizing() {
 }
 
 /// Inter-delta gaps (ms) of one greedy reply of `n` tokens, read as they arrive.
-async fn stream_gaps(c: &mut crate::gateway::Client, id: &str, n: u64) -> Vec<f64> {
+async fn stream_gaps(c: &mut crate::common::Client, id: &str, n: u64) -> Vec<f64> {
     c.chat(
         id,
         "Count on.",

@@ -15,7 +15,7 @@ use actix_web::{web, App, HttpResponse, HttpServer};
 use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
 
 use crate::common::model_lock;
-use crate::gateway::spawn_app;
+use crate::common::*;
 
 const WIDGET_PROMPT: &str = "You are the support assistant of Acme, a shop that sells garden \
     tools. Answer customers briefly and politely. If you do not know an order's status, ask for \

@@ -6,7 +6,6 @@
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{spawn_app, App, Client, Reply};
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);

@@ -146,6 +146,7 @@ fn server_files_form_no_circle() {
     }
     // Depth-first search for a back edge.
     fn visit(
+        src: &Path,
         f: &std::path::PathBuf,
         edges: &HashMap<std::path::PathBuf, Vec<std::path::PathBuf>>,
         state: &mut HashMap<std::path::PathBuf, bool>,
@@ -159,7 +160,7 @@ fn server_files_form_no_circle() {
                 let names: Vec<String> = stack[at..]
                     .iter()
                     .chain([f])
-                    .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+                    .map(|p| p.strip_prefix(src).unwrap().display().to_string())
                     .collect();
                 circles.push(names.join(" -> "));
                 return;
@@ -169,7 +170,7 @@ fn server_files_form_no_circle() {
         state.insert(f.clone(), false);
         stack.push(f.clone());
         for t in edges.get(f).into_iter().flatten() {
-            visit(t, edges, state, stack, circles);
+            visit(src, t, edges, state, stack, circles);
         }
         stack.pop();
         state.insert(f.clone(), true);
@@ -177,7 +178,7 @@ fn server_files_form_no_circle() {
     let mut state = HashMap::new();
     let mut circles = Vec::new();
     for f in &files {
-        visit(f, &edges, &mut state, &mut Vec::new(), &mut circles);
+        visit(&src, f, &edges, &mut state, &mut Vec::new(), &mut circles);
     }
     wrong.extend(circles.into_iter().map(|c| format!("a circle: {c}")));
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));

@@ -13,7 +13,6 @@ use llama_relay::settings::Settings;
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{spawn_app, App};
 use crate::tiny_llama3::run_batched;
 
 pub(crate) const QUESTION: &str = "Tell me about llamas.";
@@ -683,6 +682,17 @@ fn api_principals_share_only_what_they_may() {
         0,
         "keyless requests are each their own principal"
     );
+    // The one cache-key rule: a keyless request has nothing to split, so a cache key is refused
+    // (as on `/ws`), while OpenAI's end-user id is dropped.
+    let (status, _, r) = post(
+        &app,
+        "/v1/chat/completions",
+        body(json!({"prompt_cache_key": "someone-else"})),
+        &[],
+    );
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["param"], "prompt_cache_key", "{r}");
+    assert_eq!(cached(&[], json!({"user": "someone"})), 0);
     let auth = format!("Bearer {KEY}");
     let key = [("Authorization", auth.as_str())];
     assert_eq!(

@@ -5,7 +5,6 @@ use llama_relay::tokenizer::Message;
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{spawn_app, Client};
 
 const BS: usize = 16;
 
@@ -149,14 +148,14 @@ fn a_shared_system_prompt_is_computed_once() {
         assert_eq!(text, text_a, "sharing off gives the same reply");
         let (s, _) = ask(&off, "1", Q1, "b").await;
         assert_eq!(s["cached_tokens"], 0, "sharing off: nothing is reused");
-        let m = crate::gateway::metrics_text(&off).await;
+        let m = crate::common::metrics_text(&off).await;
         assert!(m.contains("vllm:prefix_cache_hits_total 0"), "{m}");
     });
 }
 
 /// One request through a fresh connection with key `example-key-00000000{k}` and the
 /// `support` prefix.
-async fn ask(app: &crate::gateway::App, k: &str, q: &str, id: &str) -> (Value, String) {
+async fn ask(app: &crate::common::App, k: &str, q: &str, id: &str) -> (Value, String) {
     let auth = format!("Bearer example-key-00000000{k}");
     let mut c = app
         .connect_with("/ws?prefix=support", &[("Authorization", auth.as_str())])
@@ -166,7 +165,7 @@ async fn ask(app: &crate::gateway::App, k: &str, q: &str, id: &str) -> (Value, S
 }
 
 /// Waits until the configured operator prompts are prefilled and pinned.
-async fn wait_pinned(app: &crate::gateway::App) {
+async fn wait_pinned(app: &crate::common::App) {
     let t0 = std::time::Instant::now();
     while app.status().await.kv_blocks_held == 0 {
         assert!(
@@ -362,72 +361,5 @@ fn tenants_never_share_and_origins_are_checked() {
             expected_with_pin(&want, &pinned)
         );
         app.wait_idle().await;
-    });
-}
-
-/// `widget.js` is cacheable and readable cross-origin; `/widget/{id}` answers the embedding
-/// page's origin with the widget's rule (readable by that page, so the widget can say why).
-#[test]
-fn widget_script_and_origin_check() {
-    let _g = model_lock();
-    let app = spawn_app(Tiny::Tied.dir(), two_tenants);
-    actix_web::rt::System::new().block_on(async {
-        let get = |path: &str, headers: &[(&str, &str)]| {
-            let mut req = awc::Client::new().get(format!("http://{}{path}", app.addr));
-            for (k, v) in headers {
-                req = req.insert_header((*k, *v));
-            }
-            req.send()
-        };
-        let header = |r: &awc::ClientResponse<_>, k: &str| {
-            r.headers()
-                .get(k)
-                .map(|v| v.to_str().unwrap().to_string())
-                .unwrap_or_default()
-        };
-        let mut r = get("/widget.js", &[]).await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert!(header(&r, "cache-control").contains("max-age=3600"));
-        assert_eq!(header(&r, "access-control-allow-origin"), "*");
-        assert!(header(&r, "content-type").starts_with("text/javascript"));
-        assert!(String::from_utf8_lossy(&r.body().await.unwrap()).contains("LlamaRelay"));
-        let etag = header(&r, "etag");
-        assert!(etag.starts_with('"'), "{etag}");
-        let r = get("/widget.js", &[("If-None-Match", &etag)])
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 304);
-        let mut r = awc::Client::new()
-            .head(format!("http://{}/widget.js", app.addr))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(header(&r, "etag"), etag);
-        assert!(r.body().await.unwrap().is_empty(), "HEAD has no body");
-        let r = get("/", &[]).await.unwrap();
-        assert!(header(&r, "content-security-policy").contains("script-src 'self'"));
-
-        let allowed = [("Origin", "http://shop.alpha.test")];
-        let mut r = get("/widget/alpha-help", &allowed).await.unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(
-            header(&r, "access-control-allow-origin"),
-            "http://shop.alpha.test"
-        );
-        let v: Value = serde_json::from_slice(&r.body().await.unwrap()).unwrap();
-        assert_eq!(v["ws"], "/ws?widget=alpha-help");
-        let mut r = get("/widget/alpha-help", &[("Origin", "https://evil.test")])
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 403);
-        let v: Value = serde_json::from_slice(&r.body().await.unwrap()).unwrap();
-        assert_eq!(v["error_type"], "forbidden");
-        assert!(
-            v["message"].as_str().unwrap().contains("https://evil.test"),
-            "{v}"
-        );
-        let r = get("/widget/nope", &allowed).await.unwrap();
-        assert_eq!(r.status(), 404);
     });
 }

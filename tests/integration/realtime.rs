@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use llama_relay::server::gate::tenants::TenantSettings;
 use serde_json::Value;
 
+use crate::common::*;
 use crate::common::{model_lock, Tiny};
-use crate::gateway::{spawn_app, App};
 use crate::openai::{metric, model_id, sdk_python, ws_reply, KEY, QUESTION};
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
@@ -237,7 +237,7 @@ fn refusals_name_the_realtime_field_and_the_session_goes_on() {
             .connect()
             .await
             .unwrap();
-        let mut c = crate::gateway::Client::from_framed(framed);
+        let mut c = crate::common::Client::from_framed(framed);
         assert_eq!(c.recv().await["type"], "session.created");
         let refused = |ev: Value, param: &str| {
             assert_eq!(ev["type"], "error", "{ev}");

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+use crate::common::*;
 use crate::common::{model_lock, Tiny};
-use crate::gateway::{connect_when_ready, spawn_app, spawn_process, Client};
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
@@ -213,7 +213,7 @@ fn widget_tenant(secret: &'static str) -> impl FnOnce(&mut llama_relay::settings
     }
 }
 
-async fn widget(app: &crate::gateway::App) -> Client {
+async fn widget(app: &crate::common::App) -> Client {
     app.connect_with("/ws?widget=help", &[("Origin", WIDGET_ORIGIN)])
         .await
         .unwrap()

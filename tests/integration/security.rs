@@ -11,7 +11,6 @@ use llama_relay::settings::Settings;
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::gateway::{spawn_app, App, Client};
 
 const WIDGET_ORIGIN: &str = "http://shop.acme.test";
 const KEY1: &str = "acme-key-0123456789";

@@ -9,7 +9,6 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::common::*;
-use crate::gateway::{spawn_app, spawn_process};
 
 /// What a finished run of the binary left: its exit status and stderr.
 struct Exit {

@@ -79,7 +79,7 @@ impl Scheduler {
     ) {
         let budget = self.cfg.step_tokens;
         let long_running = self.running.iter().any(|r| {
-            r.priority == priority && !r.paused && !r.prefill_only && r.pending() > budget
+            r.priority == priority && !r.paused && r.kind != SeqKind::Draft && r.pending() > budget
         });
         if !long_running {
             return;
@@ -87,7 +87,8 @@ impl Scheduler {
         while b.tokens > 0 && !b.full && self.running.len() < self.cfg.max_running {
             // The next short one in the usual order: a long prompt queued ahead does not hold it.
             let room = budget.min(b.tokens);
-            let short = |s: &Sequence| !s.started && !s.prefill_only && s.tokens.len() <= room;
+            let short =
+                |s: &Sequence| !s.started && s.kind != SeqKind::Draft && s.tokens.len() <= room;
             let Some(i) = self.next_to_admit_of(priority, &b.hold, short) else {
                 return;
             };

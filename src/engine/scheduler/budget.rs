@@ -63,8 +63,8 @@ pub(super) fn push_chunk(
     if !kv.allocate_slots(&mut s.blocks, end) {
         return false;
     }
-    let sample = end == s.tokens.len() && !s.pin && !s.prefill_only;
-    if s.prefill_only && end == s.tokens.len() {
+    let sample = end == s.tokens.len() && s.kind == SeqKind::Reply;
+    if s.kind == SeqKind::Draft && end == s.tokens.len() {
         out.prefilled.push(s.id);
     }
     out.batch.seqs.push(SeqChunk {
@@ -127,7 +127,7 @@ impl Scheduler {
         if max == 0 || b.full {
             return 0;
         }
-        let limit = if s.prefill_only {
+        let limit = if s.kind == SeqKind::Draft {
             b.spare.map(|sp| b.limit.map_or(sp, |l| l.min(sp)))
         } else {
             b.limit
@@ -135,7 +135,7 @@ impl Scheduler {
         let Some(limit) = limit else { return max };
         if !b.admitted
             && !s.started
-            && !s.prefill_only
+            && s.kind != SeqKind::Draft
             && s.tokens.len() - s.cached_tokens <= self.cfg.step_tokens
         {
             // The step's first new request, when its whole prefill fits the token budget (a
@@ -160,7 +160,7 @@ impl Scheduler {
                 hi = mid;
             }
         }
-        if lo == 0 && !b.prefilled && !s.prefill_only {
+        if lo == 0 && !b.prefilled && s.kind != SeqKind::Draft {
             MIN_CHUNK.min(max)
         } else {
             lo

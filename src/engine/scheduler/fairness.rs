@@ -90,7 +90,7 @@ impl Scheduler {
         let (tenants, _) = self.running_counts();
         let starved = self.waiting.iter().any(|s| {
             s.priority == Priority::Interactive
-                && !s.pin
+                && s.kind != SeqKind::Pin
                 && !tenants.contains_key(&s.tenant())
                 && s.quota.max_running != Some(0)
         });
@@ -104,7 +104,7 @@ impl Scheduler {
             return;
         }
         let Some(i) = (0..self.running.len())
-            .filter(|&i| self.running[i].tenant() == victim && !self.running[i].pin)
+            .filter(|&i| self.running[i].tenant() == victim && self.running[i].kind != SeqKind::Pin)
             .max_by_key(|&i| self.running[i].admitted)
         else {
             return;
@@ -137,8 +137,7 @@ impl Scheduler {
         let (tenants, _) = self.running_counts();
         let next = &self.waiting[i];
         if next.started
-            || next.pin
-            || next.prefill_only
+            || next.kind != SeqKind::Reply
             || tenants.contains_key(&next.tenant())
             || next.tokens.len() > self.cfg.step_tokens
         {
@@ -146,7 +145,7 @@ impl Scheduler {
         }
         let mut active: Vec<Salt> = tenants.keys().copied().collect();
         for w in &self.waiting {
-            if w.priority == Priority::Interactive && !w.pin && !w.prefill_only {
+            if w.priority == Priority::Interactive && w.kind == SeqKind::Reply {
                 active.push(w.tenant());
             }
         }

@@ -46,6 +46,41 @@ pub use budget::MIN_CHUNK;
 use budget::*;
 pub use request::*;
 
+/// What the scheduler has counted since it began.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Prompt tokens looked up in the prefix cache, and those found.
+    pub prefix_queried: u64,
+    pub prefix_hits: u64,
+    /// Cached blocks evicted for new ones.
+    pub evictions: u64,
+    /// Running requests preempted for blocks or for a starved tenant.
+    pub preemptions: u64,
+    /// Steps carrying decodes that were predicted to take longer than the target (the target
+    /// could not be met even with the smallest chunk, or the decodes alone exceed it).
+    pub itl_misses: u64,
+    /// Tokens scheduled in prefill chunks (prompt tokens not found in the cache, and
+    /// recomputation after preemption).
+    pub prefill_tokens: u64,
+    /// Steps that held over-share tenants' work back for another tenant's first chunk.
+    pub holds: u64,
+}
+
+impl SchedulerStats {
+    /// What each counter gained since `earlier`.
+    pub fn since(&self, earlier: &SchedulerStats) -> SchedulerStats {
+        SchedulerStats {
+            prefix_queried: self.prefix_queried.saturating_sub(earlier.prefix_queried),
+            prefix_hits: self.prefix_hits.saturating_sub(earlier.prefix_hits),
+            evictions: self.evictions.saturating_sub(earlier.evictions),
+            preemptions: self.preemptions.saturating_sub(earlier.preemptions),
+            itl_misses: self.itl_misses.saturating_sub(earlier.itl_misses),
+            prefill_tokens: self.prefill_tokens.saturating_sub(earlier.prefill_tokens),
+            holds: self.holds.saturating_sub(earlier.holds),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct SchedulerConfig {
     /// Requests running at once (prefilling or decoding).
@@ -127,7 +162,7 @@ impl Scheduler {
     pub fn waiting_order(&self) -> Vec<RequestId> {
         let of = |p: Priority| {
             (self.waiting.iter())
-                .filter(move |s| s.priority == p && !s.prefill_only)
+                .filter(move |s| s.priority == p && s.kind != SeqKind::Draft)
                 .map(|s| s.id)
         };
         of(Priority::Interactive)
@@ -142,29 +177,17 @@ impl Scheduler {
             .count()
     }
 
-    pub fn preemptions(&self) -> u64 {
-        self.preemptions
-    }
-
-    /// Steps that held over-share tenants' work back for another tenant's first chunk.
-    pub fn holds(&self) -> u64 {
-        self.holds
-    }
-
-    pub fn prefix_stats(&self) -> PrefixStats {
-        self.prefix
-    }
-
-    /// Tokens scheduled in prefill chunks so far (prompt tokens not found in the cache, and
-    /// recomputation after preemption).
-    pub fn prefill_tokens(&self) -> u64 {
-        self.prefill_tokens
-    }
-
-    /// Steps carrying decodes that were predicted to take longer than the target (the target
-    /// could not be met even with the smallest chunk, or the decodes alone exceed it).
-    pub fn itl_misses(&self) -> u64 {
-        self.itl_misses
+    /// The counters since the scheduler began (the metrics report their changes).
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            prefix_queried: self.prefix.queried,
+            prefix_hits: self.prefix.hits,
+            evictions: self.kv.pool().stats().evictions,
+            preemptions: self.preemptions,
+            itl_misses: self.itl_misses,
+            prefill_tokens: self.prefill_tokens,
+            holds: self.holds,
+        }
     }
 
     pub fn is_idle(&self) -> bool {
@@ -277,7 +300,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             let r = &self.running[i];
-            if r.pin && r.computed == r.tokens.len() {
+            if r.kind == SeqKind::Pin && r.computed == r.tokens.len() {
                 let p = self.running.remove(i);
                 self.kv.pin(p.blocks, &p.tokens);
             } else {
@@ -296,7 +319,7 @@ impl Scheduler {
                 s.computed > 0
                     && s.pending() == 1
                     && !s.paused
-                    && !s.prefill_only
+                    && s.kind != SeqKind::Draft
                     && !hold.contains(&s.tenant())
             })
             .map(|s| (s.admitted, s.id))

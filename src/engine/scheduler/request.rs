@@ -37,6 +37,18 @@ pub struct Quota {
     pub max_waiting: Option<usize>,
 }
 
+/// What a request is for: only replies sample, and only replies count as a tenant's activity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqKind {
+    /// A reply: prefilled, then decoded and sampled.
+    Reply,
+    /// An operator prefix to prefill and keep cached (pinned); no sampling.
+    Pin,
+    /// Prefill only (a draft of a message being typed): no sampling; it ends once its prompt
+    /// is computed, and only ever takes what the step-time target leaves.
+    Draft,
+}
+
 /// One request's tokens and progress.
 #[derive(Debug, Clone)]
 pub struct Sequence {
@@ -58,30 +70,26 @@ pub struct Sequence {
     pub priority: Priority,
     /// Its tenant's share.
     pub(super) quota: Quota,
-    /// A prefix to prefill and keep (no sampling).
-    pub(super) pin: bool,
-    /// Prefill only (a draft of a message being typed): no sampling; it ends once its prompt
-    /// is computed, and only ever takes what the step-time target leaves.
-    pub(super) prefill_only: bool,
+    pub(super) kind: SeqKind,
     /// A paced reply at its window: it keeps its place and its blocks but does not decode.
     pub(super) paused: bool,
 }
 
 impl Sequence {
-    pub(super) fn new(id: RequestId, tokens: Vec<u32>, scope: CacheScope, pin: bool) -> Self {
+    pub(super) fn new(id: RequestId, tokens: Vec<u32>, scope: CacheScope, kind: SeqKind) -> Self {
         Sequence {
             id,
             tokens,
             computed: 0,
             blocks: SeqBlocks::new(scope),
             admitted: 0,
-            started: pin,
+            // A pin reports nothing: there is no one to tell it started.
+            started: kind == SeqKind::Pin,
             cached_tokens: 0,
             lease: None,
             priority: Priority::Interactive,
             quota: Quota::default(),
-            pin,
-            prefill_only: false,
+            kind,
             paused: false,
         }
     }
@@ -143,7 +151,7 @@ pub struct Scheduled {
 
 /// Prompt tokens looked up in the prefix cache at first admission, and found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PrefixStats {
+pub(super) struct PrefixStats {
     pub queried: u64,
     pub hits: u64,
 }
@@ -189,7 +197,7 @@ impl Scheduler {
                 return Err(AddError::TenantOverloaded { waiting });
             }
         }
-        let mut s = Sequence::new(id, prompt, scope, false);
+        let mut s = Sequence::new(id, prompt, scope, SeqKind::Reply);
         s.quota = quota;
         self.waiting.push_back(s);
         Ok(self.waiting.len() - 1)
@@ -212,10 +220,10 @@ impl Scheduler {
         }
     }
 
-    /// Makes a queued request prefill-only (see `Sequence::prefill_only`).
+    /// Makes a queued request prefill-only (`SeqKind::Draft`).
     pub fn set_prefill_only(&mut self, id: RequestId) {
         if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
-            s.prefill_only = true;
+            s.kind = SeqKind::Draft;
         }
     }
 
@@ -237,7 +245,7 @@ impl Scheduler {
             id,
             tokens,
             CacheScope::operator(tenant),
-            true,
+            SeqKind::Pin,
         ));
     }
 
@@ -294,7 +302,7 @@ impl Scheduler {
         let Some(p) = self.running.iter().find(|s| s.id == parent) else {
             return;
         };
-        let mut s = Sequence::new(child, p.tokens.clone(), *p.blocks.scope(), false);
+        let mut s = Sequence::new(child, p.tokens.clone(), *p.blocks.scope(), SeqKind::Reply);
         s.tokens.push(first);
         s.priority = p.priority;
         s.started = true;

@@ -195,7 +195,7 @@ fn a_tenant_with_nothing_running_takes_a_slot_from_the_one_with_most() {
     let out = step(&mut s);
     assert_eq!(out.preempted, vec![id(3)]);
     assert_eq!(admitted(&out), vec![10]);
-    assert_eq!(s.preemptions(), 1);
+    assert_eq!(s.stats().preemptions, 1);
     // Nothing more to take: tenant 2 has one running, tenant 1 two; request 3 waits for a
     // free slot and then resumes (it had started: it recomputes what it had).
     let out = step(&mut s);
@@ -223,7 +223,7 @@ fn a_tenant_over_its_share_sits_out_the_step_that_admits_a_newcomer_tenant() {
     // 2 tenants): the newcomer's prompt runs alone, and everyone decodes in the next step.
     s.add(id(10), vec![2; 4], 16, party(2, 10)).unwrap();
     assert_eq!(entries(&step(&mut s)), vec![(10, true)]);
-    assert_eq!(s.holds(), 1);
+    assert_eq!(s.stats().holds, 1);
     // Tenant 3 arrives right after a held step: it takes tenant 1's latest slot (turns),
     // but no two held steps in a row: everyone else decodes beside its prompt.
     s.add(id(20), vec![3; 4], 16, party(3, 20)).unwrap();
@@ -233,7 +233,7 @@ fn a_tenant_over_its_share_sits_out_the_step_that_admits_a_newcomer_tenant() {
         entries(&out),
         vec![(1, true), (2, true), (10, true), (20, true)]
     );
-    assert_eq!(s.holds(), 1);
+    assert_eq!(s.stats().holds, 1);
     // A newcomer principal of tenant 1 itself holds nothing (one tenant, no shares).
     let mut s = sched(64, 4, 64);
     for i in 1..=3 {
@@ -256,7 +256,7 @@ fn a_tenant_over_its_share_sits_out_the_step_that_admits_a_newcomer_tenant() {
         entries(&step(&mut s)),
         vec![(1, true), (2, true), (3, true), (10, true)]
     );
-    assert_eq!(s.holds(), 0);
+    assert_eq!(s.stats().holds, 0);
 }
 
 #[test]
@@ -274,7 +274,7 @@ fn a_hold_whose_newcomer_finds_no_block_runs_the_decodes_instead() {
         entries(&step(&mut s)),
         vec![(1, true), (2, true), (3, true)]
     );
-    assert_eq!(s.holds(), 0);
+    assert_eq!(s.stats().holds, 0);
     assert!(s.kv().check().is_ok());
 }
 
@@ -403,7 +403,7 @@ fn preempts_the_most_recently_admitted_and_recomputes_it() {
         9,
         "its generated tokens are kept and recomputed"
     );
-    assert_eq!(s.preemptions(), 1);
+    assert_eq!(s.stats().preemptions, 1);
 }
 
 #[test]
@@ -444,13 +444,8 @@ fn a_second_sequence_reuses_the_first_ones_full_blocks() {
         s.get(id(1)).unwrap().blocks.table()[0],
         s.get(id(3)).unwrap().blocks.table()[0]
     );
-    assert_eq!(
-        s.prefix_stats(),
-        PrefixStats {
-            queried: 30,
-            hits: 8
-        }
-    );
+    let st = s.stats();
+    assert_eq!((st.prefix_queried, st.prefix_hits), (30, 8));
     // Ending request 2 frees only its own blocks; request 1 keeps the shared ones.
     let used = s.kv().pool().used_count();
     s.remove(id(2));
@@ -719,7 +714,7 @@ fn while_a_reply_streams_a_long_prompt_takes_chunks_that_shrink_as_its_context_g
     }
     assert!(chunks.windows(2).all(|w| w[1] <= w[0]), "{chunks:?}");
     assert!(chunks[0] > 3 * chunks[chunks.len() - 2], "{chunks:?}");
-    assert_eq!(s.itl_misses(), 0);
+    assert_eq!(s.stats().itl_misses, 0);
 }
 
 #[test]
@@ -866,7 +861,7 @@ fn with_nothing_decoding_a_prompt_takes_the_whole_token_budget() {
     s.add(id(1), vec![1; 3000], 3001, scope(0)).unwrap();
     let out = step(&mut s);
     assert_eq!(out.batch.num_tokens(), 512);
-    assert_eq!(s.itl_misses(), 0);
+    assert_eq!(s.stats().itl_misses, 0);
 }
 
 #[test]
@@ -892,7 +887,7 @@ fn beside_decodes_one_short_prompt_a_step_goes_whole_and_the_rest_fit_the_target
         "{:?}",
         out.shape
     );
-    assert_eq!(s.itl_misses(), 0);
+    assert_eq!(s.stats().itl_misses, 0);
     // Next step: the second one's rest (cut to the target) does not take the place of the
     // step's first new request: the third goes whole.
     let out = step(&mut s);
@@ -906,7 +901,7 @@ fn beside_decodes_one_short_prompt_a_step_goes_whole_and_the_rest_fit_the_target
     }
     // (The second step, with the rest of the second prompt fitted to the target and the
     // third whole on top, may overrun it: that is the one exemption's price.)
-    assert!(s.itl_misses() <= 1);
+    assert!(s.stats().itl_misses <= 1);
 }
 
 #[test]
@@ -959,7 +954,11 @@ fn a_prefill_only_request_takes_only_what_the_target_leaves_and_reports_when_com
     );
     assert_eq!(s.get(id(99)).unwrap().computed, 64);
     s.finish(id(99), None);
-    assert_eq!(s.itl_misses(), 1, "only the step the decodes alone overran");
+    assert_eq!(
+        s.stats().itl_misses,
+        1,
+        "only the step the decodes alone overran"
+    );
 }
 
 #[test]
@@ -1011,7 +1010,7 @@ fn decodes_always_run_and_a_missed_target_is_counted() {
         MIN_CHUNK,
         "the prompt still progresses"
     );
-    assert_eq!(s.itl_misses(), 1);
+    assert_eq!(s.stats().itl_misses, 1);
 }
 
 #[test]

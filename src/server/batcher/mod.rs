@@ -16,14 +16,15 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use crate::engine::core::{Core, Event, Finish, Fork, Request, StepFailed};
-use crate::engine::scheduler::{AddError, Priority, Quota, RequestId, SchedulerConfig};
-use crate::engine::Engine;
+use crate::engine::scheduler::{AddError, SchedulerConfig, SchedulerStats};
+use crate::engine::{Engine, Priority, Quota, RequestId};
 use crate::kv_cache::manager::{KvConfig, LeaseKey};
 use crate::metrics::Metrics;
 use crate::sampler::{SamplingParams, TokenLogprobs};
 use crate::server::gate::outbox::Backlog;
 use crate::server::request::reply::{FinishReason, Timings, Usage};
 use crate::server::request::RequestError;
+use crate::server::request::{Prompt, ValidRequest};
 
 /// A fresh request id, unique in the process (sessions allocate them so that events can never
 /// arrive for an id the session does not know yet).
@@ -186,6 +187,35 @@ pub struct Submit {
     pub quota: Quota,
     /// A paced reply: the tokens it may generate before its client allows more (`Allow`).
     pub window: Option<usize>,
+}
+
+impl Submit {
+    /// A validated request with its built prompt, whichever dialect it came in: its settings, the
+    /// blocks it may share and the tenant's quota. No lease, log-probabilities or forks: a
+    /// dialect that has them sets them.
+    pub fn new(
+        request: RequestId,
+        valid: &ValidRequest,
+        prompt: Prompt,
+        quota: Quota,
+        reply_to: ReplyTo,
+    ) -> Self {
+        Submit {
+            request,
+            prompt: prompt.ids,
+            sampling: valid.sampling.clone(),
+            max_tokens: valid.max_tokens,
+            ignore_eos: valid.ignore_eos,
+            priority: valid.priority,
+            scope: prompt.scope,
+            lease: None,
+            logprobs: None,
+            forks: Vec::new(),
+            reply_to,
+            quota,
+            window: valid.window,
+        }
+    }
 }
 
 /// A paced reply may generate up to `tokens` tokens in all (its client acknowledged what it
@@ -372,9 +402,8 @@ pub struct Batcher {
     drain_deadline: Option<Instant>,
     max_context: usize,
     metrics: Arc<Metrics>,
-    /// Counter values last reported: prefix queries, prefix hits, evictions, preemptions, steps
-    /// over the inter-token target, prefill tokens, fairness holds.
-    reported: [u64; 7],
+    /// The scheduler's counters as last reported to the metrics.
+    reported: SchedulerStats,
     lease_grace: Duration,
     /// Leases of closed sessions and when they go.
     lease_expiry: LeaseExpiry,
@@ -406,7 +435,7 @@ impl Batcher {
             drain_deadline: None,
             max_context: cfg.max_context,
             metrics,
-            reported: [0; 7],
+            reported: SchedulerStats::default(),
             lease_grace: cfg.lease_grace,
             lease_expiry: LeaseExpiry::default(),
             parked_done: HashMap::new(),
@@ -442,24 +471,16 @@ impl Batcher {
         m.kv_blocks_cached_free.set(st.cached_free as i64);
         m.kv_blocks_free.set(st.empty_free as i64);
         // Counters move by what changed since the last report.
-        let p = sched.prefix_stats();
-        let now = [
-            p.queried,
-            p.hits,
-            st.evictions,
-            sched.preemptions(),
-            sched.itl_misses(),
-            sched.prefill_tokens(),
-            sched.holds(),
-        ];
-        let last = std::mem::replace(&mut self.reported, now);
-        m.prefix_queries.inc_by(now[0] - last[0]);
-        m.prefix_hits.inc_by(now[1] - last[1]);
-        m.kv_evictions.inc_by(now[2] - last[2]);
-        m.preemptions.inc_by(now[3] - last[3]);
-        m.itl_target_misses.inc_by(now[4] - last[4]);
-        m.prefill_tokens.inc_by(now[5] - last[5]);
-        m.fairness_holds.inc_by(now[6] - last[6]);
+        let now = sched.stats();
+        let d = now.since(&self.reported);
+        self.reported = now;
+        m.prefix_queries.inc_by(d.prefix_queried);
+        m.prefix_hits.inc_by(d.prefix_hits);
+        m.kv_evictions.inc_by(d.evictions);
+        m.preemptions.inc_by(d.preemptions);
+        m.itl_target_misses.inc_by(d.itl_misses);
+        m.prefill_tokens.inc_by(d.prefill_tokens);
+        m.fairness_holds.inc_by(d.holds);
     }
 
     /// Ends `lease`'s draft, if one runs: the lease keeps what it computed.

@@ -15,7 +15,7 @@
 
 use std::collections::HashMap;
 
-use crate::engine::scheduler::Quota;
+use crate::engine::Quota;
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
@@ -25,6 +25,7 @@ use crate::error::{EngineError, Result};
 use crate::kv_cache::{CacheScope, Salt};
 use crate::server::gate::credentials::Refusal;
 use crate::server::gate::credentials::{bearer, normalize_origin, sha256};
+use crate::server::request::error::{Field, RequestError};
 pub use crate::settings::{ClientRoles, PrefixSettings, TenantSettings, WidgetSettings};
 
 /// What kind of client a connection is.
@@ -57,6 +58,21 @@ impl Roles {
             .iter()
             .position(|x| *x == role)
             .is_some_and(|i| self.0 & (1 << i) != 0)
+    }
+
+    /// Message `i` of a request, from role `role`: allowed, or the error naming the roles this
+    /// client may send (the one wording of the rule, whichever dialect asks).
+    pub fn check(self, i: usize, role: &str) -> Result<(), RequestError> {
+        if self.allows(role) {
+            return Ok(());
+        }
+        Err(RequestError::invalid(
+            Field::Role(i),
+            format!(
+                "{role:?} is not allowed for this client (allowed: {})",
+                self.names()
+            ),
+        ))
     }
 
     /// "system, user" (for error messages).

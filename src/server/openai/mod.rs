@@ -34,7 +34,7 @@ use self::wire::{
     PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
 };
 use crate::engine::core::Fork;
-use crate::engine::scheduler::{Priority, RequestId};
+use crate::engine::RequestId;
 use crate::sampler::{SamplingParams, TokenLogprobs};
 use crate::server::batcher::{
     next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
@@ -47,7 +47,7 @@ use crate::server::gate::tenants::{ClientKind, Identity, Roles};
 use crate::server::request::prompt::{chat_prompt, Prompt};
 use crate::server::request::reply::FinishReason;
 use crate::server::request::reply::ReplyText;
-use crate::server::request::{ErrorKind, RequestError};
+use crate::server::request::{Dialect, ErrorKind, RequestError};
 use crate::server::state::{AppState, Ready};
 
 pub fn configure(cfg: &mut web::ServiceConfig) {
@@ -130,9 +130,11 @@ impl ApiError {
 
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
-        let m = e.to_string();
+        let m = e.message(Dialect::OpenAi);
         match e {
-            RequestError::InvalidParam { param, .. } => ApiError::invalid(&param, m),
+            RequestError::InvalidParam { field, .. } => {
+                ApiError::invalid(&field.name(Dialect::OpenAi), m)
+            }
             RequestError::PromptTooLong(_) => ApiError {
                 param: Some("messages".into()),
                 ..Self::of_kind(ErrorKind::PromptTooLong, m)
@@ -449,7 +451,7 @@ fn chat_job(
     let cfg = &state.session;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
-    let api = partitioned(api, &identity);
+    let api = partitioned(api, &identity)?;
     let prompt = chat_prompt(
         &ready,
         &state.tenants,
@@ -495,7 +497,7 @@ fn completion_job(
     let cfg = &state.session;
     let id = format!("cmpl-{}", uuid::Uuid::new_v4().simple());
     let (api, raw) = r.validate(id, &cfg.limits, &cfg.sampling)?;
-    let api = partitioned(api, &identity);
+    let api = partitioned(api, &identity)?;
     let ids = match raw {
         RawPrompt::Text(t) => ready
             .tokenizer
@@ -530,13 +532,11 @@ fn completion_job(
 /// Who sent a request, and its place under the connection caps.
 type Caller = (Identity, Ready, Permit);
 
-/// The request's cache partition: an API key's requests keep `prompt_cache_key` / `user`; a
-/// keyless request is its own principal, so a partition key has nothing to split.
-fn partitioned(mut api: ValidApi, identity: &Identity) -> ValidApi {
-    if identity.kind != ClientKind::ApiKey {
-        api.chat.cache_key = None;
-    }
-    api
+/// The request's cache partition, by the one rule (`ValidRequest::partition`).
+fn partitioned(mut api: ValidApi, identity: &Identity) -> Result<ValidApi, RequestError> {
+    let user = api.user.take();
+    (api.chat).partition(identity.kind == ClientKind::ApiKey, user.as_deref())?;
+    Ok(api)
 }
 
 /// Admits the caller, builds its job with `build` and runs it, or answers the error. Parsing a
@@ -600,22 +600,15 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         .collect();
     let prompt_tokens = prompt.ids.len();
     let submit = Submit {
-        request: ids[0],
-        prompt: prompt.ids,
-        sampling: api.chat.sampling.clone(),
-        max_tokens: api.chat.max_tokens,
-        ignore_eos: api.chat.ignore_eos,
-        priority: match api.chat.priority {
-            crate::server::request::Priority::Interactive => Priority::Interactive,
-            crate::server::request::Priority::Batch => Priority::Batch,
-        },
-        scope: prompt.scope,
-        lease: None,
         logprobs: api.logprobs,
         forks,
-        reply_to: ReplyTo::stream(tx, backlog.clone()),
-        quota: identity.quota,
-        window: None,
+        ..Submit::new(
+            ids[0],
+            &api.chat,
+            prompt,
+            identity.quota,
+            ReplyTo::stream(tx, backlog.clone()),
+        )
     };
     let admitted = ready
         .batcher

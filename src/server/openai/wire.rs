@@ -1,6 +1,6 @@
-//! OpenAI's request and response bodies, and their validation into the same typed request the
-//! WebSocket protocol makes (`ValidRequest`, checked by the same `Limits` and sampling ranges), so
-//! one definition of every limit serves both. Pure: no actix, no engine.
+//! OpenAI's request and response bodies, parsed into the request seam (`GenerateParams` and
+//! messages, validated by `Limits::validate` into a `ValidRequest`, as every dialect's request
+//! is), so one definition of every limit serves all. Pure: no actix, no engine.
 //!
 //! Fields follow OpenAI's API reference. Fields that would change what a reply means and that
 //! this server does not do (tools, JSON response formats, audio, logit bias, several prompts in
@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
-use crate::server::request::{GenerateParams, Limits, RequestError, ValidRequest};
+use crate::server::request::{Field, GenerateParams, Limits, RequestError, ValidRequest};
 use crate::tokenizer::Message;
 
 /// Most choices (`n`) one request may ask for: each is a running sequence.
@@ -124,8 +124,10 @@ pub enum RawPrompt {
 /// What both endpoints validate to.
 #[derive(Debug, Clone)]
 pub struct ValidApi {
-    /// The request as the WebSocket protocol would have it (`id` is the response id).
+    /// The validated request (`id` is the response id).
     pub chat: ValidRequest,
+    /// OpenAI's end-user id: it splits an API key's cache (`ValidRequest::partition`).
+    pub user: Option<String>,
     /// Choices; the first is the request, the rest fork from its prefill.
     pub n: usize,
     /// Alternatives per token when log-probabilities are asked for.
@@ -134,20 +136,9 @@ pub struct ValidApi {
     pub include_usage: bool,
 }
 
+/// A field only OpenAI's API has, and what is wrong with it.
 fn bad(param: &str, reason: impl std::fmt::Display) -> RequestError {
-    RequestError::InvalidParam {
-        param: param.into(),
-        reason: reason.to_string(),
-    }
-}
-
-/// The field name OpenAI uses for a `ValidRequest` field named as the WebSocket protocol does.
-pub fn api_param(ws_param: &str) -> String {
-    let p = ws_param.strip_prefix("params.").unwrap_or(ws_param);
-    match p {
-        "cache_key" => "prompt_cache_key".into(),
-        _ => p.into(),
-    }
+    RequestError::invalid(Field::Wire(param.into()), reason)
 }
 
 /// Refuses fields whose meaning this server does not serve (present and not null).
@@ -177,17 +168,6 @@ fn non_negative(param: &str, v: Option<i64>) -> Result<Option<usize>, RequestErr
 }
 
 impl CommonFields {
-    /// The partition within an API key's principal: `prompt_cache_key`, then `user`, each
-    /// checked as the WebSocket `cache_key` is; both given partition by both.
-    fn cache_key(&self) -> Option<String> {
-        match (&self.prompt_cache_key, &self.user) {
-            (Some(k), Some(u)) => Some(format!("{k}\u{1f}{u}")),
-            (Some(k), None) => Some(k.clone()),
-            (None, Some(u)) => Some(u.clone()),
-            (None, None) => None,
-        }
-    }
-
     /// The fields every endpoint checks the same way, as a `ValidRequest` over `messages`.
     #[allow(clippy::too_many_arguments)]
     fn validate(
@@ -237,21 +217,14 @@ impl CommonFields {
             max_tokens,
             stop,
             ignore_eos: self.ignore_eos.unwrap_or(false),
-            cache_key: self.cache_key(),
+            cache_key: self.prompt_cache_key.clone(),
             priority: self.priority.clone(),
             window: None,
         };
-        let chat = limits
-            .validate(id, messages, params, defaults, default_max_tokens)
-            .map_err(|e| match e {
-                RequestError::InvalidParam { param, reason } => RequestError::InvalidParam {
-                    param: api_param(&param),
-                    reason,
-                },
-                e => e,
-            })?;
+        let chat = limits.validate(id, messages, params, defaults, default_max_tokens)?;
         Ok(ValidApi {
             chat,
+            user: self.user.clone(),
             n,
             logprobs,
             stream,
@@ -421,7 +394,7 @@ impl CompletionRequest {
             return Err(bad(
                 "prompt",
                 format!(
-                    "must be at most {} characters. Given: {chars}",
+                    "must be at most {} characters (limits.max_message_chars). Given: {chars}",
                     limits.max_message_chars
                 ),
             ));
@@ -514,6 +487,7 @@ pub fn error_body(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::request::Dialect;
 
     fn limits() -> Limits {
         Limits::for_tests()
@@ -531,7 +505,7 @@ mod tests {
 
     fn err(body: Value) -> (String, String) {
         match chat(body).unwrap_err() {
-            RequestError::InvalidParam { param, reason } => (param, reason),
+            RequestError::InvalidParam { field, reason } => (field.name(Dialect::OpenAi), reason),
             e => panic!("{e:?}"),
         }
     }
@@ -659,7 +633,9 @@ mod tests {
             ),
         ] {
             match v(body.clone()).unwrap_err() {
-                RequestError::InvalidParam { param, .. } => assert_eq!(param, want, "{body}"),
+                RequestError::InvalidParam { field, .. } => {
+                    assert_eq!(field.name(Dialect::OpenAi), want, "{body}")
+                }
                 e => panic!("{body}: {e:?}"),
             }
         }

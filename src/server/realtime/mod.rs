@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use crate::sampler::SamplingOverrides;
 use crate::server::gate::tenants::Roles;
 use crate::server::request::reply::{FinishReason, Usage};
-use crate::server::request::{GenerateParams, RequestError};
+use crate::server::request::{Dialect, Field, GenerateParams, RequestError};
 use crate::server::state::SessionConfig;
 use crate::server::ws::protocol::ServerFrame;
 use crate::tokenizer::Message;
@@ -543,72 +543,34 @@ impl Rules<'_> {
         let chars = item.text.chars().count();
         let total = chars_held + chars;
         let cap = limits.max_message_chars * limits.max_messages;
-        if !self.roles.allows(&item.role) {
-            Err(refuse(
-                "invalid_value",
-                Some("item.role"),
-                format!(
-                    "{:?} is not allowed for this client (allowed: {})",
-                    item.role,
-                    self.roles.names()
-                ),
-            ))
-        } else if chars > limits.max_message_chars {
-            Err(refuse(
-                "invalid_value",
-                Some("item.content"),
-                format!(
-                    "must be at most {} characters (limits.max_message_chars). Given: {chars}",
-                    limits.max_message_chars
-                ),
-            ))
-        } else if total > cap {
-            Err(refuse(
+        self.roles
+            .check(0, &item.role)
+            .map_err(|e| invalid_value("item.role", e))?;
+        (limits)
+            .check_message_chars(Field::Wire("item.content".into()), &item.text)
+            .map_err(|e| invalid_value("item.content", e))?;
+        if total > cap {
+            return Err(refuse(
                 "invalid_value",
                 Some("item.content"),
                 format!("the conversation's items would hold {total} characters; at most {cap} (limits.max_message_chars x limits.max_messages): delete older items"),
-            ))
-        } else {
-            Ok(())
+            ));
         }
+        Ok(())
     }
 
-    /// The sampling parameters and `max_output_tokens` are checked as a `/ws` chat's are (the
-    /// field named as the Realtime API names it); instructions are a system message: the
-    /// client must be allowed to send one, within the message limit.
+    /// The sampling parameters and `max_output_tokens` are checked by the request seam's rules
+    /// (`Limits::settings`, the field named as the Realtime API names it); instructions are a
+    /// system message: the client must be allowed to send one, within the message limit.
     fn check_settings(&self, s: &Settings, what: &str) -> Result<(), EventError> {
         let cfg = self.session;
         let params = chat_params(s)?;
-        let probe = vec![Message::new("user", "-")];
-        let checked = (cfg.limits).validate(
-            "check".into(),
-            probe,
-            params,
-            &cfg.sampling,
-            cfg.default_max_tokens,
-        );
-        if let Err(e) = checked {
+        if let Err(e) = (cfg.limits).settings(&params, &cfg.sampling, cfg.default_max_tokens) {
             let param = match &e {
-                RequestError::InvalidParam { param, .. } => {
-                    let field = param.trim_start_matches("params.");
-                    let field = if field == "max_tokens" {
-                        "max_output_tokens"
-                    } else {
-                        field
-                    };
-                    Some(format!("{what}.{field}"))
-                }
-                _ => None,
+                RequestError::InvalidParam { field, .. } => field.name(Dialect::Realtime(what)),
+                _ => what.to_string(),
             };
-            let message = match &e {
-                RequestError::InvalidParam { reason, .. } => reason.clone(),
-                other => other.to_string(),
-            };
-            return Err(EventError {
-                code: "invalid_value",
-                message,
-                param,
-            });
+            return Err(invalid_value(&param, e));
         }
         let Some(i) = &s.instructions else {
             return Ok(());
@@ -624,16 +586,9 @@ impl Rules<'_> {
                 ),
             ));
         }
-        let max = cfg.limits.max_message_chars;
-        let n = i.chars().count();
-        if n > max {
-            return Err(refuse(
-                "invalid_value",
-                Some(&param),
-                format!("must be at most {max} characters (limits.max_message_chars). Given: {n}"),
-            ));
-        }
-        Ok(())
+        (cfg.limits)
+            .check_message_chars(Field::Wire(param.clone()), i)
+            .map_err(|e| invalid_value(&param, e))
     }
 }
 
@@ -1271,6 +1226,16 @@ fn static_code(error_type: &str) -> &'static str {
 }
 
 /// A response's chat parameters from its settings.
+/// A seam error as an `invalid_value` event naming `param`: the rule alone, the field being
+/// named by `param`.
+fn invalid_value(param: &str, e: RequestError) -> EventError {
+    let message = match e {
+        RequestError::InvalidParam { reason, .. } => reason,
+        other => other.to_string(),
+    };
+    refuse("invalid_value", Some(param), message)
+}
+
 pub fn chat_params(s: &Settings) -> Result<GenerateParams, EventError> {
     let max_tokens = match &s.max_output_tokens {
         Some(m) => m.limit("max_output_tokens")?,

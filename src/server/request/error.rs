@@ -2,14 +2,84 @@
 //! the field at fault, `Field`), sorted into an `ErrorKind` whose `wire()` row is the one table of
 //! how the native `/ws` protocol, OpenAI's HTTP API and the Realtime API each write it.
 
-/// A request error. `kind()` sorts it into an `ErrorKind`, whose `wire()` row says how each dialect writes it.
+/// A field of a request, named once: each dialect spells it in its own words (`name`), so a
+/// rule checked in the seam reads `params.max_tokens` on `/ws`, `max_tokens` over HTTP and
+/// `response.max_output_tokens` on the Realtime API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Field {
+    /// The client's request id.
+    Id,
+    Messages,
+    Role(usize),
+    Content(usize),
+    /// An assistant message's seal (`restore`).
+    Seal(usize),
+    MaxTokens,
+    Stop,
+    StopString(usize),
+    /// One of `SamplingOverrides::FIELDS`.
+    Sampling(&'static str),
+    CacheKey,
+    Priority,
+    Window,
+    /// A field only one dialect has, as that dialect names it (`n`, `stream_options`, `index`).
+    Wire(String),
+}
+
+/// Who reads an error: the dialects name fields differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect<'a> {
+    /// The native `/ws` protocol.
+    Native,
+    /// OpenAI's HTTP API.
+    OpenAi,
+    /// The Realtime API, inside the object the settings came in (`session`, `response`).
+    Realtime(&'a str),
+}
+
+impl Field {
+    pub fn name(&self, d: Dialect) -> String {
+        let plain = |s: &str| s.to_string();
+        match (self, d) {
+            (Field::Wire(name), _) => name.clone(),
+            (Field::Id, _) => plain("id"),
+            (Field::Messages, _) => plain("messages"),
+            (Field::Role(i), _) => format!("messages[{i}].role"),
+            (Field::Content(i), _) => format!("messages[{i}].content"),
+            (Field::Seal(i), _) => format!("messages[{i}].seal"),
+            (Field::MaxTokens, Dialect::Realtime(within)) => format!("{within}.max_output_tokens"),
+            (Field::CacheKey, Dialect::OpenAi) => plain("prompt_cache_key"),
+            (param, Dialect::Native) => format!("params.{}", param.param()),
+            (param, Dialect::OpenAi) => param.param(),
+            (param, Dialect::Realtime(within)) => format!("{within}.{}", param.param()),
+        }
+    }
+
+    /// A generation parameter's own name.
+    fn param(&self) -> String {
+        match self {
+            Field::MaxTokens => "max_tokens".into(),
+            Field::Stop => "stop".into(),
+            Field::StopString(i) => format!("stop[{i}]"),
+            Field::Sampling(name) => (*name).into(),
+            Field::CacheKey => "cache_key".into(),
+            Field::Priority => "priority".into(),
+            Field::Window => "window".into(),
+            other => other.name(Dialect::OpenAi),
+        }
+    }
+}
+
+/// A request error. `kind()` sorts it into an `ErrorKind`, whose `wire()` row says how each
+/// dialect writes it; `message(dialect)` is its text with the field named as that dialect does
+/// (`Display` is the native protocol's).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
     #[error("{0}")]
     InvalidRequest(String),
-    /// A field's value: `param` names it as the WebSocket protocol does (`params.max_tokens`).
-    #[error("`{param}` {reason}")]
-    InvalidParam { param: String, reason: String },
+    /// A field's value, and the rule it breaks (`must be between 1 and 512. Given: 0`).
+    #[error("`{}` {reason}", field.name(Dialect::Native))]
+    InvalidParam { field: Field, reason: String },
     #[error("{0}")]
     PromptTooLong(String),
     /// A queue is full (the server's, or the tenant's share of it).
@@ -167,6 +237,21 @@ impl ErrorKind {
 }
 
 impl RequestError {
+    pub fn invalid(field: Field, reason: impl std::fmt::Display) -> Self {
+        RequestError::InvalidParam {
+            field,
+            reason: reason.to_string(),
+        }
+    }
+
+    /// The text for a client of dialect `d`.
+    pub fn message(&self, d: Dialect) -> String {
+        match self {
+            RequestError::InvalidParam { field, reason } => format!("`{}` {reason}", field.name(d)),
+            e => e.to_string(),
+        }
+    }
+
     pub fn kind(&self) -> ErrorKind {
         match self {
             RequestError::InvalidRequest(_) | RequestError::InvalidParam { .. } => {
@@ -191,6 +276,55 @@ impl RequestError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn each_dialect_names_a_field_its_own_way() {
+        let names = |f: Field| {
+            (
+                f.name(Dialect::Native),
+                f.name(Dialect::OpenAi),
+                f.name(Dialect::Realtime("response")),
+            )
+        };
+        let s = |a: &str, b: &str, c: &str| (a.to_string(), b.to_string(), c.to_string());
+        assert_eq!(
+            names(Field::MaxTokens),
+            s(
+                "params.max_tokens",
+                "max_tokens",
+                "response.max_output_tokens"
+            )
+        );
+        assert_eq!(
+            names(Field::Sampling("top_p")),
+            s("params.top_p", "top_p", "response.top_p")
+        );
+        assert_eq!(
+            names(Field::CacheKey),
+            s("params.cache_key", "prompt_cache_key", "response.cache_key")
+        );
+        assert_eq!(
+            names(Field::StopString(2)),
+            s("params.stop[2]", "stop[2]", "response.stop[2]")
+        );
+        assert_eq!(
+            names(Field::Content(1)),
+            s(
+                "messages[1].content",
+                "messages[1].content",
+                "messages[1].content"
+            )
+        );
+        let e = RequestError::invalid(Field::MaxTokens, "must be between 1 and 8. Given: 0");
+        assert_eq!(
+            e.to_string(),
+            "`params.max_tokens` must be between 1 and 8. Given: 0"
+        );
+        assert_eq!(
+            e.message(Dialect::OpenAi),
+            "`max_tokens` must be between 1 and 8. Given: 0"
+        );
+    }
 
     #[test]
     fn each_error_kind_has_its_own_native_and_realtime_names() {

@@ -10,8 +10,10 @@ pub mod stop;
 
 use serde::{Deserialize, Serialize};
 
-pub use error::{ErrorKind, RequestError, Wire};
+pub use error::{Dialect, ErrorKind, Field, RequestError, Wire};
 
+use crate::engine::Priority;
+use crate::kv_cache::CacheScope;
 use crate::sampler::{SamplingOverrides, SamplingParams};
 use crate::tokenizer::Message;
 
@@ -40,14 +42,6 @@ pub struct GenerateParams {
 
 /// The largest `params.window`.
 pub const MAX_WINDOW: usize = 1024;
-
-/// A request's priority on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Priority {
-    #[default]
-    Interactive,
-    Batch,
-}
 
 /// Longest `params.cache_key`.
 pub const MAX_CACHE_KEY_CHARS: usize = 64;
@@ -92,7 +86,7 @@ impl Limits {
     }
 }
 
-/// A validated `chat` request.
+/// A validated request: what every dialect submits, whatever its wire shape.
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
     pub id: String,
@@ -101,20 +95,39 @@ pub struct ValidRequest {
     pub max_tokens: usize,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// The cache partition inside the principal, once `partition` has applied the rule.
     pub cache_key: Option<String>,
     pub priority: Priority,
     pub window: Option<usize>,
 }
 
-pub(crate) fn bad(field: &str, msg: impl std::fmt::Display) -> RequestError {
-    RequestError::InvalidParam {
-        param: field.into(),
-        reason: msg.to_string(),
+/// The token ids to run and the blocks they may share.
+pub struct Prompt {
+    pub ids: Vec<u32>,
+    pub scope: CacheScope,
+}
+
+/// The rule every text limit reads the same way in: "`field` must be at most N characters
+/// (setting). Given: n".
+pub fn at_most_chars(
+    field: Field,
+    text: &str,
+    max: usize,
+    setting: &str,
+) -> Result<(), RequestError> {
+    let n = text.chars().count();
+    if n > max {
+        return Err(RequestError::invalid(
+            field,
+            format!("must be at most {max} characters ({setting}). Given: {n}"),
+        ));
     }
+    Ok(())
 }
 
 impl Limits {
-    /// Validates a `chat` frame's fields against these limits and the server's defaults.
+    /// Validates a request's messages and parameters against these limits and the server's
+    /// defaults: the one place every dialect's request is checked.
     pub fn validate(
         &self,
         id: String,
@@ -124,29 +137,28 @@ impl Limits {
         default_max_tokens: usize,
     ) -> Result<ValidRequest, RequestError> {
         if id.is_empty() || id.chars().count() > self.max_id_chars {
-            return Err(bad(
-                "id",
+            return Err(RequestError::invalid(
+                Field::Id,
                 format!("must be 1 to {} characters", self.max_id_chars),
             ));
         }
         self.check_messages(&messages)?;
-        let sampling = sampling(&p, defaults)?;
-        let max_tokens = self.max_tokens(p.max_tokens, default_max_tokens)?;
+        let (sampling, max_tokens) = self.settings(&p, defaults, default_max_tokens)?;
         self.check_stop(&p.stop)?;
         check_cache_key(p.cache_key.as_deref())?;
         let priority = match p.priority.as_deref() {
             None | Some("interactive") => Priority::Interactive,
             Some("batch") => Priority::Batch,
             Some(other) => {
-                return Err(bad(
-                    "params.priority",
+                return Err(RequestError::invalid(
+                    Field::Priority,
                     format!("must be interactive or batch. Given: {other:?}"),
                 ))
             }
         };
         if let Some(w) = p.window.filter(|&w| w == 0 || w > MAX_WINDOW) {
-            return Err(bad(
-                "params.window",
+            return Err(RequestError::invalid(
+                Field::Window,
                 format!("must be between 1 and {MAX_WINDOW}. Given: {w}"),
             ));
         }
@@ -163,30 +175,59 @@ impl Limits {
         })
     }
 
-    /// Validates a `draft` frame's text (a user message's content so far).
-    pub fn validate_draft(&self, text: String) -> Result<String, RequestError> {
-        let n = text.chars().count();
-        if n > self.max_message_chars {
-            return Err(bad(
-                "text",
-                format!(
-                    "must be at most {} characters. Given: {n}",
-                    self.max_message_chars
-                ),
-            ));
-        }
-        Ok(text)
+    /// The sampling settings and reply length of `p` over the server's defaults: what a
+    /// dialect that takes settings apart from a turn (the Realtime API's `session.update`)
+    /// checks alone. The defaults were checked at start, so a value out of range is the
+    /// client's.
+    pub fn settings(
+        &self,
+        p: &GenerateParams,
+        defaults: &SamplingParams,
+        default_max_tokens: usize,
+    ) -> Result<(SamplingParams, usize), RequestError> {
+        let sampling = p.sampling.over(defaults);
+        sampling.check().map_err(|e| {
+            RequestError::invalid(
+                Field::Sampling(e.field),
+                format!("must be {}. Given: {}", e.allowed, e.given),
+            )
+        })?;
+        let max_tokens = match p.max_tokens {
+            Some(n) if n == 0 || n > self.max_tokens => {
+                return Err(RequestError::invalid(
+                    Field::MaxTokens,
+                    format!("must be between 1 and {}. Given: {n}", self.max_tokens),
+                ))
+            }
+            Some(n) => n,
+            None => default_max_tokens.min(self.max_tokens),
+        };
+        Ok((sampling, max_tokens))
     }
 
+    /// A message's text against `max_message_chars`.
+    pub fn check_message_chars(&self, field: Field, text: &str) -> Result<(), RequestError> {
+        at_most_chars(
+            field,
+            text,
+            self.max_message_chars,
+            "limits.max_message_chars",
+        )
+    }
+
+    /// The limits of any message list (`max_messages`, `max_message_chars`) and known roles.
     pub fn check_messages(&self, messages: &[Message]) -> Result<(), RequestError> {
         if messages.is_empty() {
-            return Err(bad("messages", "must hold at least one message"));
+            return Err(RequestError::invalid(
+                Field::Messages,
+                "must hold at least one message",
+            ));
         }
         if messages.len() > self.max_messages {
-            return Err(bad(
-                "messages",
+            return Err(RequestError::invalid(
+                Field::Messages,
                 format!(
-                    "must hold at most {} messages. Given: {}",
+                    "must hold at most {} messages (limits.max_messages). Given: {}",
                     self.max_messages,
                     messages.len()
                 ),
@@ -194,42 +235,22 @@ impl Limits {
         }
         for (i, m) in messages.iter().enumerate() {
             if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
-                return Err(bad(
-                    &format!("messages[{i}].role"),
+                return Err(RequestError::invalid(
+                    Field::Role(i),
                     format!("must be system, user or assistant. Given: {:?}", m.role),
                 ));
             }
-            let n = m.content.chars().count();
-            if n > self.max_message_chars {
-                return Err(bad(
-                    &format!("messages[{i}].content"),
-                    format!(
-                        "must be at most {} characters. Given: {n}",
-                        self.max_message_chars
-                    ),
-                ));
-            }
+            self.check_message_chars(Field::Content(i), &m.content)?;
         }
         Ok(())
     }
 
-    fn max_tokens(&self, given: Option<usize>, default: usize) -> Result<usize, RequestError> {
-        match given {
-            Some(n) if n == 0 || n > self.max_tokens => Err(bad(
-                "params.max_tokens",
-                format!("must be between 1 and {}. Given: {n}", self.max_tokens),
-            )),
-            Some(n) => Ok(n),
-            None => Ok(default.min(self.max_tokens)),
-        }
-    }
-
     fn check_stop(&self, stop: &[String]) -> Result<(), RequestError> {
         if stop.len() > self.max_stop_strings {
-            return Err(bad(
-                "params.stop",
+            return Err(RequestError::invalid(
+                Field::Stop,
                 format!(
-                    "must hold at most {} strings. Given: {}",
+                    "must hold at most {} strings (limits.max_stop_strings). Given: {}",
                     self.max_stop_strings,
                     stop.len()
                 ),
@@ -238,10 +259,10 @@ impl Limits {
         for (i, s) in stop.iter().enumerate() {
             let n = s.chars().count();
             if n == 0 || n > self.max_stop_chars {
-                return Err(bad(
-                    &format!("params.stop[{i}]"),
+                return Err(RequestError::invalid(
+                    Field::StopString(i),
                     format!(
-                        "must be 1 to {} characters. Given: {n}",
+                        "must be 1 to {} characters (limits.max_stop_chars). Given: {n}",
                         self.max_stop_chars
                     ),
                 ));
@@ -251,32 +272,44 @@ impl Limits {
     }
 }
 
-/// The request's sampling settings over the server's defaults, checked against the one
-/// definition of their ranges (the defaults were checked at start, so a value out of range is
-/// the client's).
-fn sampling(p: &GenerateParams, defaults: &SamplingParams) -> Result<SamplingParams, RequestError> {
-    let sampling = p.sampling.over(defaults);
-    sampling.check().map_err(|e| {
-        bad(
-            &format!("params.{}", e.field),
-            format!("must be {}. Given: {}", e.allowed, e.given),
-        )
-    })?;
-    Ok(sampling)
-}
-
 fn check_cache_key(key: Option<&str>) -> Result<(), RequestError> {
     let Some(k) = key else { return Ok(()) };
     let n = k.chars().count();
     if n == 0 || n > MAX_CACHE_KEY_CHARS || k.chars().any(char::is_control) {
-        return Err(bad(
-            "params.cache_key",
+        return Err(RequestError::invalid(
+            Field::CacheKey,
             format!(
                 "must be 1 to {MAX_CACHE_KEY_CHARS} characters, none of them control characters. Given: {n} characters"
             ),
         ));
     }
     Ok(())
+}
+
+impl ValidRequest {
+    /// The one cache-key rule: a cache key splits an API key's principal; any other client is
+    /// its own principal already, so a cache key from it is refused (it could only be a
+    /// mistake, or a probe for someone else's partition). `user` is OpenAI's end-user id: it
+    /// splits an API key's principal too, and is dropped for other clients, whose SDKs send it
+    /// by habit.
+    pub fn partition(&mut self, api_key: bool, user: Option<&str>) -> Result<(), RequestError> {
+        if !api_key {
+            if self.cache_key.is_some() {
+                return Err(RequestError::invalid(
+                    Field::CacheKey,
+                    "is for API-key clients; any other client is its own cache partition",
+                ));
+            }
+            return Ok(());
+        }
+        self.cache_key = match (self.cache_key.take(), user) {
+            (Some(k), Some(u)) => Some(format!("{k}\u{1f}{u}")),
+            (Some(k), None) => Some(k),
+            (None, Some(u)) => Some(u.to_string()),
+            (None, None) => None,
+        };
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -369,5 +402,35 @@ mod tests {
             .validate("1".into(), m, GenerateParams::default(), &d, 64)
             .unwrap();
         assert_eq!(ok.max_tokens, 64);
+    }
+
+    #[test]
+    fn one_cache_key_rule_for_every_client() {
+        let l = limits();
+        let d = SamplingParams::default();
+        let valid = |key: Option<&str>| {
+            let p = GenerateParams {
+                cache_key: key.map(str::to_string),
+                ..Default::default()
+            };
+            (l.validate("1".into(), vec![Message::new("user", "hi")], p, &d, 8)).unwrap()
+        };
+        // Not an API key: its own principal, a cache key refused, a user id dropped.
+        let e = valid(Some("k")).partition(false, None).unwrap_err();
+        assert!(e.to_string().contains("`params.cache_key`"), "{e}");
+        let mut v = valid(None);
+        v.partition(false, Some("u")).unwrap();
+        assert_eq!(v.cache_key, None);
+        // An API key: the key and the user each split it, both together.
+        for (key, user, want) in [
+            (Some("k"), None, Some("k")),
+            (None, Some("u"), Some("u")),
+            (Some("k"), Some("u"), Some("k\u{1f}u")),
+            (None, None, None),
+        ] {
+            let mut v = valid(key);
+            v.partition(true, user).unwrap();
+            assert_eq!(v.cache_key.as_deref(), want);
+        }
     }
 }

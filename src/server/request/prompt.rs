@@ -3,17 +3,11 @@
 //! template, and how many leading tokens are that operator text (shared within the tenant; the
 //! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
 
-use crate::kv_cache::CacheScope;
 use crate::server::gate::tenants::{Identity, Tenants};
+pub use crate::server::request::Prompt;
 use crate::server::request::RequestError;
 use crate::server::state::Ready;
 use crate::tokenizer::Message;
-
-/// The token ids to run and the blocks they may share.
-pub struct Prompt {
-    pub ids: Vec<u32>,
-    pub scope: CacheScope,
-}
 
 /// Checks that `identity` may send the roles of `new`, renders operator text, `history` and
 /// `new` with the chat template (generation prompt added), and derives the cache scope:
@@ -61,19 +55,8 @@ fn build(
     cache_key: Option<&str>,
     open: bool,
 ) -> Result<Prompt, RequestError> {
-    if let Some((i, m)) = new
-        .iter()
-        .enumerate()
-        .find(|(_, m)| !identity.roles.allows(&m.role))
-    {
-        return Err(RequestError::InvalidParam {
-            param: format!("messages[{i}].role"),
-            reason: format!(
-                "{:?} is not allowed for this client (allowed: {})",
-                m.role,
-                identity.roles.names()
-            ),
-        });
+    for (i, m) in new.iter().enumerate() {
+        identity.roles.check(i, &m.role)?;
     }
     let mut all = Vec::with_capacity(history.len() + new.len() + 1);
     if let Some(sys) = &identity.system_prompt {

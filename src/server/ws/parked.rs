@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::engine::scheduler::RequestId;
+use crate::engine::RequestId;
 use crate::server::gate::tenants::Identity;
 use crate::server::ws::protocol::ServerFrame;
 use crate::tokenizer::Message;

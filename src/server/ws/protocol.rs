@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::server::request::reply::{FinishReason, Timings, Usage};
-use crate::server::request::{bad, GenerateParams, Limits, RequestError};
+use crate::server::request::{Field, GenerateParams, Limits, RequestError};
 use crate::tokenizer::Message;
 
 /// Frames a client sends.
@@ -159,8 +159,8 @@ pub fn validate_restore(
     for (i, m) in messages.iter().enumerate() {
         let well_formed = |s: &String| s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit());
         if m.seal.as_ref().is_some_and(|s| !well_formed(s)) {
-            return Err(bad(
-                &format!("messages[{i}].seal"),
+            return Err(RequestError::invalid(
+                Field::Seal(i),
                 "must be the 64 hex digits a `done` gave",
             ));
         }

@@ -20,7 +20,7 @@ use std::time::Instant;
 use actix::prelude::*;
 use actix_web_actors::ws;
 
-use crate::engine::scheduler::{Priority, RequestId};
+use crate::engine::RequestId;
 use crate::kv_cache::manager::LeaseKey;
 use crate::server::batcher::{
     next_request_id, Allow, Cancel, CancelReason, Draft, EndLease, EventKind, GenerationEvent,
@@ -32,7 +32,7 @@ use crate::server::gate::rate::TokenBucket;
 use crate::server::gate::tenants::{ClientKind, Identity};
 use crate::server::request::prompt::chat_prompt;
 use crate::server::request::reply::ReplyText;
-use crate::server::request::{RequestError, ValidRequest};
+use crate::server::request::{Field, RequestError, ValidRequest};
 use crate::server::state::{AppState, Ready};
 use crate::server::ws::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
 use crate::server::ws::protocol::{validate_restore, ClientFrame, ServerFrame};
@@ -353,7 +353,10 @@ impl Session {
                 id,
                 after_index,
             } => self.resume(token, id, after_index, ctx),
-            ClientFrame::Draft { text } => match self.state.session.limits.validate_draft(text) {
+            ClientFrame::Draft { text } => match (self.state.session.limits)
+                .check_message_chars(Field::Wire("text".into()), &text)
+                .map(|()| text)
+            {
                 Ok(text) if self.current.is_some() || self.preparing.is_some() => {
                     self.pending_draft = Some(text)
                 }
@@ -363,13 +366,13 @@ impl Session {
             ClientFrame::Ack { id, index } => match &mut self.current {
                 Some(c) if c.client_id == id && c.window.is_some() => {
                     if index >= c.delta_ends.len() {
-                        let e = RequestError::InvalidParam {
-                            param: "index".into(),
-                            reason: format!(
+                        let e = RequestError::invalid(
+                            Field::Wire("index".into()),
+                            format!(
                                 "is {index}; {} deltas of `{id}` were sent (indexes from 0)",
                                 c.delta_ends.len()
                             ),
-                        };
+                        );
                         return self.error(ctx, Some(id), e);
                     }
                     // Acks may come out of order: the furthest one counts.
@@ -403,13 +406,13 @@ impl Session {
             ClientFrame::Cancel { id, heard_index } => match &mut self.current {
                 Some(c) if c.client_id == id => {
                     if let Some(h) = heard_index.filter(|&h| h >= c.delta_ends.len()) {
-                        let e = RequestError::InvalidParam {
-                            param: "heard_index".into(),
-                            reason: format!(
+                        let e = RequestError::invalid(
+                            Field::Wire("heard_index".into()),
+                            format!(
                                 "is {h}; {} deltas of `{id}` were sent (indexes from 0)",
                                 c.delta_ends.len()
                             ),
-                        };
+                        );
                         return self.error(ctx, Some(id), e);
                     }
                     // Once is enough: repeats of a cancel (or a cancel of a reply already
@@ -467,12 +470,10 @@ impl Session {
                         .iter()
                         .filter(|m| m.role == "user")
                         .count();
-                    let e = RequestError::InvalidParam {
-                        param: "turn".into(),
-                        reason: format!(
-                            "is {turn}; the conversation has {n} user turns (numbered from 0)"
-                        ),
-                    };
+                    let e = RequestError::invalid(
+                        Field::Wire("turn".into()),
+                        format!("is {turn}; the conversation has {n} user turns (numbered from 0)"),
+                    );
                     return self.error(ctx, Some(id), e);
                 };
                 self.validated_turn(id, messages, params, at, ctx);
@@ -532,18 +533,14 @@ impl Session {
                 continue;
             }
             let e = if m.role == "assistant" {
-                RequestError::InvalidParam {
-                    param: format!("messages[{i}].seal"),
-                    reason: "an assistant message from this client needs the seal its `done` gave, for this very text".into(),
-                }
+                RequestError::invalid(
+                    Field::Seal(i),
+                    "an assistant message from this client needs the seal its `done` gave, for this very text",
+                )
             } else {
-                RequestError::InvalidParam {
-                    param: format!("messages[{i}].role"),
-                    reason: format!(
-                        "{:?} is not allowed for this client (allowed: {})",
-                        m.role,
-                        self.identity.roles.names()
-                    ),
+                match self.identity.roles.check(i, &m.role) {
+                    Err(e) => e,
+                    Ok(()) => continue,
                 }
             };
             return self.error(ctx, None, e);
@@ -602,16 +599,6 @@ impl Session {
         .wait(ctx);
     }
 
-    /// `cache_key` is for API-key clients only (a browser session is its own partition).
-    fn authorize(&self, chat: &ValidRequest) -> Result<(), RequestError> {
-        if chat.cache_key.is_some() && self.identity.kind != ClientKind::ApiKey {
-            return Err(RequestError::InvalidRequest(
-                "`params.cache_key` is for API-key clients; a browser session is its own cache partition".into(),
-            ));
-        }
-        Ok(())
-    }
-
     /// Validates a turn's messages and parameters and starts it: its reply replaces the
     /// conversation from `replace_from` on.
     fn validated_turn(
@@ -645,7 +632,8 @@ impl Session {
             let busy = RequestError::Busy(c.client_id.clone());
             return self.error(ctx, Some(chat.id), busy);
         }
-        if let Err(e) = self.authorize(&chat) {
+        let mut chat = chat;
+        if let Err(e) = chat.partition(self.identity.kind == ClientKind::ApiKey, None) {
             return self.error(ctx, Some(chat.id), e);
         }
         // Rendering and tokenizing take milliseconds for a long message: on the blocking pool,
@@ -698,6 +686,16 @@ impl Session {
     ) {
         let request = next_request_id();
         self.last = None;
+        let submit = Submit {
+            lease: Some(self.lease_key()),
+            ..Submit::new(
+                request,
+                &chat,
+                prompt,
+                self.identity.quota,
+                self.reply_to(ctx),
+            )
+        };
         self.current = Some(
             Current::new(
                 chat.id.clone(),
@@ -708,24 +706,6 @@ impl Session {
             )
             .paced(chat.window),
         );
-        let submit = Submit {
-            request,
-            prompt: prompt.ids,
-            sampling: chat.sampling,
-            max_tokens: chat.max_tokens,
-            ignore_eos: chat.ignore_eos,
-            priority: match chat.priority {
-                crate::server::request::Priority::Interactive => Priority::Interactive,
-                crate::server::request::Priority::Batch => Priority::Batch,
-            },
-            scope: prompt.scope,
-            lease: Some(self.lease_key()),
-            logprobs: None,
-            forks: Vec::new(),
-            reply_to: self.reply_to(ctx),
-            quota: self.identity.quota,
-            window: chat.window,
-        };
         let id = chat.id;
         self.ready
             .batcher

@@ -1,5 +1,9 @@
 //! Fixture access for the integration tests: unpacking the packed tiny Llama 3 models (see
-//! tests/fixtures/pack_tiny.py), reading .npy files, comparing logits, serializing model tests.
+//! tests/fixtures/pack_tiny.py), reading .npy files, comparing logits, serializing model tests;
+//! and the server harness (`server`: the app on port 0 and a WebSocket client).
+
+mod server;
+pub use server::*;
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
