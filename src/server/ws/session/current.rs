@@ -1,0 +1,101 @@
+//! The reply in flight: its ids, where it replaces the conversation, its text so far and the
+//! deltas sent, what the user heard, and a paced reply's window.
+
+use crate::server::ws::session::*;
+
+/// The request in flight.
+pub(super) struct Current {
+    pub(super) client_id: String,
+    pub(super) request: RequestId,
+    /// Where the conversation is cut when the reply ends (its length for a new turn; earlier
+    /// for a regenerated reply or an edited turn), and the messages that follow the cut.
+    pub(super) replace_from: usize,
+    pub(super) new_messages: Vec<Message>,
+    pub(super) text: ReplyText,
+    /// For each delta sent (its index is its place here): the reply's tokens so far, and the
+    /// sent text's length after it.
+    pub(super) delta_ends: Vec<(usize, usize)>,
+    /// The prompt's length in tokens, once `started` has reported it.
+    pub(super) prompt_tokens: Option<usize>,
+    /// A stop string matched or a cancel was sent: ignore further tokens.
+    pub(super) ending: bool,
+    /// The last delta the user heard, from a `cancel` with `heard_index`.
+    pub(super) heard: Option<usize>,
+    /// A `cancel` was sent after this many of the reply's tokens.
+    pub(super) cancelled_at: Option<usize>,
+    /// Resumed: deltas up to this index were sent before, and `started` too.
+    pub(super) skip: Option<usize>,
+    pub(super) started: Option<ServerFrame>,
+    /// A paced reply (`params.window`): the last delta the client acked, and the tokens the
+    /// batcher was last allowed to generate.
+    pub(super) window: Option<usize>,
+    pub(super) acked: Option<usize>,
+    pub(super) allowed: usize,
+}
+
+impl Current {
+    pub(super) fn new(
+        client_id: String,
+        request: RequestId,
+        replace_from: usize,
+        new_messages: Vec<Message>,
+        stop: Vec<String>,
+    ) -> Self {
+        Current {
+            client_id,
+            request,
+            replace_from,
+            new_messages,
+            text: ReplyText::new(stop),
+            delta_ends: Vec::new(),
+            prompt_tokens: None,
+            ending: false,
+            heard: None,
+            cancelled_at: None,
+            skip: None,
+            started: None,
+            window: None,
+            acked: None,
+            allowed: 0,
+        }
+    }
+
+    pub(super) fn paced(mut self, window: Option<usize>) -> Self {
+        self.window = window;
+        self.allowed = window.unwrap_or(0);
+        self
+    }
+
+    /// The tokens a paced reply may generate now: through the acked delta, its window more,
+    /// and the tokens it generated that no delta holds yet (held for a stop string or an
+    /// incomplete character: the client cannot ack them).
+    pub(super) fn allowance(&self) -> Option<usize> {
+        let w = self.window?;
+        let base = self.acked.map_or(0, |k| self.delta_ends[k].0);
+        let in_deltas = self.delta_ends.last().map_or(0, |d| d.0);
+        Some(base + w + self.text.tokens().saturating_sub(in_deltas))
+    }
+
+    /// The deltas sent so far, by index.
+    pub(super) fn delta_texts(&self) -> Vec<String> {
+        let sent = self.text.sent();
+        let mut from = 0;
+        self.delta_ends
+            .iter()
+            .map(|&(_, end)| {
+                let t = sent[from..end].to_string();
+                from = end;
+                t
+            })
+            .collect()
+    }
+
+    /// The reply as the conversation records it: all that was sent, or what the user heard.
+    pub(super) fn recorded_text(&self) -> &str {
+        let sent = self.text.sent();
+        match self.heard {
+            Some(h) => &sent[..self.delta_ends[h].1],
+            None => sent,
+        }
+    }
+}
