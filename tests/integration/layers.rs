@@ -17,6 +17,8 @@ const LAYERS: &[&[&str]] = &[
     &["server"],
     &["bench", "fuzz_harness"],
     &["soak"],
+    // The binary's own commands (`src/main.rs` declares them; the library does not).
+    &["cli"],
 ];
 
 fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
