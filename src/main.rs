@@ -281,9 +281,16 @@ fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow
             }
             Some(failure)
         };
+        let stopper = running.server.handle();
+        let mut server = actix_web::rt::spawn(running.server);
         tokio::select! {
-            r = running.server => r.context("server"),
-            Some(failure) = failure => Err(Fatal::from(failure).into()),
+            r = &mut server => r.context("server")?.context("server"),
+            Some(failure) = failure => {
+                // Listeners and workers stop first, so that the error is the last line printed.
+                stopper.stop(false).await;
+                let _ = server.await;
+                Err(Fatal::from(failure).into())
+            }
         }
     })
 }
