@@ -531,7 +531,8 @@ fn a_client_that_never_answers_pings_is_closed() {
         }
         let waited = t0.elapsed();
         assert!(
-            waited >= Duration::from_secs(2) && waited < Duration::from_secs(6),
+            // Not before client_timeout_s (2 s); the upper bound is wide, for a loaded machine.
+            waited >= Duration::from_secs(2) && waited < Duration::from_secs(15),
             "{waited:?}"
         );
     });

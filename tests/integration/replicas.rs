@@ -35,8 +35,10 @@ async fn until_closed(c: &mut Client) -> (Vec<Value>, Option<u64>) {
 }
 
 /// A long greedy reply that is still running when the drain begins.
+/// A reply far longer than any drain's grace (tens of seconds here), so a drain that waited for
+/// it would show.
 fn long() -> Value {
-    json!({"temperature": 0, "max_tokens": 1500, "ignore_eos": true})
+    json!({"temperature": 0, "max_tokens": 4000, "ignore_eos": true})
 }
 
 /// A drain: readiness turns 503 `draining` (liveness stays 200), new upgrades get 503 with
@@ -65,7 +67,8 @@ fn a_drain_flips_readiness_refuses_upgrades_and_closes_sessions_with_1012() {
         let t0 = Instant::now();
         let (frames, code) = until_closed(&mut idle).await;
         assert_eq!(code, Some(1012), "{frames:?}");
-        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        // At once, not after the busy reply: wide, for a loaded machine.
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
         let (status, body) = get(app.addr, "/health/ready").await;
         assert_eq!((status, body["status"].as_str()), (503, Some("draining")));
         assert_eq!(get(app.addr, "/health").await.0, 503);
@@ -109,14 +112,15 @@ fn sigterm_drains_the_process_and_it_exits_within_the_grace() {
         if let Some(s) = child.try_wait().unwrap() {
             break s;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "still running");
+        assert!(t0.elapsed() < Duration::from_secs(20), "still running");
         std::thread::sleep(Duration::from_millis(50));
     };
     let log = log.join().unwrap();
     assert!(status.success(), "{status}\n{}", log.join("\n"));
-    // Exited within the grace (3 s) and the last frames' margin, counted from the signal.
+    // Exited within the grace (3 s) and the last frames' margin, counted from the signal (wide,
+    // for a loaded machine; a process that waited for the reply would take 20 s and more).
     assert!(
-        signalled.elapsed() < Duration::from_secs(6),
+        signalled.elapsed() < Duration::from_secs(12),
         "{:?}",
         signalled.elapsed()
     );
@@ -144,7 +148,7 @@ fn run_and_signal(addr: SocketAddr, pid: libc::pid_t) -> Instant {
                 assert_eq!(body["status"], "draining", "{body}");
                 break;
             }
-            assert!(t0.elapsed() < Duration::from_secs(2), "still ready");
+            assert!(t0.elapsed() < Duration::from_secs(10), "still ready");
             actix_web::rt::time::sleep(Duration::from_millis(20)).await;
         }
         assert_eq!(get(addr, "/health/live").await.0, 200);
