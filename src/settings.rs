@@ -372,9 +372,9 @@ pub fn apply_process_settings(threads: usize, malloc_tuning: bool) {
     // candle's gemm reads RAYON_NUM_THREADS; set it before any pool exists.
     std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
     // candle's elementwise ops run on its own pool of threads, which spin 25,000 times before
-    // parking after each op; on two cores they spin against our rayon workers. A short spin made
-    // a 44-token cache-hit chunk 11% faster (112 -> 100 ms, `cargo bench --bench engine --
-    // --chunk 44 --context 464`). An operator's own value wins.
+    // parking after each op; on two cores they spin against our rayon workers, so a short spin
+    // is faster (docs/performance.md, "Measurements behind constants in the code"). An
+    // operator's own value wins.
     if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
         std::env::set_var(
             "CANDLE_BARRIER_POOL_SPIN_LIMIT",

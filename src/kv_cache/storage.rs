@@ -152,8 +152,8 @@ impl KvCache {
 /// Asks Linux to back a CPU tensor's untouched pages with 2 MiB pages (`MADV_HUGEPAGE`; a no-op
 /// elsewhere, on other devices, or where transparent huge pages are off). Attention reads each
 /// sequence's rows scattered over the whole cache, one layer after another: with 4 KiB pages a
-/// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (measured: a 16-sequence decode
-/// step 43-44 ms without, 41.5-42 ms with; `cargo bench --bench engine -- --decode-only 16`). Pages
+/// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (the step's time with and
+/// without: docs/performance.md, "Measurements behind constants in the code"). Pages
 /// are still touched only as sequences fill them, 2 MiB at a time.
 /// Zeros whose pages the allocator maps fresh (a zeroed allocation) instead of writing them:
 /// candle's `zeros` writes every F16 element one by one, which made a 1 GiB F16 cache resident

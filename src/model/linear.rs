@@ -2,8 +2,8 @@
 //! (`Packed`), anything else through candle's `QMatMul`, plus:
 //!
 //! - **Dense path for big steps.** candle's quantized CPU matmul runs one dot product per (row,
-//!   column) pair and stays near 39 GFLOP/s however many rows there are, while its F32 gemm
-//!   reaches 150-180 GFLOP/s from 128 rows up (measured on this 2-core AVX2 machine). A step with at
+//!   column) pair and its speed does not grow with the rows, while its F32 gemm's does (figures:
+//!   docs/performance.md, "Measurements behind constants in the code"). A step with at
 //!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS`)
 //!   dequantizes the weight into a buffer that is dropped right after and runs the F32 gemm. No
 //!   second copy of the weights is kept.
@@ -23,9 +23,9 @@ use super::kernels::with_cpu_slice;
 use super::kernels::{q4_1x8, q4_kx8, q8_0x8};
 use crate::error::Result;
 
-/// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU. Measured
-/// with SmolLM2's 1536x576 Q8_0 projection: at 32 rows both paths take ~1.5 ms, at 64 the dense one
-/// is 1.8x faster, at 512 4x.
+/// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU: where the
+/// two paths cross on SmolLM2's projections (docs/performance.md, "Measurements behind constants
+/// in the code").
 pub const DENSE_MIN_ROWS: usize = 48;
 
 /// One weight matrix `[out, in]`.
@@ -131,8 +131,8 @@ impl Packed {
     }
 
     /// `out[m, n] = x[m, k] . w[n, k]`. Each method matches on the layout rather than going
-    /// through `&dyn RowGroups`: with the dynamic call a 16-sequence decode step measured ~5%
-    /// slower (39.5-41.8 against 37.1-39.0 ms, alternating runs of `--decode-only 16`).
+    /// through `&dyn RowGroups`: the dynamic call made decode steps slower (docs/performance.md,
+    /// "Measurements behind constants in the code").
     pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
         each_layout!(self, r => r.matmul(x, m))
     }
@@ -225,10 +225,9 @@ impl Linear {
     }
 }
 
-/// Rows from which a repacked Q8_0 projection runs as dequantize + F32 gemm. The 8-row kernel
-/// holds 110-155 GFLOP/s from 16 rows up; dequantizing first only pays near 256 rows (measured on
-/// SmolLM2's shapes, `cargo bench --bench engine -- --kernels`: at 128 rows the kernel is ahead on
-/// every shape, at 256 the gemm by 3-17%).
+/// Rows from which a repacked Q8_0 projection runs as dequantize + F32 gemm: the 8-row kernel
+/// keeps its speed as rows grow, so dequantizing first only pays near 256 rows on SmolLM2's
+/// shapes (docs/performance.md, "Measurements behind constants in the code").
 pub const Q8_0_DENSE_MIN_ROWS: usize = 192;
 
 /// The same for Q4_1, whose kernel holds 160-240 GFLOP/s: ahead of dequantize + gemm on every
