@@ -51,9 +51,10 @@ use crate::server::gate::credentials::Refusal;
 use crate::server::gate::outbox::{watched, Backlog};
 use crate::server::gate::peer::Peer;
 use crate::server::gate::tenants::{ClientKind, Identity, Roles};
-use crate::server::request::prompt::{chat_prompt, Prompt};
+use crate::server::request::prompt::chat_prompt;
 use crate::server::request::reply::FinishReason;
 use crate::server::request::reply::ReplyText;
+use crate::server::request::Prompt;
 use crate::server::request::{Dialect, ErrorKind, RequestError};
 use crate::server::state::{AppState, Ready};
 

@@ -39,33 +39,30 @@ pub enum Dialect<'a> {
 
 impl Field {
     pub fn name(&self, d: Dialect) -> String {
-        let plain = |s: &str| s.to_string();
-        match (self, d) {
-            (Field::Wire(name), _) => name.clone(),
-            (Field::Id, _) => plain("id"),
-            (Field::Messages, _) => plain("messages"),
-            (Field::Role(i), _) => format!("messages[{i}].role"),
-            (Field::Content(i), _) => format!("messages[{i}].content"),
-            (Field::Seal(i), _) => format!("messages[{i}].seal"),
-            (Field::MaxTokens, Dialect::Realtime(within)) => format!("{within}.max_output_tokens"),
-            (Field::CacheKey, Dialect::OpenAi) => plain("prompt_cache_key"),
-            (param, Dialect::Native) => format!("params.{}", param.param()),
-            (param, Dialect::OpenAi) => param.param(),
-            (param, Dialect::Realtime(within)) => format!("{within}.{}", param.param()),
-        }
-    }
-
-    /// A generation parameter's own name.
-    fn param(&self) -> String {
-        match self {
-            Field::MaxTokens => "max_tokens".into(),
+        // The request's id and messages, and a dialect's own fields: every dialect alike.
+        let param = match self {
+            Field::Wire(name) => return name.clone(),
+            Field::Id => return "id".into(),
+            Field::Messages => return "messages".into(),
+            Field::Role(i) => return format!("messages[{i}].role"),
+            Field::Content(i) => return format!("messages[{i}].content"),
+            Field::Seal(i) => return format!("messages[{i}].seal"),
+            Field::MaxTokens => "max_tokens".to_string(),
             Field::Stop => "stop".into(),
             Field::StopString(i) => format!("stop[{i}]"),
             Field::Sampling(name) => (*name).into(),
             Field::CacheKey => "cache_key".into(),
             Field::Priority => "priority".into(),
             Field::Window => "window".into(),
-            other => other.name(Dialect::OpenAi),
+        };
+        // A generation parameter: under `params` on `/ws`, bare over HTTP, inside the event's
+        // object on the Realtime API, with the two names the dialects spell their own way.
+        match (self, d) {
+            (Field::MaxTokens, Dialect::Realtime(within)) => format!("{within}.max_output_tokens"),
+            (Field::CacheKey, Dialect::OpenAi) => "prompt_cache_key".into(),
+            (_, Dialect::Native) => format!("params.{param}"),
+            (_, Dialect::OpenAi) => param,
+            (_, Dialect::Realtime(within)) => format!("{within}.{param}"),
         }
     }
 }

@@ -4,7 +4,7 @@
 //! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
 
 use crate::server::gate::tenants::{Identity, Tenants};
-pub use crate::server::request::Prompt;
+use crate::server::request::Prompt;
 use crate::server::request::RequestError;
 use crate::server::state::Ready;
 use crate::tokenizer::Message;

@@ -358,7 +358,7 @@ impl Session {
     pub(super) fn submit_chat(
         &mut self,
         chat: ValidRequest,
-        prompt: crate::server::request::prompt::Prompt,
+        prompt: crate::server::request::Prompt,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
