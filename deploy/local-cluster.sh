@@ -2,7 +2,7 @@
 # A local cluster (docs/deploy.md): three replicas of the release server (one engine thread
 # each, the embedded default model, one shared conversation secret, a support widget) behind
 # HAProxy configured from deploy/haproxy.cfg, all on loopback. It runs the cluster workload
-# (`llama-relay bench --workload cluster`: conversations of a widget's visitors, a new connection
+# (`llama-relay-bench cluster`: conversations of a widget's visitors, a new connection
 # every turn) three times and prints each run's figures:
 #
 #   1. routed by conversation (the shipped configuration): the prefix hit rate of turns 2 and later;
@@ -35,7 +35,7 @@ while [ $# -gt 0 ]; do
 done
 
 command -v haproxy >/dev/null || { echo "local-cluster: needs HAProxy (apt-get install haproxy)"; exit 1; }
-cargo build --release --bin llama-relay
+cargo build --release --bin llama-relay --bin llama-relay-bench
 bin=target/release/llama-relay
 work=$(mktemp -d /tmp/llama-relay-cluster.XXXXXX)
 pids=()
@@ -111,7 +111,7 @@ start_proxy() {
 stop_proxy() { kill "$haproxy_pid" 2>/dev/null || true; wait "$haproxy_pid" 2>/dev/null || true; }
 
 bench() {
-  "$bin" bench --workload cluster --url "ws://127.0.0.1:$proxy_port/ws" --widget help "$origin" \
+  target/release/llama-relay-bench cluster --url "ws://127.0.0.1:$proxy_port/ws" --widget help "$origin" \
     --users "$users" --max-tokens "$max_tokens" --prompt-words "$context_words" --think-ms 500 "$@"
 }
 

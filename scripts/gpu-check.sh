@@ -11,8 +11,9 @@
 # needs the Python package registry). CUDA_COMPUTE_CAP defaults to the GPU's own (nvidia-smi).
 #
 # Where the GPU machine has no Rust toolchain or no network, build on another machine and copy the
-# binaries over: `GPU_CHECK_PREBUILT=DIR` skips the build and runs DIR/llama-relay, DIR/integration
-# (the integration test binary) and DIR/engine (the engine bench binary); see docs/gpu.md.
+# binaries over: `GPU_CHECK_PREBUILT=DIR` skips the build and runs DIR/llama-relay,
+# DIR/llama-relay-bench (the load generator), DIR/integration (the integration test binary) and
+# DIR/engine (the engine bench binary); see docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,10 +36,11 @@ export LLAMA_RELAY_REQUIRE_GPU=1
 
 if [ -n "${GPU_CHECK_PREBUILT:-}" ]; then
   BIN="$GPU_CHECK_PREBUILT/llama-relay"
+  BENCH="$GPU_CHECK_PREBUILT/llama-relay-bench"
   TESTS="$GPU_CHECK_PREBUILT/integration"
   ENGINE="$GPU_CHECK_PREBUILT/engine"
   BUILD_S=prebuilt
-  for f in "$BIN" "$TESTS" "$ENGINE"; do
+  for f in "$BIN" "$BENCH" "$TESTS" "$ENGINE"; do
     [ -x "$f" ] || { echo "gpu-check: $f is missing or not executable" >&2; exit 2; }
   done
 else
@@ -46,9 +48,10 @@ else
     eval "$(scripts/cuda-toolchain.sh)"
   fi
   start=$(date +%s)
-  cargo build --release --features cuda --bin llama-relay --test integration --bench engine 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
+  cargo build --release --features cuda --bin llama-relay --bin llama-relay-bench --test integration --bench engine 2>&1 | tee -a "$LOG" | grep -E '^(error|warning: unused)' || true
   BUILD_S="$(($(date +%s) - start)) s"
   BIN=target/release/llama-relay
+  BENCH=target/release/llama-relay-bench
   TESTS=$(ls -t target/release/deps/integration-* | grep -v '\.d$' | head -n1)
   ENGINE=$(ls -t target/release/deps/engine-* | grep -v '\.d$' | head -n1)
 fi
@@ -138,7 +141,7 @@ endsection
 
 section "Serving bench on cuda:0 (1, 16, 64 users; 100-word prompts, 64 new tokens)"
 LLAMA_RELAY__ENGINE__DEVICE=cuda:0 LLAMA_RELAY__SCHEDULER__MAX_RUNNING=64 \
-  step 'users|tok/s|TTFT' "$BIN" bench --users 1,16,64
+  step 'users|tok/s|TTFT' "$BENCH" throughput --users 1,16,64
 endsection
 
 echo "gpu-check: report in $REPORT (full log $LOG), status $status" >&2

@@ -5,7 +5,7 @@
 #
 #   CUDA_COMPUTE_CAP=90 scripts/gpu-pack.sh      # 90: H100/H200 (the default); 80: A100
 #
-# .gpu/bin.tar.xz     llama-relay, integration (the test binary), engine (the engine bench),
+# .gpu/bin.tar.xz     llama-relay, llama-relay-bench, integration (the test binary), engine (the engine bench),
 #                     stripped; the test binary reads its fixtures from this checkout's path, so
 #                     the GPU machine links the path to its copy (docs/gpu.md)
 # .gpu/model.part-*   the default model's GGUF in 30 MB pieces (`cat` them back)
@@ -15,10 +15,11 @@ export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
 eval "$(scripts/cuda-toolchain.sh)"
 # Its own target folder: the CPU build in target/release stays as it is.
 T=target/cuda
-CARGO_TARGET_DIR=$T cargo build --release --features cuda --bin llama-relay --test integration --bench engine
+CARGO_TARGET_DIR=$T cargo build --release --features cuda --bin llama-relay --bin llama-relay-bench --test integration --bench engine
 newest() { ls -t $T/release/deps/"$1"-* | grep -vE '\.(d|rlib|rmeta)$' | head -n1; }
 rm -rf .gpu && mkdir -p .gpu/bin
 cp $T/release/llama-relay .gpu/bin/llama-relay
+cp $T/release/llama-relay-bench .gpu/bin/llama-relay-bench
 cp "$(newest integration)" .gpu/bin/integration
 cp "$(newest engine)" .gpu/bin/engine
 strip .gpu/bin/*

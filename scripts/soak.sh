@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The soak (#13): starts the release server on loopback with the default model and settings (the
-# per-address cap raised: every soak client comes from 127.0.0.1), runs `llama-relay soak`
+# per-address cap raised: every soak client comes from 127.0.0.1), runs `llama-relay-bench soak`
 # against it, and checks that the server neither panicked nor died. Bounded: it runs for
 # --minutes (default 30), plus start-up.
 #
 #   scripts/soak.sh [--minutes M] [--sessions N] [--active N] [--wave-s S] ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --bin llama-relay
+cargo build --release --bin llama-relay --bin llama-relay-bench
 bin=target/release/llama-relay
 log=$(mktemp /tmp/llama-relay-soak.XXXXXX.log)
 LLAMA_RELAY__SERVER__PORT=0 LLAMA_RELAY__SERVER__MAX_CONNECTIONS_PER_ADDRESS=5000 \
@@ -23,7 +23,7 @@ done
 [ -n "$addr" ] || { cat "$log"; echo "soak: the server did not start"; exit 1; }
 echo "soak: server pid $pid on $addr, log $log"
 status=0
-"$bin" soak --url "ws://$addr/ws" --server-pid "$pid" "$@" || status=$?
+target/release/llama-relay-bench soak --url "ws://$addr/ws" --server-pid "$pid" "$@" || status=$?
 if ! kill -0 "$pid" 2>/dev/null; then echo "soak: the server died"; status=1; fi
 if grep -q "panicked" "$log"; then grep -m3 -A3 "panicked" "$log"; echo "soak: the server panicked"; status=1; fi
 kill -TERM "$pid" 2>/dev/null || true

@@ -9,13 +9,13 @@
 //! - `model`: the Llama decoder on candle, the step batch it takes, GGUF and Hugging Face loading,
 //!   paged attention, the CPU kernels. `tokenizer`: tokenizers, chat templates, detokenizer.
 //! - `engine`: a loaded engine, the scheduler (policy) and the core that steps them.
-//!   `protocol`: the WebSocket frames and their validation. `metrics`: the Prometheus registry.
+//!   `metrics`: the Prometheus registry.
 //! - `generate`: one prompt through an engine core. `settings`: the config file's values.
 //! - `server`: actix-web routes, the session actors, the batcher actor, tenants and access.
-//! - `bench`: the load generator; `soak`: the long abuse run; `fuzz_harness`: what the fuzz
-//!   targets (`fuzz/`) run on an input.
+//! - `fuzz_harness`: what the fuzz targets (`fuzz/`) run on an input.
+//!
+//! The load generator and the soak client are the `llama-relay-bench` package (`bench/`).
 
-pub mod bench;
 pub mod default_model;
 pub mod engine;
 pub mod error;
@@ -28,7 +28,6 @@ pub mod model;
 pub mod sampler;
 pub mod server;
 pub mod settings;
-pub mod soak;
 pub mod tokenizer;
 
 pub use error::{EngineError, Result};

@@ -10,12 +10,6 @@ use llama_relay::generate::{generate, GenerateParams};
 use llama_relay::settings::{apply_process_settings, Settings};
 use llama_relay::tokenizer::{IncrementalDecoder, Message};
 
-mod cli {
-    pub mod bench;
-}
-
-use cli::bench::BenchArgs;
-
 #[derive(Parser)]
 #[command(
     name = "llama-relay",
@@ -52,39 +46,8 @@ struct Common {
 enum Command {
     /// Serve the chat page and the WebSocket API (the default).
     Serve,
-    /// Load generator: concurrent chat users over the WebSocket protocol (or OpenAI's API).
-    Bench(Box<BenchArgs>),
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
-    /// Long abuse run against a loopback server (scripts/soak.sh starts one and runs this).
-    Soak(SoakArgs),
-}
-
-#[derive(Args)]
-struct SoakArgs {
-    /// The server (ws://127.0.0.1:PORT/ws).
-    #[arg(long)]
-    url: String,
-    /// The server's process id (its resident memory is read from /proc).
-    #[arg(long)]
-    server_pid: u32,
-    #[arg(long, default_value_t = 30.0)]
-    minutes: f64,
-    /// Sessions open throughout, and how many of them generate back to back.
-    #[arg(long, default_value_t = 1000)]
-    sessions: usize,
-    #[arg(long, default_value_t = 64)]
-    active: usize,
-    /// Seconds between waves of abuse.
-    #[arg(long, default_value_t = 120)]
-    wave_s: u64,
-    /// Each wave: clients that drop their socket mid-reply, that cancel, that never read.
-    #[arg(long, default_value_t = 500)]
-    disconnects: usize,
-    #[arg(long, default_value_t = 200)]
-    cancels: usize,
-    #[arg(long, default_value_t = 50)]
-    non_readers: usize,
 }
 
 #[derive(Args)]
@@ -131,55 +94,6 @@ fn init_tracing() {
         .init();
 }
 
-/// A failure whose exit status is decided where it happens (see `exit_status`).
-#[derive(Debug)]
-struct Fatal {
-    message: String,
-    /// 2: what the operator gave cannot work; 1: the machine or the engine failed.
-    status: u8,
-}
-
-impl std::fmt::Display for Fatal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for Fatal {}
-
-impl From<llama_relay::server::Failure> for Fatal {
-    fn from(failure: llama_relay::server::Failure) -> Self {
-        use llama_relay::server::Failure;
-        match failure {
-            Failure::Load { reason, usage } => Fatal {
-                message: format!("the model failed to load: {reason}"),
-                status: if usage { 2 } else { 1 },
-            },
-            Failure::Engine(reason) => Fatal {
-                message: format!("the engine failed: {reason}; exiting for a restart"),
-                status: 1,
-            },
-        }
-    }
-}
-
-/// The process's exit status for an error: 2 when what the operator gave cannot work (a flag,
-/// the config file, a setting, a model path that does not exist or is not a model; clap exits 2
-/// for a bad flag itself), 1 when the machine or the engine failed (a read error, a port in use,
-/// a folder that cannot be written, the default model's fetch, a failed step).
-fn exit_status(e: &anyhow::Error) -> u8 {
-    e.chain()
-        .find_map(|c| {
-            if let Some(f) = c.downcast_ref::<Fatal>() {
-                Some(f.status)
-            } else {
-                (c.downcast_ref::<llama_relay::EngineError>())
-                    .map(|e| if e.is_usage() { 2 } else { 1 })
-            }
-        })
-        .unwrap_or(1)
-}
-
 /// One line on stderr: the error and its causes, `: `-joined; with RUST_BACKTRACE set, anyhow's
 /// whole report (causes one per line, and the backtrace).
 fn main() -> std::process::ExitCode {
@@ -193,7 +107,7 @@ fn main() -> std::process::ExitCode {
             } else {
                 eprintln!("llama-relay: error: {e:#}");
             }
-            std::process::ExitCode::from(exit_status(&e))
+            std::process::ExitCode::from(llama_relay::server::exit_status(e.chain()))
         }
     }
 }
@@ -217,41 +131,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     apply_process_settings(settings.threads(), settings.engine.malloc_tuning);
     // A model path that cannot work ends the process now, before a listener is bound or a
     // background load starts (the default model is checked when it is fetched).
-    let loads_a_model = match &cli.command {
-        Some(Command::Soak(_)) => false,
-        Some(Command::Bench(a)) => a.url.is_none(),
-        _ => true,
-    };
-    if let (true, Some(model)) = (loads_a_model, &opts.model) {
+    if let Some(model) = &opts.model {
         Engine::check_model(model, opts.tokenizer.as_deref())?;
     }
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
-        Some(Command::Bench(a)) => cli::bench::bench(settings, opts, *a),
-        Some(Command::Soak(a)) => soak(a),
     }
-}
-
-fn soak(a: SoakArgs) -> anyhow::Result<()> {
-    let cfg = llama_relay::soak::SoakConfig {
-        url: a.url,
-        server_pid: a.server_pid,
-        duration: std::time::Duration::from_secs_f64(a.minutes * 60.0),
-        sessions: a.sessions,
-        active: a.active.min(a.sessions),
-        wave_every: std::time::Duration::from_secs(a.wave_s),
-        disconnects: a.disconnects,
-        cancels: a.cancels,
-        non_readers: a.non_readers,
-    };
-    let ok = actix_web::rt::System::new()
-        .block_on(llama_relay::soak::run(cfg))
-        .map_err(|e| anyhow::anyhow!(e))?;
-    if !ok {
-        anyhow::bail!("the soak failed (see above)");
-    }
-    Ok(())
 }
 
 /// How long clients get to read the errors of an engine failure before the process exits.
@@ -289,7 +175,7 @@ fn serve(settings: Settings, opts: llama_relay::engine::EngineOptions) -> anyhow
                 // Listeners and workers stop first, so that the error is the last line printed.
                 stopper.stop(false).await;
                 let _ = server.await;
-                Err(Fatal::from(failure).into())
+                Err(failure.into())
             }
         }
     })

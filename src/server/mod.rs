@@ -61,6 +61,48 @@ pub enum Failure {
     Engine(String),
 }
 
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Load { reason, .. } => write!(f, "the model failed to load: {reason}"),
+            Failure::Engine(reason) => {
+                write!(f, "the engine failed: {reason}; exiting for a restart")
+            }
+        }
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// A command's exit status for an error and its causes (`chain`, outermost first): 2 when what
+/// the operator gave cannot work (a flag, the config file, a setting, a model path that does not
+/// exist or is not a model; clap exits 2 for a bad flag itself), 1 when the machine or the engine
+/// failed (a read error, a port in use, a folder that cannot be written, the default model's
+/// fetch, a failed step). The first `Failure` or `EngineError` in the chain decides.
+pub fn exit_status<'a>(
+    chain: impl IntoIterator<Item = &'a (dyn std::error::Error + 'static)>,
+) -> u8 {
+    chain
+        .into_iter()
+        .find_map(|c| {
+            if let Some(f) = c.downcast_ref::<Failure>() {
+                Some(match f {
+                    Failure::Load { usage: true, .. } => 2,
+                    _ => 1,
+                })
+            } else {
+                (c.downcast_ref::<crate::error::EngineError>()).map(|e| {
+                    if e.is_usage() {
+                        2
+                    } else {
+                        1
+                    }
+                })
+            }
+        })
+        .unwrap_or(1)
+}
+
 /// What the handlers share, from the settings, for a server listening on `addr` (and `admin`,
 /// its admin listener): tenants, access rules, connection caps, the parked sessions' registry,
 /// the sealer; the model not loaded yet (`Status::Loading`).

@@ -81,11 +81,7 @@ const FAST: Duration = Duration::from_secs(20);
 
 #[test]
 fn a_model_path_that_does_not_exist_ends_every_command_with_status_2() {
-    for cmd in [
-        &["serve"][..],
-        &["generate", "-n", "1"],
-        &["bench", "--users", "1"],
-    ] {
+    for cmd in [&["serve"][..], &["generate", "-n", "1"]] {
         let mut args = cmd.to_vec();
         args.extend(["--model", "/nonexistent/model.gguf"]);
         let e = run_cli(&args, &[], FAST);

@@ -1,6 +1,6 @@
 //! The soak: a long, bounded run against a server in another process (loopback only), the way a
 //! public deployment is treated for hours. `scripts/soak.sh` starts the server and runs
-//! `llama-relay soak`. Not part of `cargo test`: it takes as long as it is told to.
+//! `llama-relay-bench soak`. Not part of `cargo test`: it takes as long as it is told to.
 //!
 //! Load: `sessions` WebSocket sessions stay open the whole time (answering pings); `active` of
 //! them generate back to back, the rest are idle. Every `wave_s` seconds a wave arrives on top:
@@ -23,10 +23,59 @@ use awc::ws;
 use futures_util::SinkExt;
 use serde_json::json;
 
-use crate::bench::{connect, next_frame, prompt, send_fresh, send_json, Socket};
+use crate::load::{connect, next_frame, prompt, send_fresh, send_json, Socket};
+
+#[derive(clap::Args)]
+pub struct SoakArgs {
+    /// The server (ws://127.0.0.1:PORT/ws).
+    #[arg(long)]
+    url: String,
+    /// The server's process id (its resident memory is read from /proc).
+    #[arg(long)]
+    server_pid: u32,
+    #[arg(long, default_value_t = 30.0, value_parser = crate::workloads::above_0)]
+    minutes: f64,
+    /// Sessions open throughout, and how many of them generate back to back.
+    #[arg(long, default_value_t = 1000)]
+    sessions: usize,
+    #[arg(long, default_value_t = 64)]
+    active: usize,
+    /// Seconds between waves of abuse.
+    #[arg(long, default_value_t = 120)]
+    wave_s: u64,
+    /// Each wave: clients that drop their socket mid-reply, that cancel, that never read.
+    #[arg(long, default_value_t = 500)]
+    disconnects: usize,
+    #[arg(long, default_value_t = 200)]
+    cancels: usize,
+    #[arg(long, default_value_t = 50)]
+    non_readers: usize,
+}
+
+/// Runs the soak; an error when any of its checks failed.
+pub fn main(a: SoakArgs) -> anyhow::Result<()> {
+    let cfg = SoakConfig {
+        url: a.url,
+        server_pid: a.server_pid,
+        duration: Duration::from_secs_f64(a.minutes * 60.0),
+        sessions: a.sessions,
+        active: a.active.min(a.sessions),
+        wave_every: Duration::from_secs(a.wave_s),
+        disconnects: a.disconnects,
+        cancels: a.cancels,
+        non_readers: a.non_readers,
+    };
+    let ok = actix_web::rt::System::new()
+        .block_on(run(cfg))
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if !ok {
+        anyhow::bail!("the soak failed (see above)");
+    }
+    Ok(())
+}
 
 #[derive(Debug, Clone)]
-pub struct SoakConfig {
+struct SoakConfig {
     pub url: String,
     /// The server's process id, for its resident memory.
     pub server_pid: u32,
@@ -299,7 +348,7 @@ fn non_reader(addr: std::net::SocketAddr, n: usize) -> std::io::Result<std::net:
 
 /// The server's `/metrics` as name (with labels) -> value.
 async fn metrics(url: &str) -> Result<BTreeMap<String, f64>, String> {
-    let http = crate::bench::completions_url(url).replace("/v1/chat/completions", "/metrics");
+    let http = crate::load::completions_url(url).replace("/v1/chat/completions", "/metrics");
     let mut res = awc::Client::new()
         .get(&http)
         .send()
@@ -360,7 +409,7 @@ async fn checkpoint(cfg: &SoakConfig, t0: Instant) -> Result<Checkpoint, String>
 }
 
 /// Runs the soak; returns whether every check held.
-pub async fn run(cfg: SoakConfig) -> Result<bool, String> {
+async fn run(cfg: SoakConfig) -> Result<bool, String> {
     let addr: std::net::SocketAddr = cfg
         .url
         .trim_start_matches("ws://")

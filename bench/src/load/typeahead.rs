@@ -1,7 +1,7 @@
 //! The typeahead and paced workloads: users typing with and without drafts, and paced clients
 //! consuming replies at a set rate beside streaming users.
 
-use crate::bench::*;
+use crate::load::*;
 
 /// The type-ahead workload: each user types a message at `chars_per_s` (sending what the input
 /// holds as a `draft` every 500 ms, as the page does, when `drafts` is on), sends it and reads

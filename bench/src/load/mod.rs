@@ -1,13 +1,13 @@
-//! The load generator behind `llama-relay bench` (`src/cli/bench.rs` runs it): it speaks the
+//! The load generator behind the workloads (`crate::workloads` runs it): it speaks the
 //! WebSocket protocol (and, for the throughput workload, OpenAI's streamed chat completions,
-//! `--api openai`).
+//! `--api openai`), a file per workload family; here the throughput workload and the client
+//! helpers they share.
 //!
 //! N concurrent users (one WebSocket or one HTTP client each) send chat requests one after another
 //! until a fixed number of requests is done: prompts of about 100 tokens with unique starts (so no two share a
 //! prefix), 64 new tokens (`ignore_eos`), greedy. It measures on the client side: time to first
 //! token (send to first `delta`), inter-token latency (gaps between deltas, each spread over the
 //! tokens it carried) and aggregate generated tokens per second, and prints p50/p99.
-//! Without `--url` it starts the server in this process on a free port.
 
 mod chat;
 mod cluster;
@@ -16,7 +16,7 @@ mod resume;
 mod typeahead;
 
 pub use chat::*;
-pub use cluster::{run_cluster, ClusterBenchConfig, ClusterSummary};
+pub use cluster::{run_cluster, ClusterBenchConfig};
 pub use mixed::*;
 pub use resume::*;
 pub use typeahead::*;

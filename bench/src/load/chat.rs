@@ -1,7 +1,7 @@
 //! The chat workload: a shared system prompt (a widget's, or sent by each user), several turns
 //! per user with think time between them; TTFT per turn and the KV blocks it took.
 
-use crate::bench::*;
+use crate::load::*;
 
 /// The multi-turn chat workload: every user shares one long system prompt and asks `turns` short
 /// questions in one conversation, with a think time between turns.

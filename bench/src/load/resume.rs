@@ -1,7 +1,7 @@
 //! The resume workload: forced disconnects of greedy replies, each resumed on a new connection
 //! and compared with the uninterrupted reply.
 
-use crate::bench::*;
+use crate::load::*;
 
 /// What `run_resume` found.
 #[derive(Debug, Default)]

@@ -1,7 +1,7 @@
 //! The mixed and flood workloads: streams while long prompts arrive (the streams' gaps and the
 //! long prompts' time against alone), and an API-key user's TTFT while keyless clients flood.
 
-use crate::bench::*;
+use crate::load::*;
 
 /// The mixed workload: streaming users, and long prompts arriving while they stream.
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
-//! `bench --workload cluster`: conversations through a load balancer in front of several
-//! replicas (docs/deploy.md), the way the chat page and the widget behave there. Each user is
+//! The cluster workload (`llama-relay-bench cluster`): conversations through a load balancer
+//! in front of several replicas (docs/deploy.md), the way the chat page and the widget behave there. Each user is
 //! one conversation with its own routing key (`/ws?conversation=ID`) that opens a new
 //! connection for every turn (a page reload, a phone waking up), so that where a turn lands is
 //! the balancer's choice: it `resume`s the session its last connection left (its KV blocks are
