@@ -4,7 +4,7 @@
 #
 #   scripts/fuzz.sh [RUNS] [TARGET...]     RUNS executions per target (default 1000000)
 #
-# Targets: client_frame, chat_template, detokenizer, realtime (fuzz/fuzz_targets/). Each run starts from
+# Targets: client_frame, chat_template, detokenizer, realtime, native (fuzz/fuzz_targets/). Each run starts from
 # fuzz/corpus/TARGET and fuzz/seeds/TARGET, and the inputs that found new coverage are merged
 # (minimized) back into fuzz/corpus/TARGET, which `cargo test` replays
 # (tests/integration/fuzz_corpus.rs). A crash leaves its input in fuzz/work/TARGET/ and stops
@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../fuzz"
 runs="${1:-1000000}"
 shift || true
 targets=("$@")
-[ ${#targets[@]} -eq 0 ] && targets=(client_frame chat_template detokenizer realtime)
+[ ${#targets[@]} -eq 0 ] && targets=(client_frame chat_template detokenizer realtime native)
 triple="$(rustc -vV | sed -n 's/^host: //p')"
 export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
  -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \

@@ -14,6 +14,8 @@
 //!   calls) with the shipped limits: the dialect's invariants hold (`Realtime::check`; its item
 //!   bound after every event), every event it sends is a typed object with a fresh id, and a response
 //!   starts the session on exactly the conversation the items make.
+//! - `native`: a `/ws` connection's frames through the native dialect's dispatch
+//!   (`ws::dispatch::handle`), interleaved with the session's side of its replies: see `native`.
 
 use serde_json::Value;
 
@@ -346,6 +348,225 @@ impl EventIds {
             assert!(e["type"].as_str().is_some_and(|t| !t.is_empty()), "{e}");
             let id = e["event_id"].as_str().expect("an event id").to_string();
             assert!(self.0.insert(id), "event id repeated: {e}");
+        }
+    }
+}
+
+/// The session's side of the native dialect, as the fuzz harness models it.
+struct NativeSession {
+    conversation: Vec<Message>,
+    /// The reply in flight: its id, deltas sent, paced, where it replaces the conversation and
+    /// the messages that go before it.
+    running: Option<(String, usize, bool, usize, Vec<Message>)>,
+    last_reply: Option<String>,
+    preparing: bool,
+    /// The transcript the client keeps (what `done` frames gave it, seals included).
+    kept: Vec<(Message, Option<String>)>,
+    /// Every reply text the server sealed.
+    sealed: std::collections::HashSet<String>,
+}
+
+/// A `/ws` connection's frames, any bytes, interleaved with the session's side (deltas and ends
+/// of the reply in flight, turns being prepared) and with frames naming what the session holds
+/// (its reply, a delta index, a user turn, the client's kept transcript with its seals, forged
+/// or not), through the native dialect's dispatch (`ws::dispatch::handle`, what the session
+/// calls), as an API key or a widget, with the shipped limits. Checks: a `cancel`/`ack` only for
+/// the reply in flight and a delta it sent; a turn replaces the conversation from a place it
+/// has (a `chat` at its end, an `edit` at a user message, a `regenerate` from the turn its last
+/// reply answered); `restore` and `reset` never while a reply runs, `restore` only on an empty
+/// conversation; a widget's restored conversation holds only user messages and assistant
+/// messages whose very text the server sealed; refusals carry a message.
+pub fn native(data: &[u8]) {
+    use crate::server::ws::dispatch::{handle, parse, Action, Running, View};
+    use crate::server::ws::seal::Sealer;
+    let Some((&who, rest)) = data.split_first() else {
+        return;
+    };
+    let widget = who % 2 == 0;
+    let roles = if widget {
+        Roles::parse(&["user".into()]).expect("a role")
+    } else {
+        Roles::ALL
+    };
+    let config = shipped();
+    let limits = &config.limits;
+    let sealer = Sealer::new("fuzz secret");
+    let verifies = |content: &str, seal: &str| sealer.verify("scope", content, seal);
+    let mut s = NativeSession {
+        conversation: Vec::new(),
+        running: None,
+        last_reply: None,
+        preparing: false,
+        kept: Vec::new(),
+        sealed: Default::default(),
+    };
+    let mut next_id = 0u32;
+    for piece in rest.split(|&b| b == 0xFF).take(256) {
+        let (kind, body) = piece
+            .split_first()
+            .map_or((0xFE, &[][..]), |(&k, b)| (k, b));
+        let pick = body.first().map_or(0, |&b| usize::from(b));
+        let running_id = s.running.as_ref().map_or("none".into(), |r| r.0.clone());
+        let text = match kind {
+            // The session's side: a delta, the reply's end, its failure, a turn being prepared.
+            0 => {
+                if let Some(r) = &mut s.running {
+                    r.1 += 1;
+                }
+                continue;
+            }
+            1 | 2 => {
+                if let Some((id, _, _, from, messages)) = s.running.take() {
+                    if kind == 1 {
+                        let reply =
+                            String::from_utf8_lossy(&body[body.len().min(1)..]).into_owned();
+                        s.conversation.truncate(from);
+                        s.conversation.extend(messages.iter().cloned());
+                        s.conversation.push(Message::new("assistant", &reply));
+                        s.kept.truncate(from.min(s.kept.len()));
+                        s.kept.extend(messages.into_iter().map(|m| (m, None)));
+                        let seal = sealer.seal("scope", &reply);
+                        s.kept.push((Message::new("assistant", &reply), Some(seal)));
+                        s.sealed.insert(reply);
+                    }
+                    s.last_reply = Some(id);
+                }
+                continue;
+            }
+            3 => {
+                s.preparing = !s.preparing && s.running.is_none();
+                continue;
+            }
+            // Frames naming what the session holds.
+            4 => format!(r#"{{"type":"cancel","id":"{running_id}","heard_index":{pick}}}"#),
+            5 => format!(r#"{{"type":"ack","id":"{running_id}","index":{pick}}}"#),
+            6 => format!(
+                r#"{{"type":"edit","id":"e{next_id}","turn":{},"messages":[{{"role":"user","content":"x"}}],"params":{{"window":{}}}}}"#,
+                pick % 4,
+                1 + pick % 3
+            ),
+            7 => format!(r#"{{"type":"regenerate","id":"g{next_id}"}}"#),
+            8 => {
+                // The kept transcript, a message's text changed when the byte says so.
+                let forge = body.get(1).map(|&b| usize::from(b));
+                let messages: Vec<Value> = (s.kept.iter().enumerate())
+                    .map(|(i, (m, seal))| {
+                        let mut content = m.content.clone();
+                        if forge == Some(i) {
+                            content.push('!');
+                        }
+                        serde_json::json!({"role": m.role, "content": content, "seal": seal})
+                    })
+                    .collect();
+                if pick % 2 == 0 {
+                    // Sent on a new connection whose session holds nothing yet.
+                    s.conversation.clear();
+                    s.running = None;
+                    s.preparing = false;
+                }
+                serde_json::json!({"type": "restore", "messages": messages}).to_string()
+            }
+            9 => format!(
+                r#"{{"type":"chat","id":"c{next_id}","messages":[{{"role":"user","content":"hi"}}],"params":{{"window":{}}}}}"#,
+                pick % 3
+            ),
+            _ => String::from_utf8_lossy(piece).into_owned(),
+        };
+        next_id += 1;
+        let Ok(frame) = parse(&text) else {
+            continue;
+        };
+        let view = View {
+            limits,
+            roles,
+            seal_verifies: &verifies,
+            conversation: &s.conversation,
+            running: s.running.as_ref().map(|r| Running {
+                id: &r.0,
+                deltas: r.1,
+                paced: r.2,
+            }),
+            last_reply: s.last_reply.as_deref(),
+            preparing: s.preparing,
+        };
+        let action = match handle(frame.clone(), &view) {
+            Ok(a) => a,
+            Err(r) => {
+                assert!(!r.error.to_string().is_empty());
+                continue;
+            }
+        };
+        let busy = s.running.is_some() || s.preparing;
+        match action {
+            Action::Resume { .. } => assert!(matches!(frame, ClientFrame::Resume { .. })),
+            Action::Draft(_) => assert!(!busy),
+            Action::DraftLater(_) => assert!(busy),
+            Action::Ack(i) => {
+                let r = s.running.as_ref().expect("an ack of a reply in flight");
+                assert!(r.2 && i < r.1, "ack {i} of {} deltas", r.1);
+            }
+            Action::Cancel { heard } => {
+                let r = s.running.as_ref().expect("a cancel of a reply in flight");
+                assert!(
+                    heard.is_none_or(|h| h < r.1),
+                    "heard {heard:?} of {} deltas",
+                    r.1
+                );
+            }
+            Action::Nothing => assert!(matches!(frame, ClientFrame::Ack { .. })),
+            Action::Reset => {
+                assert!(s.running.is_none());
+                s.conversation.clear();
+                s.kept.clear();
+            }
+            Action::Restore(messages) => {
+                assert!(s.running.is_none() && !s.preparing && s.conversation.is_empty());
+                if widget {
+                    for m in &messages {
+                        assert!(
+                            m.role == "user"
+                                || (m.role == "assistant" && s.sealed.contains(&m.content)),
+                            "a widget restored {m:?}"
+                        );
+                    }
+                }
+                s.conversation = messages;
+            }
+            Action::Turn {
+                id,
+                messages,
+                params,
+                replace_from,
+                ends_draft,
+            } => {
+                let len = s.conversation.len();
+                assert!(replace_from <= len, "{replace_from} of {len}");
+                match &frame {
+                    ClientFrame::Chat { .. } => assert!(ends_draft && replace_from == len),
+                    ClientFrame::Edit { .. } => {
+                        assert_eq!(s.conversation[replace_from].role, "user")
+                    }
+                    ClientFrame::Regenerate { .. } => {
+                        let next = &s.conversation[replace_from + messages.len()];
+                        assert_eq!(next.role, "assistant");
+                        assert!(messages.iter().all(|m| m.role != "assistant"));
+                    }
+                    f => panic!("a turn from {f:?}"),
+                }
+                // What the session does next: the seam's validation, then the turn starts
+                // unless a reply runs or is being prepared.
+                let valid = limits.validate(
+                    id.clone(),
+                    messages,
+                    *params,
+                    &config.sampling,
+                    config.default_max_tokens,
+                );
+                if let (Ok(v), false) = (valid, busy) {
+                    let paced = v.window.is_some();
+                    s.running = Some((id, 0, paced, replace_from, v.messages));
+                }
+            }
         }
     }
 }

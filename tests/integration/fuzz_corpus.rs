@@ -63,3 +63,8 @@ fn detokenizer_corpus() {
 fn realtime_corpus() {
     replay("realtime", fuzz_harness::realtime);
 }
+
+#[test]
+fn native_corpus() {
+    replay("native", fuzz_harness::native);
+}

@@ -205,7 +205,7 @@ pub struct Allow {
 }
 
 /// Stop a generation at the next step (idempotent).
-#[derive(Message)]
+#[derive(Debug, Message)]
 #[rtype(result = "()")]
 pub struct Cancel {
     pub request: RequestId,

@@ -160,7 +160,7 @@ impl SseState {
                 },
                 Shape::Completion,
             ) => {
-                let offset = g.choices[index].text.sent().len() - text.len();
+                let offset = g.choices[index].sent().len() - text.len();
                 json!({
                     "index": index,
                     "text": text,
@@ -216,7 +216,7 @@ pub(super) async fn whole(mut gen: Generation, meta: Meta, state: &AppState) -> 
                 match meta.shape {
                     Shape::Chat => chat_lps[index].extend(gen.chat_logprobs(&logprobs)),
                     Shape::Completion => {
-                        let offset = gen.choices[index].text.sent().len() - text.len();
+                        let offset = gen.choices[index].sent().len() - text.len();
                         let l = gen.completion_logprobs(&logprobs, offset);
                         let c = &mut cmpl_lps[index];
                         c.tokens.extend(l.tokens);
@@ -240,13 +240,13 @@ pub(super) async fn whole(mut gen: Generation, meta: Meta, state: &AppState) -> 
             match meta.shape {
                 Shape::Chat => json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": c.text.sent()},
+                    "message": {"role": "assistant", "content": c.sent()},
                     "logprobs": gen.logprobs.then(|| json!({"content": chat_lps[i]})),
                     "finish_reason": reason,
                 }),
                 Shape::Completion => json!({
                     "index": i,
-                    "text": c.text.sent(),
+                    "text": c.sent(),
                     "logprobs": gen.logprobs.then(|| &cmpl_lps[i]),
                     "finish_reason": reason,
                 }),

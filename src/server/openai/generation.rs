@@ -13,28 +13,26 @@ pub(super) struct Meta {
     pub(super) include_usage: bool,
 }
 
-/// One choice's progress.
+/// One choice's progress: its reply stream (text, stop strings, log-probabilities held with their
+/// text), and how it ended.
 pub(super) struct Choice {
-    pub(super) request: RequestId,
-    pub(super) text: ReplyText,
-    /// Log-probabilities of tokens whose text has not been sent yet.
-    pub(super) pending: Vec<(u32, TokenLogprobs)>,
+    pub(super) reply: ReplyStream,
     pub(super) finish: Option<FinishReason>,
     pub(super) completion_tokens: usize,
-    /// A stop string matched and the batcher was told.
-    pub(super) ending: bool,
 }
 
 impl Choice {
     pub(super) fn new(request: RequestId, stop: Vec<String>) -> Self {
         Choice {
-            request,
-            text: ReplyText::new(stop),
-            pending: Vec::new(),
+            reply: ReplyStream::new(request, stop),
             finish: None,
             completion_tokens: 0,
-            ending: false,
         }
+    }
+
+    /// The text sent so far.
+    pub(super) fn sent(&self) -> &str {
+        self.reply.text().sent()
     }
 }
 
@@ -116,69 +114,44 @@ impl Generation {
             return None;
         };
         let i = *self.index.get(&ev.request)?;
-        let tok = &self.ready.tokenizer;
         let c = &mut self.choices[i];
+        let step = c.reply.on_event(ev.kind, &self.ready.tokenizer);
+        if let Some(cancel) = step.cancel {
+            self.ready.batcher.do_send(cancel);
+        }
         let mut out = Vec::new();
-        match ev.kind {
-            EventKind::Queued { .. } => {}
-            EventKind::Started { cached_tokens, .. } => {
-                if i == 0 {
-                    self.cached_tokens = cached_tokens;
+        for update in step.updates {
+            match update {
+                Update::Queued { .. } => {}
+                Update::Started { cached_tokens, .. } => {
+                    if i == 0 {
+                        self.cached_tokens = cached_tokens;
+                    }
                 }
+                Update::Delta { text, logprobs } => out.push(Out::Delta {
+                    index: i,
+                    text,
+                    logprobs,
+                }),
+                Update::Finished {
+                    reason,
+                    usage,
+                    timings,
+                } => {
+                    if i == 0 {
+                        self.timings = timings;
+                    }
+                    c.completion_tokens = usage.completion_tokens;
+                    if reason == FinishReason::Shutdown {
+                        self.failed =
+                            Some(RequestError::NotReady("the server is shutting down".into()));
+                    } else {
+                        c.finish = Some(reason);
+                        out.push(Out::Finished { index: i, reason });
+                    }
+                }
+                Update::Failed(e) => self.failed = Some(e),
             }
-            EventKind::Token { id, logprobs } => {
-                if c.ending {
-                    return Some(out);
-                }
-                if let Some(lp) = logprobs {
-                    c.pending.push((id, lp));
-                }
-                let text = c.text.push(tok, id);
-                if c.text.stopped() {
-                    c.ending = true;
-                    self.ready.batcher.do_send(Cancel {
-                        request: c.request,
-                        reason: CancelReason::StopString,
-                    });
-                }
-                if !text.is_empty() {
-                    out.push(Out::Delta {
-                        index: i,
-                        text,
-                        logprobs: std::mem::take(&mut c.pending),
-                    });
-                }
-            }
-            EventKind::Finished {
-                reason,
-                usage,
-                timings,
-            } => {
-                if i == 0 {
-                    self.timings = timings;
-                }
-                let rest = if c.ending {
-                    String::new()
-                } else {
-                    c.text.finish(tok)
-                };
-                if !rest.is_empty() || !c.pending.is_empty() {
-                    out.push(Out::Delta {
-                        index: i,
-                        text: rest,
-                        logprobs: std::mem::take(&mut c.pending),
-                    });
-                }
-                c.completion_tokens = usage.completion_tokens.max(c.text.tokens());
-                if reason == FinishReason::Shutdown {
-                    self.failed =
-                        Some(RequestError::NotReady("the server is shutting down".into()));
-                } else {
-                    c.finish = Some(reason);
-                    out.push(Out::Finished { index: i, reason });
-                }
-            }
-            EventKind::Failed(e) => self.failed = Some(e),
         }
         if self.done() {
             let u = self.usage();

@@ -43,9 +43,7 @@ use self::wire::{
 use crate::engine::core::Fork;
 use crate::engine::RequestId;
 use crate::sampler::{SamplingParams, TokenLogprobs};
-use crate::server::batcher::{
-    next_request_id, Cancel, CancelReason, EventKind, GenerationEvent, ReplyTo, Submit,
-};
+use crate::server::batcher::{next_request_id, GenerationEvent, ReplyTo, Submit};
 use crate::server::gate::admission::Permit;
 use crate::server::gate::credentials::Refusal;
 use crate::server::gate::outbox::{watched, Backlog};
@@ -53,7 +51,7 @@ use crate::server::gate::peer::Peer;
 use crate::server::gate::tenants::{ClientKind, Identity, Roles};
 use crate::server::request::prompt::chat_prompt;
 use crate::server::request::reply::FinishReason;
-use crate::server::request::reply::ReplyText;
+use crate::server::request::stream::{ReplyStream, Update};
 use crate::server::request::Prompt;
 use crate::server::request::{Dialect, ErrorKind, RequestError};
 use crate::server::state::{AppState, Ready};

@@ -7,6 +7,7 @@ pub mod error;
 pub mod prompt;
 pub mod reply;
 pub mod stop;
+pub mod stream;
 
 use serde::{Deserialize, Serialize};
 
@@ -18,7 +19,7 @@ use crate::sampler::{SamplingOverrides, SamplingParams};
 use crate::tokenizer::Message;
 
 /// Optional generation parameters of a `chat` frame; absent ones take the server's defaults.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct GenerateParams {
     #[serde(flatten)]

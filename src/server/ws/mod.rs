@@ -3,6 +3,7 @@
 //! sessions parked for `resume` (`parked`) and the seals that let a client `restore` a
 //! conversation (`seal`).
 
+pub mod dispatch;
 pub mod parked;
 pub mod protocol;
 pub mod seal;

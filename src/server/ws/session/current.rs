@@ -1,24 +1,22 @@
-//! The reply in flight: its ids, where it replaces the conversation, its text so far and the
-//! deltas sent, what the user heard, and a paced reply's window.
+//! The reply in flight: its ids, where it replaces the conversation, its reply stream (the text
+//! and the rules every dialect shares: `request::stream`) and the deltas sent, what the user
+//! heard, and a paced reply's window.
 
 use crate::server::ws::session::*;
 
 /// The request in flight.
 pub(super) struct Current {
     pub(super) client_id: String,
-    pub(super) request: RequestId,
     /// Where the conversation is cut when the reply ends (its length for a new turn; earlier
     /// for a regenerated reply or an edited turn), and the messages that follow the cut.
     pub(super) replace_from: usize,
     pub(super) new_messages: Vec<Message>,
-    pub(super) text: ReplyText,
+    pub(super) reply: ReplyStream,
     /// For each delta sent (its index is its place here): the reply's tokens so far, and the
     /// sent text's length after it.
     pub(super) delta_ends: Vec<(usize, usize)>,
     /// The prompt's length in tokens, once `started` has reported it.
     pub(super) prompt_tokens: Option<usize>,
-    /// A stop string matched or a cancel was sent: ignore further tokens.
-    pub(super) ending: bool,
     /// The last delta the user heard, from a `cancel` with `heard_index`.
     pub(super) heard: Option<usize>,
     /// A `cancel` was sent after this many of the reply's tokens.
@@ -43,13 +41,11 @@ impl Current {
     ) -> Self {
         Current {
             client_id,
-            request,
             replace_from,
             new_messages,
-            text: ReplyText::new(stop),
+            reply: ReplyStream::new(request, stop),
             delta_ends: Vec::new(),
             prompt_tokens: None,
-            ending: false,
             heard: None,
             cancelled_at: None,
             skip: None,
@@ -73,12 +69,29 @@ impl Current {
         let w = self.window?;
         let base = self.acked.map_or(0, |k| self.delta_ends[k].0);
         let in_deltas = self.delta_ends.last().map_or(0, |d| d.0);
-        Some(base + w + self.text.tokens().saturating_sub(in_deltas))
+        Some(base + w + self.reply.text().tokens().saturating_sub(in_deltas))
+    }
+
+    /// The client cancels (`heard`: the last delta the user heard): the `Cancel` for the
+    /// batcher, its lease keeping the prompt and the heard deltas' tokens. Once is enough: a
+    /// repeat, or a cancel of a reply already ending, gives `None`.
+    pub(super) fn cancel(&mut self, heard: Option<usize>) -> Option<Cancel> {
+        if self.reply.ending() {
+            return None;
+        }
+        self.reply.end();
+        self.heard = heard;
+        self.cancelled_at = Some(self.reply.text().tokens());
+        let keep = heard.and_then(|h| self.prompt_tokens.map(|p| p + self.delta_ends[h].0));
+        Some(Cancel {
+            request: self.reply.request(),
+            reason: CancelReason::Client { keep },
+        })
     }
 
     /// The deltas sent so far, by index.
     pub(super) fn delta_texts(&self) -> Vec<String> {
-        let sent = self.text.sent();
+        let sent = self.reply.text().sent();
         let mut from = 0;
         self.delta_ends
             .iter()
@@ -92,7 +105,7 @@ impl Current {
 
     /// The reply as the conversation records it: all that was sent, or what the user heard.
     pub(super) fn recorded_text(&self) -> &str {
-        let sent = self.text.sent();
+        let sent = self.reply.text().sent();
         match self.heard {
             Some(h) => &sent[..self.delta_ends[h].1],
             None => sent,

@@ -1,23 +1,19 @@
-//! A client frame's dispatch (`on_text`) and the turns it starts: `chat`, `regenerate`, `edit`,
-//! `restore`, `draft`, `ack`, `cancel`; a turn is validated by the request seam, its prompt built
-//! on the blocking pool, then submitted.
+//! A client frame carried out (`on_text`: what `ws::dispatch::handle` decided) and the turns it
+//! starts: a turn is validated by the request seam, its prompt built on the blocking pool, then
+//! submitted; a draft is prefilled the same way.
 
 use crate::server::ws::session::*;
 
 impl Session {
+    /// A text frame: the native dialect's dispatch (`ws::dispatch::handle`, pure) decides, this
+    /// carries it out.
     pub(super) fn on_text(&mut self, text: &str, ctx: &mut ws::WebsocketContext<Self>) {
         if self.realtime.is_some() {
             return self.on_realtime(text, ctx);
         }
-        let frame: ClientFrame = match serde_json::from_str(text) {
+        let frame = match dispatch::parse(text) {
             Ok(f) => f,
-            Err(e) => {
-                return self.error(
-                    ctx,
-                    None,
-                    RequestError::InvalidRequest(format!("malformed frame: {e}")),
-                );
-            }
+            Err(e) => return self.error(ctx, None, e),
         };
         if !matches!(frame, ClientFrame::Resume { .. }) {
             self.used = true;
@@ -25,215 +21,74 @@ impl Session {
                 return self.refuse_ticket(ctx);
             }
         }
-        match frame {
-            ClientFrame::Resume {
+        let (sealer, identity) = (&self.state.sealer, &self.identity);
+        let seal_verifies =
+            |content: &str, seal: &str| sealer.verify(&identity.seal_scope(), content, seal);
+        let view = dispatch::View {
+            limits: &self.state.session.limits,
+            roles: self.identity.roles,
+            seal_verifies: &seal_verifies,
+            conversation: &self.conversation,
+            running: self.current.as_ref().map(|c| dispatch::Running {
+                id: &c.client_id,
+                deltas: c.delta_ends.len(),
+                paced: c.window.is_some(),
+            }),
+            last_reply: self.last.as_ref().map(|l| l.client_id.as_str()),
+            preparing: self.preparing.is_some(),
+        };
+        let action = match dispatch::handle(frame, &view) {
+            Ok(a) => a,
+            Err(r) => return self.error(ctx, r.id, r.error),
+        };
+        match action {
+            Action::Resume {
                 token,
                 id,
                 after_index,
             } => self.resume(token, id, after_index, ctx),
-            ClientFrame::Draft { text } => match (self.state.session.limits)
-                .check_message_chars(Field::Wire("text".into()), &text)
-                .map(|()| text)
-            {
-                Ok(text) if self.current.is_some() || self.preparing.is_some() => {
-                    self.pending_draft = Some(text)
-                }
-                Ok(text) => self.start_draft(text, ctx),
-                Err(e) => self.error(ctx, None, e),
-            },
-            ClientFrame::Ack { id, index } => match &mut self.current {
-                Some(c) if c.client_id == id && c.window.is_some() => {
-                    if index >= c.delta_ends.len() {
-                        let e = RequestError::invalid(
-                            Field::Wire("index".into()),
-                            format!(
-                                "is {index}; {} deltas of `{id}` were sent (indexes from 0)",
-                                c.delta_ends.len()
-                            ),
-                        );
-                        return self.error(ctx, Some(id), e);
-                    }
+            Action::Draft(text) => self.start_draft(text, ctx),
+            Action::DraftLater(text) => self.pending_draft = Some(text),
+            Action::Ack(index) => {
+                if let Some(c) = &mut self.current {
                     // Acks may come out of order: the furthest one counts.
                     c.acked = c.acked.max(Some(index));
-                    self.allow_more();
                 }
-                Some(c) if c.client_id == id => self.error(
-                    ctx,
-                    Some(id),
-                    RequestError::InvalidRequest(
-                        "`ack` is for paced replies (`params.window`)".into(),
-                    ),
-                ),
-                // A reply that just ended: an ack in flight is not an error.
-                _ if self.last.as_ref().is_some_and(|l| l.client_id == id) => {}
-                _ => self.error(
-                    ctx,
-                    Some(id),
-                    RequestError::InvalidRequest("`id` names no running request".into()),
-                ),
-            },
-            ClientFrame::Chat {
+                self.allow_more();
+            }
+            Action::Turn {
                 id,
                 messages,
                 params,
+                replace_from,
+                ends_draft,
             } => {
+                if ends_draft {
+                    self.pending_draft = None;
+                }
+                self.validated_turn(id, messages, *params, replace_from, ctx);
+            }
+            Action::Cancel { heard } => {
+                if let Some(cancel) = self.current.as_mut().and_then(|c| c.cancel(heard)) {
+                    self.ready.batcher.do_send(cancel);
+                }
+            }
+            Action::Restore(messages) => {
+                tracing::info!(session = %self.id, conversation = ?self.conversation_id, messages = messages.len(), "conversation restored");
+                let n = messages.len();
+                self.conversation = messages;
                 self.pending_draft = None;
-                let end = self.conversation.len();
-                self.validated_turn(id, messages, params, end, ctx);
+                self.send(ctx, &ServerFrame::Restored { messages: n });
             }
-            ClientFrame::Cancel { id, heard_index } => match &mut self.current {
-                Some(c) if c.client_id == id => {
-                    if let Some(h) = heard_index.filter(|&h| h >= c.delta_ends.len()) {
-                        let e = RequestError::invalid(
-                            Field::Wire("heard_index".into()),
-                            format!(
-                                "is {h}; {} deltas of `{id}` were sent (indexes from 0)",
-                                c.delta_ends.len()
-                            ),
-                        );
-                        return self.error(ctx, Some(id), e);
-                    }
-                    // Once is enough: repeats of a cancel (or a cancel of a reply already
-                    // ending) never reach the batcher.
-                    if !c.ending {
-                        c.ending = true;
-                        c.heard = heard_index;
-                        c.cancelled_at = Some(c.text.tokens());
-                        // The lease keeps the prompt and the heard deltas' tokens.
-                        let keep = heard_index
-                            .and_then(|h| c.prompt_tokens.map(|p| p + c.delta_ends[h].0));
-                        self.ready.batcher.do_send(Cancel {
-                            request: c.request,
-                            reason: CancelReason::Client { keep },
-                        });
-                    }
-                }
-                _ => self.error(
-                    ctx,
-                    Some(id),
-                    RequestError::InvalidRequest("`id` names no running request".into()),
-                ),
-            },
-            ClientFrame::Regenerate { id, params } => {
-                let Some(last) = self
-                    .conversation
-                    .iter()
-                    .rposition(|m| m.role == "assistant")
-                else {
-                    let e = RequestError::InvalidRequest("there is no reply to regenerate".into());
-                    return self.error(ctx, Some(id), e);
-                };
-                // The turn that reply answered: the messages since the reply before it.
-                let start = self.conversation[..last]
-                    .iter()
-                    .rposition(|m| m.role == "assistant")
-                    .map_or(0, |i| i + 1);
-                let messages = self.conversation[start..last].to_vec();
-                self.validated_turn(id, messages, params, start, ctx);
-            }
-            ClientFrame::Edit {
-                id,
-                turn,
-                messages,
-                params,
-            } => {
-                let users = self.conversation.iter().enumerate();
-                let Some(at) = users
-                    .filter(|(_, m)| m.role == "user")
-                    .nth(turn)
-                    .map(|(i, _)| i)
-                else {
-                    let n = self
-                        .conversation
-                        .iter()
-                        .filter(|m| m.role == "user")
-                        .count();
-                    let e = RequestError::invalid(
-                        Field::Wire("turn".into()),
-                        format!("is {turn}; the conversation has {n} user turns (numbered from 0)"),
-                    );
-                    return self.error(ctx, Some(id), e);
-                };
-                self.validated_turn(id, messages, params, at, ctx);
-            }
-            ClientFrame::Restore { messages } => {
-                match validate_restore(&self.state.session.limits, messages) {
-                    Ok(m) => self.restore(m, ctx),
-                    Err(e) => self.error(ctx, None, e),
-                }
-            }
-            ClientFrame::Reset => {
-                if let Some(c) = &self.current {
-                    let id = c.client_id.clone();
-                    return self.error(ctx, None, RequestError::Busy(id));
-                }
+            Action::Reset => {
                 self.conversation.clear();
                 self.pending_draft = None;
                 self.ready.batcher.do_send(EndLease {
                     lease: self.lease_key(),
                 });
             }
+            Action::Nothing => {}
         }
-    }
-
-    /// `restore`: a session with no conversation yet takes the transcript its client kept. An
-    /// assistant message from a client that may not send assistant messages needs the seal its
-    /// `done` gave (for this client: same tenant, kind and operator text); any other role the
-    /// client may not send is refused as in a `chat`. Nothing is computed until the next chat.
-    pub(super) fn restore(
-        &mut self,
-        messages: Vec<crate::server::ws::protocol::RestoredMessage>,
-        ctx: &mut ws::WebsocketContext<Self>,
-    ) {
-        if let Some(c) = &self.current {
-            let id = c.client_id.clone();
-            return self.error(ctx, None, RequestError::Busy(id));
-        }
-        if !self.conversation.is_empty() || self.preparing.is_some() {
-            return self.error(
-                ctx,
-                None,
-                RequestError::InvalidRequest(
-                    "`restore` starts a conversation: send it before the first chat (or after `reset`)"
-                        .into(),
-                ),
-            );
-        }
-        let scope = self.identity.seal_scope();
-        for (i, m) in messages.iter().enumerate() {
-            if self.identity.roles.allows(&m.role) {
-                continue;
-            }
-            let sealed = m.role == "assistant"
-                && (m.seal.as_deref())
-                    .is_some_and(|s| self.state.sealer.verify(&scope, &m.content, s));
-            if sealed {
-                continue;
-            }
-            let e = if m.role == "assistant" {
-                RequestError::invalid(
-                    Field::Seal(i),
-                    "an assistant message from this client needs the seal its `done` gave, for this very text",
-                )
-            } else {
-                match self.identity.roles.check(i, &m.role) {
-                    Err(e) => e,
-                    Ok(()) => continue,
-                }
-            };
-            return self.error(ctx, None, e);
-        }
-        self.conversation = (messages.iter())
-            .map(|m| Message::new(&m.role, &m.content))
-            .collect();
-        self.pending_draft = None;
-        tracing::info!(session = %self.id, conversation = ?self.conversation_id, messages = messages.len(), "conversation restored");
-        self.send(
-            ctx,
-            &ServerFrame::Restored {
-                messages: messages.len(),
-            },
-        );
     }
 
     /// Prefills the conversation plus `text` (the user's next message so far) into the
@@ -396,11 +251,9 @@ impl Session {
                 match res {
                     Ok(position) => {
                         // Only while it has not started yet: `started` may already have arrived.
-                        if act
-                            .current
-                            .as_ref()
-                            .is_some_and(|c| c.request == request && c.delta_ends.is_empty())
-                        {
+                        if act.current.as_ref().is_some_and(|c| {
+                            c.reply.request() == request && c.delta_ends.is_empty()
+                        }) {
                             act.send(
                                 ctx,
                                 &ServerFrame::Queued {
@@ -412,7 +265,11 @@ impl Session {
                         }
                     }
                     Err(e) => {
-                        if act.current.as_ref().is_some_and(|c| c.request == request) {
+                        if act
+                            .current
+                            .as_ref()
+                            .is_some_and(|c| c.reply.request() == request)
+                        {
                             act.current = None;
                         }
                         act.error(ctx, Some(id), e);
@@ -429,22 +286,15 @@ impl Session {
         if let Some(n) = c.allowance().filter(|&n| n > c.allowed) {
             c.allowed = n;
             self.ready.batcher.do_send(Allow {
-                request: c.request,
+                request: c.reply.request(),
                 tokens: n,
             });
         }
     }
 
-    /// Sends `text` as the next delta; when a stop string matched, ends the request.
+    /// Sends `text` as the next delta.
     pub(super) fn forward(&mut self, ctx: &mut ws::WebsocketContext<Self>, text: String) {
         let Some(c) = &mut self.current else { return };
-        if c.text.stopped() && !c.ending {
-            c.ending = true;
-            self.ready.batcher.do_send(Cancel {
-                request: c.request,
-                reason: CancelReason::StopString,
-            });
-        }
         if !text.is_empty() {
             let index = c.delta_ends.len();
             let frame = ServerFrame::Delta {
@@ -452,7 +302,8 @@ impl Session {
                 index,
                 text,
             };
-            c.delta_ends.push((c.text.tokens(), c.text.sent().len()));
+            c.delta_ends
+                .push((c.reply.text().tokens(), c.reply.text().sent().len()));
             if c.skip.is_none_or(|s| index > s) {
                 self.send(ctx, &frame);
             }

@@ -35,11 +35,12 @@ use crate::server::gate::outbox::{watched, Backlog};
 use crate::server::gate::rate::TokenBucket;
 use crate::server::gate::tenants::{ClientKind, Identity};
 use crate::server::request::prompt::chat_prompt;
-use crate::server::request::reply::ReplyText;
-use crate::server::request::{Field, RequestError, ValidRequest};
+use crate::server::request::stream::{ReplyStream, Update};
+use crate::server::request::{RequestError, ValidRequest};
 use crate::server::state::{AppState, Ready};
+use crate::server::ws::dispatch::{self, Action};
 use crate::server::ws::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
-use crate::server::ws::protocol::{validate_restore, ClientFrame, ServerFrame};
+use crate::server::ws::protocol::{ClientFrame, ServerFrame};
 use crate::tokenizer::Message;
 
 mod current;
@@ -296,7 +297,7 @@ impl Actor for Session {
         self.state.parked.unregister(&self.token);
         if let Some(c) = self.current.take() {
             self.ready.batcher.do_send(Cancel {
-                request: c.request,
+                request: c.reply.request(),
                 reason: CancelReason::Disconnected,
             });
         }
@@ -440,11 +441,28 @@ impl Session {
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
         let Some(c) = &mut self.current else { return };
-        if c.request != request {
+        if c.reply.request() != request {
             return;
         }
-        match kind {
-            EventKind::Queued { position, eta_ms } => {
+        let token = matches!(kind, EventKind::Token { .. });
+        let step = c.reply.on_event(kind, &self.ready.tokenizer);
+        if let Some(cancel) = step.cancel {
+            self.ready.batcher.do_send(cancel);
+        }
+        for update in step.updates {
+            self.on_update(update, ctx);
+        }
+        // A paced reply's allowance grows with tokens held back from the client too.
+        if token {
+            self.allow_more();
+        }
+    }
+
+    /// Sends what a reply update means on the wire, and records the reply when it ends.
+    fn on_update(&mut self, update: Update, ctx: &mut ws::WebsocketContext<Self>) {
+        let Some(c) = &mut self.current else { return };
+        match update {
+            Update::Queued { position, eta_ms } => {
                 if c.prompt_tokens.is_none() && c.skip.is_none() {
                     let f = ServerFrame::Queued {
                         id: c.client_id.clone(),
@@ -454,7 +472,7 @@ impl Session {
                     self.send(ctx, &f);
                 }
             }
-            EventKind::Started {
+            Update::Started {
                 prompt_tokens,
                 cached_tokens,
             } => {
@@ -469,25 +487,13 @@ impl Session {
                     self.send(ctx, &f);
                 }
             }
-            EventKind::Token { id: t, .. } => {
-                if c.ending {
-                    return;
-                }
-                let text = c.text.push(&self.ready.tokenizer, t);
-                self.forward(ctx, text);
-                self.allow_more();
-            }
-            EventKind::Finished {
+            Update::Delta { text, .. } => self.forward(ctx, text),
+            Update::Finished {
                 reason,
-                mut usage,
+                usage,
                 timings,
             } => {
-                if !c.ending {
-                    let rest = c.text.finish(&self.ready.tokenizer);
-                    self.forward(ctx, rest);
-                }
                 let Some(c) = self.current.take() else { return };
-                usage.completion_tokens = usage.completion_tokens.max(c.text.tokens());
                 tracing::info!(
                     session = %self.id, conversation = ?self.conversation_id, request = %c.client_id, ?reason,
                     prompt_tokens = usage.prompt_tokens, cached_tokens = usage.cached_tokens,
@@ -514,7 +520,7 @@ impl Session {
                 self.conversation.extend(c.new_messages);
                 self.conversation.push(reply);
             }
-            EventKind::Failed(e) => {
+            Update::Failed(e) => {
                 let id = c.client_id.clone();
                 self.last = Some(LastReply {
                     deltas: c.delta_texts(),

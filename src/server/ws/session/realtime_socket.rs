@@ -39,15 +39,9 @@ impl Session {
                 self.validated_turn(id, messages, *params, from, ctx);
             }
             Ok(Action::Cancel(response)) => {
-                if let Some(c) = self.current.as_mut().filter(|c| c.client_id == response) {
-                    if !c.ending {
-                        c.ending = true;
-                        c.cancelled_at = Some(c.text.tokens());
-                        self.ready.batcher.do_send(Cancel {
-                            request: c.request,
-                            reason: CancelReason::Client { keep: None },
-                        });
-                    }
+                let current = self.current.as_mut().filter(|c| c.client_id == response);
+                if let Some(cancel) = current.and_then(|c| c.cancel(None)) {
+                    self.ready.batcher.do_send(cancel);
                 }
             }
             Err(e) => self.realtime_refused(ctx, e),

@@ -22,10 +22,10 @@ impl Session {
         self.parked.store(true, Ordering::SeqCst);
         let reply = self.current.take().map(|c| ParkedReply {
             client_id: c.client_id,
-            request: c.request,
+            request: c.reply.request(),
             replace_from: c.replace_from,
             new_messages: c.new_messages,
-            stop: c.text.stop_strings().to_vec(),
+            stop: c.reply.text().stop_strings().to_vec(),
             window: c.window,
             cancelled_at: c.cancelled_at,
             heard: c.heard,
@@ -261,15 +261,15 @@ impl Session {
         } else {
             None
         };
-        let request = c.request;
+        let request = c.reply.request();
         self.current = Some(c);
         // Where the client's cancel stopped the reply, the replay stops too, as the old session
         // did: checked before every event, so that an end right after the cancel point sees it.
         let mut tokens = 0;
         let stop_at_cancel = |tokens: usize, current: &mut Option<Current>| {
             if let (Some(n), Some(c)) = (r.cancelled_at, current) {
-                if tokens >= n && !c.ending {
-                    c.ending = true;
+                if tokens >= n && !c.reply.ending() {
+                    c.reply.end();
                     c.heard = r.heard;
                     c.cancelled_at = Some(n);
                 }
