@@ -8,6 +8,8 @@
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
+//!     cargo bench --bench engine -- --roof [--threads 2]  # this machine's roof, and the engine's
+//!                                   # prefill, decode and projection kernels as shares of it
 //!     cargo bench --bench engine -- --decode-only 16 [--context 128]   # one batch size, many steps
 //!     cargo bench --bench engine -- --chunk 44 --context 464   # a cache-hit turn's prefill step
 //!     cargo bench --bench engine -- --chunk 27 --context 433 --seqs 10   # ten such turns in one step
@@ -34,6 +36,7 @@ struct Args {
     prompt_only: bool,
     kernels: bool,
     kernels_k: bool,
+    roof: bool,
     attention: Option<usize>,
     decode_only: Option<usize>,
     context: usize,
@@ -56,6 +59,7 @@ fn parse() -> Args {
         prompt_only: false,
         kernels: false,
         kernels_k: false,
+        roof: false,
         attention: None,
         decode_only: None,
         context: 128,
@@ -79,6 +83,7 @@ fn parse() -> Args {
             "--prompt-only" => a.prompt_only = true,
             "--kernels" => a.kernels = true,
             "--kernels-k" => a.kernels_k = true,
+            "--roof" => a.roof = true,
             "--attention" => {
                 a.attention = Some(
                     it.next()
@@ -509,6 +514,104 @@ fn attention(
     }
 }
 
+/// This machine's roof (`kernels::roof`), then the engine's work as shares of it: a 512-token
+/// prefill and a 16-sequence decode step against the 8-bit peak (2 operations per weight and
+/// token, the projections' and LM head's work; attention and the rest are extra time), one
+/// stream's decode step against the read bandwidth (the model file's bytes: every weight read
+/// once a step), and each projection's kernel alone (Q4_1 8-row layout, the default model's
+/// weights) at 1, 16 and 512 rows, its weights read from memory as they are in a step.
+fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
+    use llama_relay::model::kernels::{cpu::Isa, q4_1x8, q8_0x8::RowGroups, roof::Roof};
+    let isa = Isa::best();
+    let r = Roof::measure(isa, threads, reps);
+    let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
+    println!(
+        "roof, {} threads, {}: int8 {:.0} GOP/s (256-bit) / {} (512-bit) | f32 {:.0} GFLOP/s (256-bit) / {} (512-bit) | read {:.1} GB/s",
+        r.threads,
+        r.isa,
+        r.int8_256,
+        opt(r.int8_512),
+        r.f32_256,
+        opt(r.f32_512),
+        r.read_gbs
+    );
+    let c = e.model.config().clone();
+    let kv = c.num_kv_heads * c.head_dim;
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let shapes = [
+        ("qkv", h + 2 * kv, h),
+        ("o", h, c.num_heads * c.head_dim),
+        ("gate_up", 2 * i, h),
+        ("down", h, i),
+        ("lm_head", c.vocab_size, h),
+    ];
+    let per_layer: usize = shapes[..4].iter().map(|(_, n, k)| n * k).sum();
+    let weights = c.num_layers * per_layer + c.vocab_size * h;
+    let ops_per_token = 2.0 * weights as f64;
+    let vocab = c.vocab_size;
+    let prompt = tokens(512, 1, vocab);
+    let prefill = median((0..reps.max(3)).map(|_| prefill_once(e, &prompt)).collect());
+    let one = decode_batch(e, 1, 128, 20);
+    let sixteen = decode_batch(e, 16, 128, 20);
+    let int8 = r.int8();
+    println!(
+        "prefill 512 tokens: {:.0} ms, {:.0} GOP/s = {:.0}% of int8",
+        prefill * 1e3,
+        512.0 * ops_per_token / prefill / 1e9,
+        100.0 * 512.0 * ops_per_token / prefill / 1e9 / int8
+    );
+    println!(
+        "decode 1 sequence (context 128): {:.2} ms, {:.1} GB/s of the model's {:.1} MB = {:.0}% of read",
+        one * 1e3,
+        model_bytes as f64 / one / 1e9,
+        model_bytes as f64 / 1e6,
+        100.0 * model_bytes as f64 / one / 1e9 / r.read_gbs
+    );
+    println!(
+        "decode 16 sequences (context 128): {:.2} ms, {:.0} GOP/s = {:.0}% of int8",
+        sixteen * 1e3,
+        16.0 * ops_per_token / sixteen / 1e9,
+        100.0 * 16.0 * ops_per_token / sixteen / 1e9 / int8
+    );
+    println!("kernel (q4_1x8, cold)  rows   ms    GOP/s  % int8     GB/s  % read");
+    for (name, n, k) in shapes {
+        let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
+            .iter()
+            .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
+            .collect();
+        let wt =
+            candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
+        let q =
+            candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
+                .unwrap();
+        let data = q.data().unwrap();
+        // 20 bytes a row and 32 values: f16 scale and minimum, 16 bytes of nibbles.
+        let bytes = (n * k / 32 * 20) as f64;
+        // As in a step, the weights come from memory, not from a cache: copies of the matrix
+        // that together pass 256 MB (eight times the last-level cache), called one after another
+        // (the threads stay busy as in a step).
+        let copies: Vec<q4_1x8::Repacked> = (0..((256e6 / bytes).ceil() as usize).clamp(2, 1024))
+            .map(|_| q4_1x8::Repacked::from_q4_1(&data, n, k))
+            .collect();
+        for m in [1usize, 16, 512] {
+            let x: Vec<f32> = (0..m * k).map(|j| wf[j % wf.len()]).collect();
+            let t = median_time(reps, || {
+                for rp in &copies {
+                    std::hint::black_box(rp.matmul(&x, m));
+                }
+            }) / copies.len() as f64;
+            let gops = 2.0 * (m * n * k) as f64 / t / 1e9;
+            println!(
+                "{name:<10} {n:>5}x{k:<5} {m:>3} {:>9.3} {gops:>8.0} {:>6.0}% {:>8.1} {:>6.0}%",
+                t * 1e3,
+                100.0 * gops / int8,
+                bytes / t / 1e9,
+                100.0 * bytes / t / 1e9 / r.read_gbs
+            );
+        }
+    }
+}
+
 fn main() {
     let a = parse();
     if a.kernels_k {
@@ -567,6 +670,15 @@ fn main() {
     }
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
     let mut e = Engine::load(&o).unwrap();
+    if a.roof {
+        let model_bytes = a.model.as_ref().map_or_else(
+            || llama_relay::default_model::ensure_default_model().unwrap(),
+            Into::into,
+        );
+        let model_bytes = std::fs::metadata(model_bytes).map_or(0, |m| m.len());
+        roof(&mut e, a.threads, a.reps, model_bytes);
+        return;
+    }
     let vocab = e.model.config().vocab_size;
     let cpu_layers = e.model.set_cpu_layers(!a.no_cpu_layers);
     println!(
