@@ -4,9 +4,10 @@
 //! - **Dense path for big steps.** candle's quantized CPU matmul runs one dot product per (row,
 //!   column) pair and its speed does not grow with the rows, while its F32 gemm's does (figures:
 //!   docs/performance.md, "Measurements behind constants in the code"). A step with at
-//!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS`)
-//!   dequantizes the weight into a buffer that is dropped right after and runs the F32 gemm. No
-//!   second copy of the weights is kept.
+//!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS` on
+//!   AVX2; with AVX-512 VNNI the repacked Q8_0 and Q4_1 kernels win at every size and never go
+//!   dense) dequantizes the weight into a buffer that is dropped right after and runs the F32
+//!   gemm. No second copy of the weights is kept.
 //! - **Fused projections.** Q, K and V (and gate and up) read the same input; stored as one matrix
 //!   they cost one activation quantization and one thread-pool dispatch instead of three.
 
@@ -17,6 +18,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use super::kernels::cpu::Isa;
 use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
@@ -110,9 +112,13 @@ impl Packed {
         each_layout!(self, r => r.matmul_quantized(a))
     }
 
-    /// Rows from which `forward_rows` takes the dense path.
-    fn dense_from(&self) -> usize {
+    /// Rows from which `forward_rows` takes the dense path, at instruction-set level `isa`: with
+    /// AVX-512 VNNI the Q8_0 and Q4_1 kernels stay ahead of dequantize + gemm at every size
+    /// (never dense: `usize::MAX`); AVX2 machines keep the thresholds measured on them.
+    fn dense_from(&self, isa: Isa) -> usize {
+        let vnni = isa.avx512_vnni().is_some();
         match self {
+            Packed::Q8_0(_) | Packed::Q4_1(_) if vnni => usize::MAX,
             Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
             Packed::Q4_1(_) | Packed::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
         }
@@ -121,8 +127,13 @@ impl Packed {
     /// `x[rows, k] . w^T` as `[rows, n]`: the packed kernel, or from `*_DENSE_MIN_ROWS` rows on the
     /// dense path (dequantize, then candle's F32 gemm).
     pub fn forward_rows(&self, xs: &[f32], rows: usize) -> Result<Vec<f32>> {
+        self.forward_rows_at(xs, rows, Isa::best())
+    }
+
+    /// `forward_rows` as level `isa` chooses its path (tests try each level's choice).
+    fn forward_rows_at(&self, xs: &[f32], rows: usize, isa: Isa) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
-        if rows < self.dense_from() {
+        if rows < self.dense_from(isa) {
             return Ok(self.matmul(xs, rows));
         }
         let w = Tensor::from_vec(self.dequantize(), (n, k), &Device::Cpu)?;
@@ -230,8 +241,9 @@ impl Linear {
 /// shapes (docs/performance.md, "Measurements behind constants in the code").
 pub const Q8_0_DENSE_MIN_ROWS: usize = 192;
 
-/// The same for Q4_1, whose kernel holds 160-240 GFLOP/s: ahead of dequantize + gemm on every
-/// shape up to 256 rows, mixed at 512 (same benchmark).
+/// The same for Q4_1, whose AVX2 kernel held 160-240 GFLOP/s there: ahead of dequantize + gemm on
+/// every shape up to 256 rows, mixed at 512 (same benchmark). With AVX-512 VNNI neither Q8_0 nor
+/// Q4_1 goes dense (`Packed::dense_from`; docs/performance.md, "The roof report").
 pub const Q4_1_DENSE_MIN_ROWS: usize = 512;
 
 /// `x [.., k] . w^T` for a repacked matrix: the 8-row kernel for small steps, dequantize + F32
@@ -325,7 +337,7 @@ impl PackedGroup<'_> {
         };
         let total: usize = parts.iter().map(|p| p.dims().0).sum();
         let k = parts.first().map_or(0, |p| p.dims().1);
-        let outs: Vec<Vec<f32>> = if parts.iter().all(|p| rows < p.dense_from()) {
+        let outs: Vec<Vec<f32>> = if parts.iter().all(|p| rows < p.dense_from(Isa::best())) {
             let a = quantize_rows(xs, rows, k);
             parts.iter().map(|p| p.matmul_quantized(&a)).collect()
         } else {
@@ -378,12 +390,43 @@ mod tests {
         assert!(matches!(lin.w, Weight::Packed(_)));
         for (lin, dense_rows) in [(&kept, DENSE_MIN_ROWS), (&lin, Q8_0_DENSE_MIN_ROWS)] {
             let x = Tensor::randn(0f32, 1.0, (dense_rows, 64), &dev).unwrap();
-            let dense = lin.forward(&x).unwrap();
             let exact = x.matmul(&deq.t().unwrap()).unwrap();
+            let dense = match lin.as_packed() {
+                // The level whose choice is the dense path at these rows (AVX2 and scalar keep
+                // the threshold), whatever this CPU has.
+                Some(p) => {
+                    let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    let out = p.forward_rows_at(&xs, dense_rows, Isa::Scalar).unwrap();
+                    Tensor::from_vec(out, (dense_rows, 96), &dev).unwrap()
+                }
+                None => lin.forward(&x).unwrap(),
+            };
             close(&dense, &exact, 1e-4);
             // The quantized kernels agree up to activation quantization.
             let small = lin.forward(&x.narrow(0, 0, 5).unwrap()).unwrap();
             close(&small, &exact.narrow(0, 0, 5).unwrap(), 0.5);
+        }
+    }
+
+    #[test]
+    fn with_vnni_big_steps_stay_on_the_kernels() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (32, 64), &dev).unwrap();
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            let q = std::sync::Arc::new(QTensor::quantize(&w, dtype).unwrap());
+            let lin = Linear::new(QMatMul::from_arc(q).unwrap()).unwrap();
+            let p = lin.as_packed().expect("repacked");
+            for isa in Isa::available() {
+                let dense_from = p.dense_from(isa);
+                match isa.avx512_vnni() {
+                    Some(_) => assert_eq!(dense_from, usize::MAX, "{dtype:?}"),
+                    None => assert!(
+                        dense_from <= Q4_1_DENSE_MIN_ROWS,
+                        "{dtype:?} {}",
+                        isa.name()
+                    ),
+                }
+            }
         }
     }
 
