@@ -82,53 +82,35 @@ const ACC: usize = 12;
 /// Runs `iters` iterations of a peak loop; returns the operations done (and a value the
 /// compiler cannot drop).
 fn run(isa: Isa, width: Width, kind: Kind, iters: usize) -> (f64, i64) {
+    let (per, sink) = peak_loop(isa, width, kind, iters);
+    ((ACC * per * iters) as f64, sink)
+}
+
+/// The loop for this level, width and kind: the operations one accumulator does an iteration,
+/// and the loop's value.
+fn peak_loop(isa: Isa, width: Width, kind: Kind, iters: usize) -> (usize, i64) {
     #[cfg(target_arch = "x86_64")]
     {
-        if let (Width::W512, Some(_)) = (width, isa.avx512_vnni()) {
-            // SAFETY: the token proves AVX-512 F/BW/VL/VNNI.
-            return unsafe {
-                match kind {
-                    Kind::Int8 => (x86::dpbusd_512(iters), (ACC * 64 * 2 * iters) as f64),
-                    Kind::F32 => (x86::fma_512(iters), (ACC * 16 * 2 * iters) as f64),
-                }
+        let (vnni, avx2) = (isa.avx512_vnni().is_some(), isa.avx2().is_some());
+        // SAFETY: each loop runs only with the token that proves its features (`vnni`: AVX-512
+        // F/BW/VL/VNNI; `avx2`: AVX2 and FMA).
+        unsafe {
+            match (kind, width) {
+                (Kind::Int8, Width::W512) if vnni => return (128, x86::dpbusd_512(iters)),
+                (Kind::F32, Width::W512) if vnni => return (32, x86::fma_512(iters)),
+                (Kind::Int8, _) if vnni => return (64, x86::dpbusd_256(iters)),
+                // vpmaddubsw + vpmaddwd: 32 byte products summed in pairs, then in pairs again:
+                // the same 32 multiply-adds as one 256-bit vpdpbusd, in two instructions.
+                (Kind::Int8, _) if avx2 => return (64, x86::maddubs_256(iters)),
+                (Kind::F32, _) if avx2 => return (16, x86::fma_256(iters)),
+                _ => {}
             }
-            .swap();
-        }
-        if let (Kind::Int8, Some(_)) = (kind, isa.avx512_vnni()) {
-            {
-                // SAFETY: the token proves AVX-512 VL and VNNI.
-                let v = unsafe { x86::dpbusd_256(iters) };
-                return ((ACC * 32 * 2 * iters) as f64, v);
-            }
-        }
-        if isa.avx2().is_some() {
-            // SAFETY: the token proves AVX2 and FMA.
-            return unsafe {
-                match kind {
-                    // vpmaddubsw + vpmaddwd: 32 byte products summed in pairs, then in pairs
-                    // again: the same 32 multiply-adds as one 256-bit vpdpbusd, in two
-                    // instructions.
-                    Kind::Int8 => (x86::maddubs_256(iters), (ACC * 32 * 2 * iters) as f64),
-                    Kind::F32 => (x86::fma_256(iters), (ACC * 8 * 2 * iters) as f64),
-                }
-            }
-            .swap();
         }
     }
     let _ = (isa, width);
     match kind {
-        Kind::Int8 => ((ACC * 2 * iters) as f64, scalar_int8(iters)),
-        Kind::F32 => ((ACC * 2 * iters) as f64, scalar_f32(iters) as i64),
-    }
-}
-
-trait Swap {
-    fn swap(self) -> (f64, i64);
-}
-
-impl Swap for (i64, f64) {
-    fn swap(self) -> (f64, i64) {
-        (self.1, self.0)
+        Kind::Int8 => (2, scalar_int8(iters)),
+        Kind::F32 => (2, scalar_f32(iters) as i64),
     }
 }
 
