@@ -85,19 +85,10 @@ struct GenerateArgs {
     ignore_eos: bool,
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// One line on stderr: the error and its causes, `: `-joined; with RUST_BACKTRACE set, anyhow's
 /// whole report (causes one per line, and the backtrace).
 fn main() -> std::process::ExitCode {
-    init_tracing();
+    llama_relay::settings::init_logging();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,

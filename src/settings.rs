@@ -366,6 +366,23 @@ pub fn parse_device(s: &str) -> Result<Device> {
 /// Spins of candle's thread pool before a worker parks (see `apply_process_settings`).
 const CANDLE_SPIN_LIMIT: u32 = 1000;
 
+/// The log filter without `RUST_LOG`: `info`, but actix-server's per-worker lines ("starting
+/// worker", "shutting down idle worker", one per thread) only from `warn`: they say nothing the
+/// server's own `listening` line does not, and its workers print them while the process ends,
+/// after the error a fatal start-up failure ends with.
+pub const DEFAULT_LOG_FILTER: &str = "info,actix_server=warn";
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `DEFAULT_LOG_FILTER`): what both binaries
+/// (`llama-relay`, `llama-relay-bench`) install first.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
 /// Applies process-wide settings that must come before any model work: the rayon pool size
 /// (candle's matmuls and our attention share it), candle's pool spin and glibc's allocator tuning.
 pub fn apply_process_settings(threads: usize, malloc_tuning: bool) {

@@ -38,19 +38,10 @@ struct Cli {
     workload: workloads::Workload,
 }
 
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
-}
-
 /// One line on stderr for an error (its causes `: `-joined) and the server's exit status rule:
 /// 2 when what the operator gave cannot work, 1 otherwise.
 fn main() -> std::process::ExitCode {
-    init_tracing();
+    llama_relay::settings::init_logging();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,

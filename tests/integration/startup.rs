@@ -23,6 +23,8 @@ fn run_cli(args: &[&str], env: &[(&str, &str)], limit: Duration) -> Exit {
         .args(args)
         .env("LLAMA_RELAY__SERVER__PORT", "0")
         .env_remove("RUST_BACKTRACE")
+        // The shipped log filter, whatever the test's environment says.
+        .env_remove("RUST_LOG")
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -168,7 +170,7 @@ fn a_model_that_fails_while_loading_ends_the_server_instead_of_a_503_forever() {
     let _g = model_lock();
     let e = run_cli(
         &["serve", "--model", d.to_str().unwrap()],
-        &[("RUST_LOG", "info")],
+        &[],
         Duration::from_secs(60),
     );
     assert!(
