@@ -20,8 +20,13 @@ use rayon::prelude::*;
 use super::cpu::Isa;
 
 use super::q8_0::{QuantizedRows, QK};
-use super::q8_0x8::{RowGroups, GROUP, TILE_ROWS};
+use super::q8_0x8::{pair_by_halves, RowGroups, GROUP, TILE_ROWS};
 
+/// Rows from which the 16-column pair kernel runs: with fewer, each weight is used by one tile
+/// only, and read from memory the pair kernel ran 1.5-2.5x slower than the one-group one (the
+/// output projection at 1-4 rows); from 8 rows, where the tiles reuse a pair from L1, it was as
+/// fast or faster (`docs/performance.md`, "Two groups a tile").
+const PAIR_MIN_ROWS: usize = 8;
 /// Bytes per GGUF Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 pub const BLOCK_BYTES: usize = 20;
 /// Bytes per GGUF Q4_0 block: f16 scale, 16 bytes of nibbles.
@@ -134,9 +139,9 @@ impl RowGroups for Repacked {
         (self.n, self.k)
     }
 
-    fn group(&self, g: usize) -> &[u8] {
+    fn groups(&self, g: usize, count: usize) -> &[u8] {
         let len = self.blocks() * GROUP_BLOCK_BYTES;
-        &self.data[g * len..(g + 1) * len]
+        &self.data[g * len..(g + count) * len]
     }
 
     /// Row `row` as f32 values.
@@ -155,6 +160,39 @@ impl RowGroups for Repacked {
 
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
         tile(w, a, r0, nr, out, isa)
+    }
+
+    /// From `PAIR_MIN_ROWS` rows with AVX-512 VNNI (see `vnni_pair`).
+    fn pairs(&self, rows: usize, isa: Isa) -> bool {
+        rows >= PAIR_MIN_ROWS && isa.avx512_vnni().is_some()
+    }
+
+    fn tile_pair(
+        &self,
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+        isa: Isa,
+    ) {
+        assert!(nr <= TILE_ROWS && r0 + nr <= a.rows);
+        assert!(w.len() >= 2 * a.blocks * GROUP_BLOCK_BYTES && out.len() >= nr * 2 * GROUP);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(vnni) = isa.avx512_vnni() {
+            // SAFETY: the token proves AVX2, FMA, F16C, AVX512F/BW/VL and AVX512VNNI; bounds
+            // asserted above.
+            unsafe {
+                if vnni_pair::wide(vnni) {
+                    dispatch_rows!(nr, vnni_pair::tile512(w, a, r0, out))
+                } else {
+                    dispatch_rows!(nr, vnni_pair::tile256(w, a, r0, out))
+                }
+            }
+            return;
+        }
+        let w = &w[..2 * a.blocks * GROUP_BLOCK_BYTES];
+        pair_by_halves(w, nr, out, |wh, one| tile(wh, a, r0, nr, one, isa));
     }
 }
 
@@ -314,6 +352,188 @@ mod vnni {
     }
 }
 
+/// Two groups (16 output columns) a call with AVX-512 VNNI: each activation broadcast feeds both
+/// groups' products, so a column costs half the broadcasts, scale conversions and loop overhead of
+/// the one-group kernel, whose issue slots, not its `vpdpbusd`s, bound it (48-56% of one core's
+/// 8-bit peak at 4-16 rows, 66-73% for the 512-bit pair; `docs/performance.md`, "The roof
+/// report"). Two forms: both groups in one 512-bit register (`tile512`), or each in a 256-bit one
+/// (`tile256`). Which runs is measured once on this CPU (`wide`), not assumed: a 512-bit
+/// `vpdpbusd` has the 256-bit one's peak on Zen 4 but takes one issue slot for two, and on other
+/// cores 512-bit code may lower the clock.
+#[cfg(target_arch = "x86_64")]
+mod vnni_pair {
+    use super::*;
+    use crate::model::kernels::cpu::Avx512Vnni;
+    use crate::model::kernels::q8_0::quantize_rows;
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+    use std::time::Instant;
+
+    /// Whether `tile512` runs faster than `tile256` here: `LLAMA_RELAY_VNNI_WIDTH` (`256` or
+    /// `512`) when set, else timed once (a few milliseconds: both kernels over 16 cache-resident
+    /// group pairs and 4 rows, alternating, best of 7 rounds each; 512 bits must win by 5%).
+    pub fn wide(_vnni: Avx512Vnni) -> bool {
+        static WIDE: OnceLock<bool> = OnceLock::new();
+        *WIDE.get_or_init(|| {
+            if let Ok(v) = std::env::var("LLAMA_RELAY_VNNI_WIDTH") {
+                match v.as_str() {
+                    "512" => return true,
+                    "256" => return false,
+                    _ => {
+                        tracing::warn!("LLAMA_RELAY_VNNI_WIDTH={v:?} is not 256 or 512; measuring")
+                    }
+                }
+            }
+            let (n, k) = (256, 512);
+            let bytes: Vec<u8> = (0..n * k / QK * BLOCK_BYTES)
+                .map(|i| (i * 131 % 251) as u8 & 0x3b)
+                .collect();
+            let rp = Repacked::from_q4_1(&bytes, n, k);
+            let x: Vec<f32> = (0..4 * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
+            let a = quantize_rows(&x, 4, k);
+            let mut out = [0f32; TILE_ROWS * 2 * GROUP];
+            let mut time = |kernel: unsafe fn(&[u8], &QuantizedRows, usize, &mut [f32])| {
+                let t = Instant::now();
+                for _ in 0..20 {
+                    for p in 0..n / (2 * GROUP) {
+                        // SAFETY: the token proves the features; each pair of groups and the 4
+                        // rows exist.
+                        unsafe { kernel(rp.groups(2 * p, 2), &a, 0, &mut out) };
+                        std::hint::black_box(&out);
+                    }
+                }
+                t.elapsed()
+            };
+            let (mut narrow, mut wide) = (std::time::Duration::MAX, std::time::Duration::MAX);
+            for _ in 0..7 {
+                narrow = narrow.min(time(tile256::<4>));
+                wide = wide.min(time(tile512::<4>));
+            }
+            let pick = wide.as_secs_f64() < 0.95 * narrow.as_secs_f64();
+            tracing::info!(
+                "Q4_1 pair kernel: 512-bit {:.1} us, 256-bit {:.1} us a pass; using {} bits",
+                wide.as_secs_f64() * 1e6 / 20.0,
+                narrow.as_secs_f64() * 1e6 / 20.0,
+                if pick { 512 } else { 256 }
+            );
+            pick
+        })
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA, F16C, AVX512F/BW/VL and AVX512VNNI; `w` must hold two
+    /// groups of `a.blocks` group blocks; rows `r0..r0+NR` must exist in `a`; `out` must hold
+    /// `NR * 16` values.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile512<const NR: usize>(
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let gbytes = a.blocks * GROUP_BLOCK_BYTES;
+        debug_assert!(w.len() >= 2 * gbytes && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * 2 * GROUP);
+        let low = _mm512_set1_epi8(0x0F);
+        let mut acc = [_mm512_setzero_ps(); NR];
+        let (w0, w1) = (w.as_ptr(), w.as_ptr().add(gbytes));
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let (g0, g1) = (w0.add(b * GROUP_BLOCK_BYTES), w1.add(b * GROUP_BLOCK_BYTES));
+            let mut s32 = [_mm512_setzero_si512(); NR];
+            for s in 0..4 {
+                let v = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(
+                        g0.add(QS + s * 32) as *const __m256i
+                    )),
+                    _mm256_loadu_si256(g1.add(QS + s * 32) as *const __m256i),
+                );
+                let lo = _mm512_and_si512(v, low);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                for (r, acc32) in s32.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
+                    let a_lo = _mm512_set1_epi32(at.read_unaligned());
+                    let a_hi = _mm512_set1_epi32(at.add(1).read_unaligned());
+                    *acc32 = _mm512_dpbusd_epi32(*acc32, lo, a_lo);
+                    *acc32 = _mm512_dpbusd_epi32(*acc32, hi, a_hi);
+                }
+            }
+            let halves = |at: usize| {
+                _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(_mm_loadu_si128(g0.add(at) as *const __m128i)),
+                    _mm_loadu_si128(g1.add(at) as *const __m128i),
+                ))
+            };
+            let (dw, mw) = (halves(0), halves(MINS));
+            for r in 0..NR {
+                let ai = (r0 + r) * a.blocks + b;
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.scales.get_unchecked(ai)));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32[r]), d, acc[r]);
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.sums.get_unchecked(ai)), acc[r]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * GROUP), *v);
+        }
+    }
+
+    /// # Safety
+    /// As `tile512`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile256<const NR: usize>(
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let gbytes = a.blocks * GROUP_BLOCK_BYTES;
+        debug_assert!(w.len() >= 2 * gbytes && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * 2 * GROUP);
+        let low = _mm256_set1_epi8(0x0F);
+        let mut acc = [[_mm256_setzero_ps(); 2]; NR];
+        let (w0, w1) = (w.as_ptr(), w.as_ptr().add(gbytes));
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let (g0, g1) = (w0.add(b * GROUP_BLOCK_BYTES), w1.add(b * GROUP_BLOCK_BYTES));
+            let mut s32 = [[_mm256_setzero_si256(); 2]; NR];
+            for s in 0..4 {
+                let v0 = _mm256_loadu_si256(g0.add(QS + s * 32) as *const __m256i);
+                let v1 = _mm256_loadu_si256(g1.add(QS + s * 32) as *const __m256i);
+                let lo0 = _mm256_and_si256(v0, low);
+                let hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+                let lo1 = _mm256_and_si256(v1, low);
+                let hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+                for (r, acc32) in s32.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + s * 8) as *const i32;
+                    let a_lo = _mm256_set1_epi32(at.read_unaligned());
+                    let a_hi = _mm256_set1_epi32(at.add(1).read_unaligned());
+                    acc32[0] = _mm256_dpbusd_epi32(acc32[0], lo0, a_lo);
+                    acc32[1] = _mm256_dpbusd_epi32(acc32[1], lo1, a_lo);
+                    acc32[0] = _mm256_dpbusd_epi32(acc32[0], hi0, a_hi);
+                    acc32[1] = _mm256_dpbusd_epi32(acc32[1], hi1, a_hi);
+                }
+            }
+            let dw = [g0, g1].map(|g| _mm256_cvtph_ps(_mm_loadu_si128(g as *const __m128i)));
+            let mw =
+                [g0, g1].map(|g| _mm256_cvtph_ps(_mm_loadu_si128(g.add(MINS) as *const __m128i)));
+            for r in 0..NR {
+                let ai = (r0 + r) * a.blocks + b;
+                let sa = _mm256_set1_ps(*a.scales.get_unchecked(ai));
+                let ma = _mm256_set1_ps(*a.sums.get_unchecked(ai));
+                for h in 0..2 {
+                    let d = _mm256_mul_ps(dw[h], sa);
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[r][h]), d, acc[r][h]);
+                    acc[r][h] = _mm256_fmadd_ps(mw[h], ma, acc[r][h]);
+                }
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * 2 * GROUP), v[0]);
+            _mm256_storeu_ps(out.as_mut_ptr().add(r * 2 * GROUP + GROUP), v[1]);
+        }
+    }
+}
+
 /// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
 fn tile(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
     assert!(nr <= TILE_ROWS && r0 + nr <= a.rows && w.len() >= a.blocks * GROUP_BLOCK_BYTES);
@@ -419,6 +639,47 @@ mod tests {
                     // -8 d is exact in f16, and d * q - 8 d = d * (q - 8) exactly in f32.
                     assert_eq!(got[b * QK + i], lo);
                     assert_eq!(got[b * QK + i + 16], hi);
+                }
+            }
+        }
+    }
+
+    /// Both forms of the VNNI pair kernel against the scalar reference, 1-4 rows, on a CPU that
+    /// has them (the matmul tests run whichever `wide` picked).
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn both_pair_kernels_equal_scalar() {
+        let Some(_vnni) = crate::model::kernels::cpu::Avx512Vnni::detect() else {
+            eprintln!("both_pair_kernels_equal_scalar: no AVX-512 VNNI here; skipped");
+            return;
+        };
+        let (n, k) = (16, 5 * QK);
+        let rp = Repacked::from_q4_1(&q4_1_bytes(3, n, k), n, k);
+        let x = xs(4, 4 * k);
+        let a = quantize_rows(&x, 4, k);
+        type Kernel = unsafe fn(&[u8], &QuantizedRows, usize, &mut [f32]);
+        let kernels: [(&str, Kernel); 4] = [
+            ("tile256::<4>", vnni_pair::tile256::<4>),
+            ("tile512::<4>", vnni_pair::tile512::<4>),
+            ("tile256::<1>", vnni_pair::tile256::<1>),
+            ("tile512::<1>", vnni_pair::tile512::<1>),
+        ];
+        for (name, kernel) in kernels {
+            let nr = if name.ends_with("<4>") { 4 } else { 1 };
+            for r0 in 0..=4 - nr {
+                let mut got = [0f32; 64];
+                // SAFETY: the CPU has AVX-512 VNNI (detected above); both groups and rows
+                // r0..r0 + nr exist.
+                unsafe { kernel(rp.groups(0, 2), &a, r0, &mut got) };
+                let mut want = [0f32; 64];
+                pair_by_halves(rp.groups(0, 2), nr, &mut want, |wh, one| {
+                    tile_scalar(wh, &a, r0, nr, one)
+                });
+                for (i, (g, w)) in got[..nr * 16].iter().zip(&want[..nr * 16]).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                        "{name} r0 {r0} [{i}]: {g} vs {w}"
+                    );
                 }
             }
         }

@@ -130,9 +130,9 @@ impl RowGroups for Repacked {
         (self.n, self.k)
     }
 
-    fn group(&self, g: usize) -> &[u8] {
+    fn groups(&self, g: usize, count: usize) -> &[u8] {
         let len = self.supers() * GROUP_SUPER_BYTES;
-        &self.data[g * len..(g + 1) * len]
+        &self.data[g * len..(g + count) * len]
     }
 
     fn dequantize_row(&self, row: usize, out: &mut [f32]) {

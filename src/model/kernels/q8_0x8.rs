@@ -162,9 +162,9 @@ impl<const S: usize> RowGroups for Rows8<S> {
         (self.n, self.k)
     }
 
-    fn group(&self, g: usize) -> &[u8] {
+    fn groups(&self, g: usize, count: usize) -> &[u8] {
         let len = self.blocks() * Self::GBB;
-        &self.data[g * len..(g + 1) * len]
+        &self.data[g * len..(g + count) * len]
     }
 
     /// Row `row` as f32 values.
@@ -187,44 +187,49 @@ impl<const S: usize> RowGroups for Rows8<S> {
 
 /// The driver the 8-row kernels share: output columns in tasks of `GROUPS_PER_TASK` groups (a
 /// task's weights stay in L1 while every tile of up to 4 activation rows passes over them), each
-/// tile's `nr x 8` results copied straight into the row-major `[m, n]` result (no per-task
-/// buffers to gather, and the result is not zeroed first: every element is written once, which
-/// matters for the 49152-column output projection). `group(g)` is group `g`'s bytes; `tile(w, a, r0, nr, out)` writes rows `r0..r0+nr` x 8
-/// columns into `out`.
+/// tile's results copied straight into the row-major `[m, n]` result (no per-task buffers to
+/// gather, and the result is not zeroed first: every element is written once, which matters for
+/// the 49152-column output projection). `groups(g, count)` is the bytes of groups
+/// `g..g + count` (adjacent in memory); `tile(w, count, a, r0, nr, out)` writes rows
+/// `r0..r0+nr` x `8 * count` columns of the `count` groups in `w` into `out`. With `pairs`, a
+/// task's groups go two at a time (a lone last one alone).
 pub(crate) fn grouped_matmul<'w>(
     n: usize,
     a: &QuantizedRows,
-    group: impl Fn(usize) -> &'w [u8] + Sync,
-    tile: impl Fn(&[u8], &QuantizedRows, usize, usize, &mut [f32]) + Sync,
+    groups: impl Fn(usize, usize) -> &'w [u8] + Sync,
+    pairs: bool,
+    tile: impl Fn(&[u8], usize, &QuantizedRows, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
     /// The result's base pointer, shared by tasks that write disjoint columns.
     struct Out(*mut f32);
     // SAFETY: tasks write disjoint elements (their own columns), and the Vec outlives them.
     unsafe impl Sync for Out {}
     let m = a.rows;
-    let groups = n.div_ceil(GROUP);
+    let total = n.div_ceil(GROUP);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let base = Out(out.as_mut_ptr());
-    (0..groups.div_ceil(GROUPS_PER_TASK))
+    (0..total.div_ceil(GROUPS_PER_TASK))
         .into_par_iter()
         .for_each(|t| {
             let base = &base;
-            let mut buf = [0f32; TILE_ROWS * GROUP];
-            let g0 = t * GROUPS_PER_TASK;
-            for g in g0..(g0 + GROUPS_PER_TASK).min(groups) {
-                let w = group(g);
+            let mut buf = [0f32; TILE_ROWS * 2 * GROUP];
+            let (mut g, end) = (t * GROUPS_PER_TASK, ((t + 1) * GROUPS_PER_TASK).min(total));
+            while g < end {
+                let count = if pairs && g + 2 <= end { 2 } else { 1 };
+                let w = groups(g, count);
                 let c0 = g * GROUP;
-                let cols = GROUP.min(n - c0);
+                let width = count * GROUP;
+                let cols = width.min(n - c0);
                 let mut r0 = 0;
                 while r0 < m {
                     let nr = (m - r0).min(TILE_ROWS);
-                    tile(w, a, r0, nr, &mut buf[..nr * GROUP]);
+                    tile(w, count, a, r0, nr, &mut buf[..nr * width]);
                     for r in 0..nr {
                         // SAFETY: row r0 + r < m and columns c0..c0 + cols <= n lie inside the
-                        // m * n allocation; only this task writes columns of group g.
+                        // m * n allocation; only this task writes columns of these groups.
                         unsafe {
                             std::ptr::copy_nonoverlapping(
-                                buf.as_ptr().add(r * GROUP),
+                                buf.as_ptr().add(r * width),
                                 base.0.add((r0 + r) * n + c0),
                                 cols,
                             )
@@ -232,6 +237,7 @@ pub(crate) fn grouped_matmul<'w>(
                     }
                     r0 += nr;
                 }
+                g += count;
             }
         });
     // SAFETY: the groups cover columns 0..n and each group's tiles rows 0..m, so all m * n
@@ -240,18 +246,59 @@ pub(crate) fn grouped_matmul<'w>(
     out
 }
 
+/// A pair of adjacent groups (`w`, two groups' bytes) into `out` (`nr x 16`) by a one-group
+/// `tile(group's bytes, out nr x 8)` on each half.
+pub(crate) fn pair_by_halves(
+    w: &[u8],
+    nr: usize,
+    out: &mut [f32],
+    mut tile: impl FnMut(&[u8], &mut [f32]),
+) {
+    let half = w.len() / 2;
+    let mut one = [0f32; TILE_ROWS * GROUP];
+    for (h, wh) in [&w[..half], &w[half..2 * half]].into_iter().enumerate() {
+        tile(wh, &mut one[..nr * GROUP]);
+        for r in 0..nr {
+            out[r * 2 * GROUP + h * GROUP..][..GROUP]
+                .copy_from_slice(&one[r * GROUP..(r + 1) * GROUP]);
+        }
+    }
+}
+
 /// A weight matrix stored in groups of `GROUP` rows for `grouped_matmul`: the 8-row Q8_0 and Q4_1
 /// layouts share the driver, the whole-matrix dequantization and the matmul entry points.
 pub trait RowGroups: Sync {
     /// `(n, k)`: output columns, inner dimension.
     fn dims(&self) -> (usize, usize);
+    /// The bytes of groups `g..g + count`, adjacent in memory.
+    fn groups(&self, g: usize, count: usize) -> &[u8];
     /// Group `g`'s bytes.
-    fn group(&self, g: usize) -> &[u8];
+    fn group(&self, g: usize) -> &[u8] {
+        self.groups(g, 1)
+    }
     /// Row `row` as f32 values.
     fn dequantize_row(&self, row: usize, out: &mut [f32]);
     /// One group against activation rows `r0..r0+nr` into `out` (`nr x GROUP`), with the
     /// best kernel `isa` allows.
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa);
+    /// Whether the driver takes groups two at a time (`tile_pair`) for `rows` activation rows at
+    /// `isa`: where this layout has a 16-column kernel that pays there.
+    fn pairs(&self, _rows: usize, _isa: Isa) -> bool {
+        false
+    }
+    /// Two adjacent groups (`w` holds both) against rows `r0..r0+nr` into `out` (`nr x 16`).
+    /// This default runs `tile` on each; a layout with a 16-column kernel overrides it.
+    fn tile_pair(
+        &self,
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+        isa: Isa,
+    ) {
+        pair_by_halves(w, nr, out, |wh, one| self.tile(wh, a, r0, nr, one, isa));
+    }
 
     /// The whole matrix as f32, `[n, k]` row-major, all threads.
     fn dequantize(&self) -> Vec<f32> {
@@ -293,8 +340,12 @@ pub trait RowGroups: Sync {
         grouped_matmul(
             n,
             a,
-            |g| self.group(g),
-            |w, a, r0, nr, out| self.tile(w, a, r0, nr, out, isa),
+            |g, count| self.groups(g, count),
+            self.pairs(a.rows, isa),
+            |w, count, a, r0, nr, out| match count {
+                2 => self.tile_pair(w, a, r0, nr, out, isa),
+                _ => self.tile(w, a, r0, nr, out, isa),
+            },
         )
     }
 }
