@@ -24,7 +24,7 @@
 
 use std::time::Instant;
 
-use llama_relay::engine::{Engine, EngineOptions, SeqChunk, StepBatch};
+use llama_relay::engine::{Engine, EngineOptions, Logits, SeqChunk, StepBatch};
 use llama_relay::settings::apply_process_settings;
 
 struct Args {
@@ -185,7 +185,7 @@ fn prefill_once(e: &mut Engine, prompt: &[u32]) -> f64 {
             tokens: prompt.to_vec(),
             start_pos: 0,
             block_table: table.clone(),
-            want_logits: true,
+            logits: Logits::Last,
         }],
     };
     let t = Instant::now();
@@ -257,7 +257,7 @@ fn prefilled(e: &mut Engine, n: usize, ctx: usize, room: usize, seed: u64) -> Ve
                 tokens: tokens(ctx, seed + i as u64, vocab),
                 start_pos: 0,
                 block_table: t.clone(),
-                want_logits: false,
+                logits: Logits::None,
             })
             .collect(),
     };
@@ -273,7 +273,7 @@ fn decode_rows(tables: &[Vec<u32>], pos: usize) -> StepBatch {
                 tokens: vec![300 + i as u32],
                 start_pos: pos,
                 block_table: t.clone(),
-                want_logits: true,
+                logits: Logits::Last,
             })
             .collect(),
     }
@@ -723,7 +723,7 @@ fn main() {
                     tokens: tokens(len, seed + i as u64, vocab),
                     start_pos,
                     block_table: table.clone(),
-                    want_logits,
+                    logits: Logits::last_if(want_logits),
                 })
                 .collect(),
         };

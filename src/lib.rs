@@ -25,6 +25,7 @@ pub mod generate;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;
+pub mod perplexity;
 pub mod sampler;
 pub mod server;
 pub mod settings;

@@ -48,6 +48,27 @@ enum Command {
     Serve,
     /// Run one prompt and stream the reply to stdout, with prompt and decode speed at the end.
     Generate(GenerateArgs),
+    /// Score a text: perplexity, and KL divergence against a saved reference run
+    /// (docs/perplexity.md).
+    Perplexity(PerplexityArgs),
+}
+
+#[derive(Args)]
+struct PerplexityArgs {
+    /// A UTF-8 text file (e.g. /usr/share/common-licenses/GPL-3).
+    file: PathBuf,
+    /// Tokens a chunk (its second half is scored).
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(16..))]
+    ctx: u32,
+    /// Chunks at most (default: as many as the text fills).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    chunks: Option<u32>,
+    /// Write this run as a reference file.
+    #[arg(long)]
+    save_reference: Option<PathBuf>,
+    /// Compare with a reference file: KL divergence and top-1 agreement.
+    #[arg(long)]
+    reference: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -127,6 +148,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),
+        Some(Command::Perplexity(args)) => run_perplexity(&opts, args),
         Some(Command::Serve) | None => serve(settings, opts),
     }
 }
@@ -251,5 +273,68 @@ fn run_generate(opts: &llama_relay::engine::EngineOptions, a: GenerateArgs) -> a
             ""
         }
     );
+    Ok(())
+}
+
+fn run_perplexity(
+    opts: &llama_relay::engine::EngineOptions,
+    a: PerplexityArgs,
+) -> anyhow::Result<()> {
+    use llama_relay::perplexity::{perplexity, run, Divergence, Run};
+    let text = std::fs::read(&a.file).map_err(|source| llama_relay::error::EngineError::Io {
+        path: a.file.clone(),
+        source,
+    })?;
+    let text = String::from_utf8(text).map_err(|e| llama_relay::error::EngineError::Config {
+        path: a.file.clone(),
+        message: format!("not UTF-8 text: {e}"),
+    })?;
+    let reference = a.reference.as_deref().map(Run::load).transpose()?;
+    let mut engine = Engine::load(opts).context("loading the model")?;
+    let ids = engine.tokenizer.encode_text(&text)?;
+    let mut div = Divergence::default();
+    let started = std::time::Instant::now();
+    let this = run(
+        &mut engine,
+        &ids,
+        a.ctx as usize,
+        a.chunks.map(|c| c as usize),
+        |i, s, row| {
+            if let Some(r) = reference.as_ref().and_then(|r| r.scored.get(i)) {
+                div.add(r, s, row);
+            }
+        },
+    )?;
+    let (ppl, err) = perplexity(&this.scored);
+    println!(
+        "{}: {} tokens, {} chunks of {}, {} scored in {:.1} s: perplexity {ppl:.4} +/- {err:.4}",
+        a.file.display(),
+        ids.len(),
+        this.chunks,
+        this.ctx,
+        this.scored.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if let (Some(r), Some(path)) = (&reference, &a.reference) {
+        if let Err(why) = this.same_text(r) {
+            return Err(llama_relay::error::EngineError::Config {
+                path: path.clone(),
+                message: format!("the reference scored another run: {why}"),
+            }
+            .into());
+        }
+        let (rppl, _) = perplexity(&r.scored);
+        let [mean, median, p99, max] = div.summary();
+        println!(
+            "against {}: reference perplexity {rppl:.4} (this run {:+.3}%); KL divergence mean {mean:.6}, median {median:.6}, p99 {p99:.6}, max {max:.6}; same top token {:.2}%",
+            path.display(),
+            100.0 * (ppl / rppl - 1.0),
+            100.0 * div.same_top1 as f64 / div.kl.len() as f64
+        );
+    }
+    if let Some(path) = &a.save_reference {
+        this.save(path)?;
+        println!("reference saved to {}", path.display());
+    }
     Ok(())
 }

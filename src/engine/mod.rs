@@ -8,6 +8,6 @@ pub mod cost;
 pub mod loaded;
 pub mod scheduler;
 
-pub use crate::model::batch::{SeqChunk, StepBatch};
+pub use crate::model::batch::{Logits, SeqChunk, StepBatch};
 pub use loaded::{Engine, EngineOptions};
 pub use scheduler::{Priority, Quota, RequestId};

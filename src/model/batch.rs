@@ -18,8 +18,30 @@ pub struct SeqChunk {
     pub start_pos: usize,
     /// The sequence's blocks; must cover `start_pos + tokens.len()` positions.
     pub block_table: Vec<u32>,
-    /// Compute logits for the last token of this chunk.
-    pub want_logits: bool,
+    /// Which of this chunk's positions get logits.
+    pub logits: Logits,
+}
+
+/// The positions of a chunk whose logits a step returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// None (a prefill chunk before the prompt's last).
+    None,
+    /// The last token's: the next token's distribution.
+    Last,
+    /// Every token's, in order (scoring a text: `llama-relay perplexity`).
+    All,
+}
+
+impl Logits {
+    /// `Last` when `sample`, else `None`.
+    pub fn last_if(sample: bool) -> Logits {
+        if sample {
+            Logits::Last
+        } else {
+            Logits::None
+        }
+    }
 }
 
 /// The whole step, in the order the model processes it.
@@ -127,8 +149,12 @@ impl StepBatch {
                 plan.slots
                     .push(slot_of(&s.block_table, pos, block_size) as u32);
             }
-            if s.want_logits {
-                plan.logit_rows.push((q_start + s.tokens.len() - 1) as u32);
+            match s.logits {
+                Logits::None => {}
+                Logits::Last => plan.logit_rows.push((q_start + s.tokens.len() - 1) as u32),
+                Logits::All => plan
+                    .logit_rows
+                    .extend((q_start..q_start + s.tokens.len()).map(|r| r as u32)),
             }
             plan.seqs.push(SeqMeta {
                 q_start,
@@ -145,12 +171,24 @@ impl StepBatch {
 mod tests {
     use super::*;
 
+    #[test]
+    fn all_logits_name_every_row_of_their_chunk() {
+        let mut whole = chunk(vec![5, 6, 7], 0, vec![2]);
+        whole.logits = Logits::All;
+        let mut none = chunk(vec![8, 9], 0, vec![1]);
+        none.logits = Logits::None;
+        let b = StepBatch {
+            seqs: vec![none, whole, chunk(vec![9], 5, vec![0, 3])],
+        };
+        assert_eq!(b.plan(100, 64, 4, 8).unwrap().logit_rows, vec![2, 3, 4, 5]);
+    }
+
     fn chunk(tokens: Vec<u32>, start_pos: usize, table: Vec<u32>) -> SeqChunk {
         SeqChunk {
             tokens,
             start_pos,
             block_table: table,
-            want_logits: true,
+            logits: Logits::Last,
         }
     }
 

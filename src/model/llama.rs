@@ -471,7 +471,7 @@ impl Llama {
         Ok(())
     }
 
-    /// Runs one step. Returns `[rows, vocab]` F32 logits for the sequences with `want_logits`, in
+    /// Runs one step. Returns `[rows, vocab]` F32 logits for the rows the sequences' `logits` name, in
     /// batch order, or `None` when no sequence wants them (a step of prefill chunks only).
     pub fn forward(&self, batch: &StepBatch, cache: &KvCache) -> Result<Option<Tensor>> {
         // Run the whole step on a rayon worker: the many parallel loops inside (matmul kernels,

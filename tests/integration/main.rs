@@ -13,6 +13,7 @@ mod kquants;
 mod layers;
 mod loading;
 mod openai;
+mod perplexity;
 mod prefix_cache;
 mod realtime;
 mod replicas;

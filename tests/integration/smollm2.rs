@@ -4,7 +4,7 @@
 //! quantized-kernel tolerances.
 
 use llama_relay::default_model::ensure_default_model;
-use llama_relay::engine::{Engine, EngineOptions, SeqChunk, StepBatch};
+use llama_relay::engine::{Engine, EngineOptions, Logits, SeqChunk, StepBatch};
 use llama_relay::generate::{generate, GenerateParams};
 use llama_relay::model::loader::WeightMode;
 
@@ -50,7 +50,7 @@ fn teacher_forced(weights: WeightMode) {
                 tokens: input.clone(),
                 start_pos: pos,
                 block_table: table.clone(),
-                want_logits: true,
+                logits: Logits::Last,
             }],
         };
         pos += input.len();
@@ -89,7 +89,7 @@ fn prompt_logits(e: &mut Engine, prompt: Vec<u32>) -> Vec<f32> {
             tokens: prompt,
             start_pos: 0,
             block_table: table.clone(),
-            want_logits: true,
+            logits: Logits::Last,
         }],
     };
     let got = rows(&e.model.forward(&batch, &e.cache).unwrap().unwrap()).remove(0);

@@ -1,7 +1,7 @@
 //! The tiny random Llama 3 models (real Llama 3 tokenizer) against transformers' fp32 references:
 //! tied embeddings with rope_type llama3, and untied Llama 3.0 style (sharded safetensors here).
 
-use llama_relay::engine::{Engine, SeqChunk, StepBatch};
+use llama_relay::engine::{Engine, Logits, SeqChunk, StepBatch};
 use llama_relay::generate::{generate, GenerateParams};
 use llama_relay::model::AttentionImpl;
 
@@ -41,7 +41,7 @@ pub fn run_batched(
                 tokens: seqs[i][done[i]..end].to_vec(),
                 start_pos: done[i],
                 block_table: tables[i].clone(),
-                want_logits: end == seqs[i].len(),
+                logits: Logits::last_if(end == seqs[i].len()),
             });
             who.push((i, end == seqs[i].len()));
             done[i] = end;

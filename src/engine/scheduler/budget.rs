@@ -6,7 +6,7 @@ use super::*;
 use crate::engine::cost::StepShape;
 use crate::kv_cache::manager::KvManager;
 use crate::kv_cache::Salt;
-use crate::model::batch::SeqChunk;
+use crate::model::batch::{Logits, SeqChunk};
 
 /// How much slower than its decodes alone a step may become for prefill-only requests (drafts):
 /// on a CPU no step capacity is free, so a draft rides along only as far as it costs the
@@ -71,7 +71,7 @@ pub(super) fn push_chunk(
         tokens: s.tokens[s.computed..end].to_vec(),
         start_pos: s.computed,
         block_table: s.blocks.table().to_vec(),
-        want_logits: sample,
+        logits: Logits::last_if(sample),
     });
     out.entries.push(Entry { id: s.id, sample });
     if !s.started {

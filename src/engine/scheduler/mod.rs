@@ -40,7 +40,7 @@ use std::collections::VecDeque;
 use super::cost::{CostModel, LinearCost};
 use crate::kv_cache::manager::KvManager;
 use crate::kv_cache::Salt;
-use crate::model::batch::SeqChunk;
+use crate::model::batch::{Logits, SeqChunk};
 
 pub use budget::MIN_CHUNK;
 use budget::*;
@@ -257,7 +257,7 @@ impl Scheduler {
                 tokens: vec![*s.tokens.last().expect("a decoding request has tokens")],
                 start_pos: s.computed,
                 block_table: s.blocks.table().to_vec(),
-                want_logits: true,
+                logits: Logits::Last,
             });
             out.entries.push(Entry {
                 id: s.id,

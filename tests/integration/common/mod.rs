@@ -236,7 +236,7 @@ pub fn two_sequence_run(
     e: &mut Engine,
     next: impl Fn(usize, &[Vec<f32>]) -> [u32; 2],
 ) -> Vec<Vec<f32>> {
-    use llama_relay::engine::{SeqChunk, StepBatch};
+    use llama_relay::engine::{Logits, SeqChunk, StepBatch};
     let bs = e.cache.block_size();
     let (mut t1, mut t2) = (Vec::new(), Vec::new());
     assert!(e.pool.ensure_capacity(&mut t1, 48, bs));
@@ -245,7 +245,7 @@ pub fn two_sequence_run(
         tokens,
         start_pos,
         block_table: table.clone(),
-        want_logits: true,
+        logits: Logits::Last,
     };
     let mut out = Vec::new();
     let mut step = StepBatch {
