@@ -13,7 +13,7 @@ const LAYERS: &[&[&str]] = &[
     &["files", "default_model", "sampler", "kv_cache"],
     &["model", "tokenizer"],
     &["engine", "metrics"],
-    &["generate", "settings"],
+    &["generate", "perplexity", "settings"],
     &["server"],
     &["fuzz_harness"],
 ];
