@@ -580,6 +580,123 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
         16.0 * ops_per_token / sixteen / 1e9,
         100.0 * 16.0 * ops_per_token / sixteen / 1e9 / int8
     );
+    // Each part of those steps (`model::profile`): milliseconds a step, share of the step, and
+    // against the roof its part is bound by: the projections' 8-bit operations (or at one row
+    // their weight bytes), attention's K/V bytes read.
+    let layers = c.num_layers as f64;
+    let kv_bytes_per_pos = 2.0 * layers * kv as f64 * 2.0; // K and V, F16
+    let parts_of = |e: &mut Engine,
+                    label: &str,
+                    rows: usize,
+                    lm_rows: usize,
+                    ctx: f64,
+                    mut run: Box<dyn FnMut(&mut Engine) -> usize>| {
+        use llama_relay::model::profile::{self, Part};
+        profile::enable(true);
+        let t = Instant::now();
+        let steps = run(e);
+        let step = t.elapsed().as_secs_f64() / steps as f64;
+        let parts = profile::take();
+        profile::enable(false);
+        println!("{label}: {:.2} ms a step while timed", step * 1e3);
+        println!("  part                        ms    share   roof");
+        let mut covered = 0.0;
+        for (part, d) in parts {
+            let ms = d.as_secs_f64() * 1e3 / steps as f64;
+            if part != Part::Quantize {
+                covered += ms;
+            }
+            let shape = match part {
+                Part::Qkv => Some(shapes[0]),
+                Part::O => Some(shapes[1]),
+                Part::GateUp => Some(shapes[2]),
+                Part::Down => Some(shapes[3]),
+                Part::LmHead => Some(shapes[4]),
+                _ => None,
+            };
+            let secs = ms / 1e3;
+            let roof = match (part, shape) {
+                (Part::LmHead, Some((_, n, k))) if lm_rows == 1 => format!(
+                    "{:.0}% read",
+                    100.0 * (n * k) as f64 * 34.0 / 32.0 / secs / 1e9 / r.read_gbs
+                ),
+                (Part::LmHead, Some((_, n, k))) => format!(
+                    "{:.0}% int8",
+                    100.0 * 2.0 * (lm_rows * n * k) as f64 / secs / 1e9 / int8
+                ),
+                (_, Some((_, n, k))) if rows == 1 => format!(
+                    "{:.0}% read",
+                    100.0 * layers * (n * k) as f64 * 20.0 / 32.0 / secs / 1e9 / r.read_gbs
+                ),
+                (_, Some((_, n, k))) => format!(
+                    "{:.0}% int8",
+                    100.0 * layers * 2.0 * (rows * n * k) as f64 / secs / 1e9 / int8
+                ),
+                (Part::Attention, _) if ctx > 0.0 => format!(
+                    "{:.0}% read",
+                    100.0 * ctx * kv_bytes_per_pos / secs / 1e9 / r.read_gbs
+                ),
+                _ => String::new(),
+            };
+            println!(
+                "  {:<25} {ms:>7.3} {:>6.1}%   {roof}",
+                part.name(),
+                100.0 * ms / (step * 1e3)
+            );
+        }
+        println!(
+            "  {:<25} {:>7.3} {:>6.1}%",
+            "outside the parts",
+            step * 1e3 - covered,
+            100.0 * (1.0 - covered / (step * 1e3))
+        );
+    };
+    let p512 = prompt.clone();
+    parts_of(
+        e,
+        "prefill 512 tokens, by part",
+        512,
+        1,
+        0.0,
+        Box::new(move |e| {
+            for _ in 0..3 {
+                prefill_once(e, &p512);
+            }
+            3
+        }),
+    );
+    for seqs in [1usize, 16] {
+        let (ctx0, steps) = (128, 20);
+        let tables = prefilled(e, seqs, ctx0, steps + 1, 0);
+        // First touch of the steps' KV pages, untimed (as in `decode_batch`).
+        for s in 0..steps {
+            e.model
+                .forward(&decode_rows(&tables, ctx0 + s), &e.cache)
+                .unwrap();
+        }
+        let t2 = tables.clone();
+        parts_of(
+            e,
+            &format!("decode {seqs} sequence(s), context 128-148, by part"),
+            seqs,
+            seqs,
+            seqs as f64 * (ctx0 as f64 + steps as f64 / 2.0),
+            Box::new(move |e| {
+                for s in 0..steps {
+                    let logits = e
+                        .model
+                        .forward(&decode_rows(&t2, ctx0 + s), &e.cache)
+                        .unwrap()
+                        .unwrap();
+                    let _ = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+                }
+                steps
+            }),
+        );
+        for t in &tables {
+            e.pool.release(t);
+        }
+    }
     println!("kernel (q4_1x8, cold)  rows   ms    GOP/s  % int8     GB/s  % read");
     for (name, n, k) in shapes {
         let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)

@@ -23,6 +23,7 @@ use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
 use super::kernels::{q4_1x8, q4_kx8, q8_0x8};
+use super::profile::{time, Part};
 use crate::error::Result;
 
 /// Rows (tokens) from which a quantized projection runs as dequantize + F32 gemm on CPU: where the
@@ -338,7 +339,7 @@ impl PackedGroup<'_> {
         let total: usize = parts.iter().map(|p| p.dims().0).sum();
         let k = parts.first().map_or(0, |p| p.dims().1);
         let outs: Vec<Vec<f32>> = if parts.iter().all(|p| rows < p.dense_from(Isa::best())) {
-            let a = quantize_rows(xs, rows, k);
+            let a = time(Part::Quantize, || quantize_rows(xs, rows, k));
             parts.iter().map(|p| p.matmul_quantized(&a)).collect()
         } else {
             parts

@@ -29,6 +29,7 @@ use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
 use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
+use super::profile::{time, Part};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
 use crate::model::batch::{StepBatch, StepPlan};
@@ -318,43 +319,54 @@ impl DecoderLayer {
         let width = x.len() / n;
         let (qd, kvd, hd) = (p.q_width, p.kv_width, ctx.dims.head_dim);
         let stride = qd + 2 * kvd;
-        let h = self.input_layernorm.forward_rows(x, width)?;
-        let mut qkv = p.qkv.forward_rows(&h, n)?;
+        let h = time(Part::Norm, || self.input_layernorm.forward_rows(x, width))?;
+        let mut qkv = time(Part::Qkv, || p.qkv.forward_rows(&h, n))?;
         let (cos, sin) = rope;
-        rope_half_in_place(&mut qkv, stride, 0, self.self_attn.num_heads, hd, cos, sin);
-        rope_half_in_place(
-            &mut qkv,
-            stride,
-            qd,
-            self.self_attn.num_kv_heads,
-            hd,
-            cos,
-            sin,
-        );
-        let mut k = Vec::with_capacity(n * kvd);
-        let mut v = Vec::with_capacity(n * kvd);
-        for row in qkv.chunks_exact(stride) {
-            k.extend_from_slice(&row[qd..qd + kvd]);
-            v.extend_from_slice(&row[qd + kvd..]);
-        }
-        let dev = &Device::Cpu;
-        ctx.cache.write(
-            layer,
-            &ctx.slot_index,
-            &Tensor::from_vec(k, (n, kvd), dev)?,
-            &Tensor::from_vec(v, (n, kvd), dev)?,
-        )?;
+        time(Part::Rope, || {
+            rope_half_in_place(&mut qkv, stride, 0, self.self_attn.num_heads, hd, cos, sin);
+            rope_half_in_place(
+                &mut qkv,
+                stride,
+                qd,
+                self.self_attn.num_kv_heads,
+                hd,
+                cos,
+                sin,
+            );
+        });
+        time(Part::KvWrite, || {
+            let mut k = Vec::with_capacity(n * kvd);
+            let mut v = Vec::with_capacity(n * kvd);
+            for row in qkv.chunks_exact(stride) {
+                k.extend_from_slice(&row[qd..qd + kvd]);
+                v.extend_from_slice(&row[qd + kvd..]);
+            }
+            let dev = &Device::Cpu;
+            ctx.cache.write(
+                layer,
+                &ctx.slot_index,
+                &Tensor::from_vec(k, (n, kvd), dev)?,
+                &Tensor::from_vec(v, (n, kvd), dev)?,
+            )
+        })?;
         let (kc, vc) = ctx.cache.layer(layer)?;
         let AttnPlan::Fast(fast) = &ctx.attn else {
             return Err(EngineError::InvalidBatch(
                 "the CPU layer path needs the fast attention".into(),
             ));
         };
-        let o = fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, fast)?;
-        add_assign(x, &p.o_proj.forward_rows(&o, n)?);
-        let h = self.post_attention_layernorm.forward_rows(x, width)?;
-        let act = silu_mul(&p.gate_up.forward_rows(&h, n)?, p.inter);
-        add_assign(x, &p.down.forward_rows(&act, n)?);
+        let o = time(Part::Attention, || {
+            fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, fast)
+        })?;
+        let o = time(Part::O, || p.o_proj.forward_rows(&o, n))?;
+        time(Part::Residual, || add_assign(x, &o));
+        let h = time(Part::Norm, || {
+            self.post_attention_layernorm.forward_rows(x, width)
+        })?;
+        let gu = time(Part::GateUp, || p.gate_up.forward_rows(&h, n))?;
+        let act = time(Part::Silu, || silu_mul(&gu, p.inter));
+        let d = time(Part::Down, || p.down.forward_rows(&act, n))?;
+        time(Part::Residual, || add_assign(x, &d));
         Ok(())
     }
 
@@ -525,7 +537,7 @@ impl Llama {
             cache,
             dims,
         };
-        let mut x = self.embed_tokens.forward(&ids)?;
+        let mut x = time(Part::Embed, || self.embed_tokens.forward(&ids))?;
         if x.dtype() != DType::F32 {
             x = x.to_dtype(DType::F32)?;
         }
@@ -547,7 +559,7 @@ impl Llama {
             return Ok(None);
         }
         let rows = Tensor::from_slice(&plan.logit_rows, plan.logit_rows.len(), dev)?;
-        let x = self.norm.forward(&x.index_select(&rows, 0)?)?;
-        Ok(Some(self.lm_head.forward(&x)?))
+        let x = time(Part::Norm, || self.norm.forward(&x.index_select(&rows, 0)?))?;
+        Ok(Some(time(Part::LmHead, || self.lm_head.forward(&x))?))
     }
 }

@@ -8,6 +8,7 @@ pub mod kernels;
 pub mod linear;
 pub mod llama;
 pub mod loader;
+pub mod profile;
 
 pub use attention::AttentionImpl;
 pub use config::ModelConfig;

@@ -21,6 +21,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::cpu::Isa;
+use crate::model::profile::{time, Part};
 
 use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK, QK_K};
 
@@ -319,7 +320,8 @@ pub trait RowGroups: Sync {
     fn matmul_with(&self, x: &[f32], m: usize, isa: Isa) -> Vec<f32> {
         let (_, k) = self.dims();
         assert_eq!(x.len(), m * k);
-        self.matmul_quantized_with(&quantize_rows(x, m, k), isa)
+        let a = time(Part::Quantize, || quantize_rows(x, m, k));
+        self.matmul_quantized_with(&a, isa)
     }
 
     /// `out[m, n]` for activations already quantized (projections that share an input share
