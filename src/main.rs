@@ -280,7 +280,7 @@ fn run_perplexity(
     opts: &llama_relay::engine::EngineOptions,
     a: PerplexityArgs,
 ) -> anyhow::Result<()> {
-    use llama_relay::perplexity::{perplexity, run, Divergence, Run};
+    use llama_relay::perplexity::{perplexity, prepare, run, Divergence, Run};
     let text = std::fs::read(&a.file).map_err(|source| llama_relay::error::EngineError::Io {
         path: a.file.clone(),
         source,
@@ -292,19 +292,21 @@ fn run_perplexity(
     let reference = a.reference.as_deref().map(Run::load).transpose()?;
     let mut engine = Engine::load(opts).context("loading the model")?;
     let ids = engine.tokenizer.encode_text(&text)?;
+    let prepared = prepare(&engine, &ids, a.ctx as usize, a.chunks.map(|c| c as usize))?;
+    if let (Some(r), Some(path)) = (&reference, &a.reference) {
+        r.scored_as(&prepared)
+            .map_err(|why| llama_relay::error::EngineError::Config {
+                path: path.clone(),
+                message: format!("the reference scored another run: {why}"),
+            })?;
+    }
     let mut div = Divergence::default();
     let started = std::time::Instant::now();
-    let this = run(
-        &mut engine,
-        &ids,
-        a.ctx as usize,
-        a.chunks.map(|c| c as usize),
-        |i, s, row| {
-            if let Some(r) = reference.as_ref().and_then(|r| r.scored.get(i)) {
-                div.add(r, s, row);
-            }
-        },
-    )?;
+    let this = run(&mut engine, &prepared, |i, s, row| {
+        if let Some(r) = reference.as_ref().and_then(|r| r.scored.get(i)) {
+            div.add(r, s, row);
+        }
+    })?;
     let (ppl, err) = perplexity(&this.scored);
     println!(
         "{}: {} tokens, {} chunks of {}, {} scored in {:.1} s: perplexity {ppl:.4} +/- {err:.4}",
@@ -316,13 +318,6 @@ fn run_perplexity(
         started.elapsed().as_secs_f64()
     );
     if let (Some(r), Some(path)) = (&reference, &a.reference) {
-        if let Err(why) = this.same_text(r) {
-            return Err(llama_relay::error::EngineError::Config {
-                path: path.clone(),
-                message: format!("the reference scored another run: {why}"),
-            }
-            .into());
-        }
         let (rppl, _) = perplexity(&r.scored);
         let [mean, median, p99, max] = div.summary();
         println!(

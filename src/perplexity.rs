@@ -38,7 +38,7 @@ pub struct Scored {
     pub top: Vec<(u32, f32)>,
 }
 
-/// A run over a text.
+/// A run over a text; `ctx`, `vocab`, `chunks` and `text_hash` name the cut it scored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Run {
     pub ctx: usize,
@@ -129,16 +129,24 @@ pub fn chunks(
         .collect()
 }
 
-/// Runs the model over `text` in chunks of `ctx` tokens (see the module doc). With `reference`,
-/// `on_position` also gets each scored position's full log-softmax row and the reference's
-/// entry, for the KL divergence.
-pub fn run(
-    engine: &mut Engine,
+/// A text cut for scoring: its chunks and what names the cut (see `Run`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    pub chunks: Vec<Vec<u32>>,
+    pub ctx: usize,
+    pub vocab: usize,
+    /// FNV-1a of the chunks' token ids.
+    pub text_hash: u64,
+}
+
+/// Cuts `text` into chunks of `ctx` tokens for this model (see the module doc), refusing a `ctx`
+/// outside 16..=the model's context or longer than the text.
+pub fn prepare(
+    engine: &Engine,
     text: &[u32],
     ctx: usize,
     max_chunks: Option<usize>,
-    mut on_position: impl FnMut(usize, &Scored, &[f64]),
-) -> Result<Run> {
+) -> Result<Prepared> {
     let limit = engine.model.max_positions();
     if !(16..=limit).contains(&ctx) {
         return Err(EngineError::InvalidSetting {
@@ -160,12 +168,26 @@ pub fn run(
             ),
         });
     }
-    let vocab = engine.model.config().vocab_size;
+    let text_hash = all.iter().fold(0xcbf2_9ce4_8422_2325, |h, c| fnv1a(h, c));
+    Ok(Prepared {
+        chunks: all,
+        ctx,
+        vocab: engine.model.config().vocab_size,
+        text_hash,
+    })
+}
+
+/// Runs the model over a prepared text (see the module doc); `on_position` gets each scored
+/// position's index, its entry and its full log-softmax row (for the KL divergence).
+pub fn run(
+    engine: &mut Engine,
+    text: &Prepared,
+    mut on_position: impl FnMut(usize, &Scored, &[f64]),
+) -> Result<Run> {
+    let (ctx, vocab) = (text.ctx, text.vocab);
     let first_scored = ctx / 2;
     let mut scored = Vec::new();
-    let mut hash = 0xcbf2_9ce4_8422_2325;
-    for chunk in &all {
-        hash = fnv1a(hash, chunk);
+    for chunk in &text.chunks {
         let mut table = Vec::new();
         if !engine
             .pool
@@ -212,8 +234,8 @@ pub fn run(
     Ok(Run {
         ctx,
         vocab,
-        chunks: all.len(),
-        text_hash: hash,
+        chunks: text.chunks.len(),
+        text_hash: text.text_hash,
         scored,
     })
 }
@@ -306,18 +328,22 @@ impl Run {
         })
     }
 
-    /// Whether `other` scored the same positions of the same text (so the two compare).
-    pub fn same_text(&self, other: &Run) -> std::result::Result<(), String> {
-        if self.vocab != other.vocab {
-            return Err(format!("vocabulary {} against {}", self.vocab, other.vocab));
+    /// Whether this run scored `text` as it is cut now (so the two compare position by
+    /// position; the positions follow from the chunks and `ctx`).
+    pub fn scored_as(&self, text: &Prepared) -> std::result::Result<(), String> {
+        if self.vocab != text.vocab {
+            return Err(format!("vocabulary {} against {}", self.vocab, text.vocab));
         }
-        if self.ctx != other.ctx || self.chunks != other.chunks {
+        if self.ctx != text.ctx || self.chunks != text.chunks.len() {
             return Err(format!(
                 "{} chunks of {} tokens against {} of {} (use the reference's --ctx and --chunks)",
-                self.chunks, self.ctx, other.chunks, other.ctx
+                self.chunks,
+                self.ctx,
+                text.chunks.len(),
+                text.ctx
             ));
         }
-        if self.text_hash != other.text_hash || self.scored.len() != other.scored.len() {
+        if self.text_hash != text.text_hash {
             return Err("another text, or the same text tokenized differently".into());
         }
         Ok(())
@@ -415,12 +441,26 @@ mod tests {
         run.save(&path).unwrap();
         let back = Run::load(&path).unwrap();
         assert_eq!(back, run);
-        assert!(back.same_text(&run).is_ok());
-        let other = Run {
-            text_hash: 43,
-            ..run.clone()
+        let text = Prepared {
+            chunks: vec![vec![0; 64]],
+            ctx: 64,
+            vocab: 5,
+            text_hash: 42,
         };
-        assert!(other.same_text(&run).unwrap_err().contains("another text"));
+        assert!(back.scored_as(&text).is_ok());
+        let other = Prepared {
+            text_hash: 43,
+            ..text.clone()
+        };
+        assert!(back.scored_as(&other).unwrap_err().contains("another text"));
+        let shorter = Prepared {
+            ctx: 32,
+            ..text.clone()
+        };
+        assert!(back
+            .scored_as(&shorter)
+            .unwrap_err()
+            .contains("--ctx and --chunks"));
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
         assert!(Run::load(&path)

@@ -7,7 +7,7 @@
 use std::process::Command;
 
 use llama_relay::engine::{Logits, SeqChunk, StepBatch};
-use llama_relay::perplexity::{log_softmax, run};
+use llama_relay::perplexity::{log_softmax, prepare, run};
 
 use crate::common::*;
 
@@ -21,12 +21,13 @@ fn scored_positions_equal_the_last_token_logits_of_each_prefix() {
     let text = std::fs::read_to_string(TEXT).unwrap();
     let ids = e.tokenizer.encode_text(&text[..2000]).unwrap();
     let ctx = 40;
-    let mut rows = Vec::new();
-    let r = run(&mut e, &ids, ctx, Some(2), |_, s, _| rows.push(s.nll)).unwrap();
+    let mut seen = Vec::new();
+    let text = prepare(&e, &ids, ctx, Some(2)).unwrap();
+    let r = run(&mut e, &text, |_, s, _| seen.push(s.nll)).unwrap();
     assert_eq!(r.chunks, 2);
     // Scored: positions ctx/2 .. ctx-2 of each chunk, predicting the next token.
     assert_eq!(r.scored.len(), 2 * (ctx - 1 - ctx / 2));
-    assert_eq!(rows, r.scored.iter().map(|s| s.nll).collect::<Vec<_>>());
+    assert_eq!(seen, r.scored.iter().map(|s| s.nll).collect::<Vec<_>>());
     let prefix = e.tokenizer.encode_prompt("").unwrap();
     let bs = e.cache.block_size();
     let mut k = 0;
@@ -52,7 +53,7 @@ fn scored_positions_equal_the_last_token_logits_of_each_prefix() {
                 .unwrap()
                 .unwrap();
             if pos >= ctx / 2 {
-                let lp = log_softmax(&rows_of(&logits)[0]);
+                let lp = log_softmax(&rows(&logits)[0]);
                 let want = -lp[chunk[pos + 1] as usize];
                 let got = r.scored[k].nll;
                 assert!(
@@ -65,10 +66,6 @@ fn scored_positions_equal_the_last_token_logits_of_each_prefix() {
         e.pool.release(&table);
     }
     assert_eq!(k, r.scored.len());
-}
-
-fn rows_of(t: &candle_core::Tensor) -> Vec<Vec<f32>> {
-    rows(t)
 }
 
 /// The binary on the tiny model: (exit status, stdout, stderr).
@@ -133,7 +130,7 @@ fn a_saved_reference_compares_runs_and_refuses_another_text() {
     assert_eq!(code, Some(0), "{err}");
     let kl = figure(&out, "KL divergence mean");
     assert!(kl < 1e-4, "{out}");
-    // Another cut of the text: refused, naming why, with the usage status.
+    // Another cut of the text: refused before the run, naming why, with the usage status.
     let (code, _, err) = perplexity_cli(&["--ctx", "32", "--chunks", "3", "--reference", r], &[]);
     assert_eq!(code, Some(2), "{err}");
     assert!(
