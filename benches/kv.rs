@@ -50,6 +50,7 @@ fn per_step(blocks: usize, leased: u64, steps: usize) -> f64 {
         max_waiting: 64,
         step_tokens: 512,
         itl_target: None,
+        ttft_target: None,
     };
     let mut s = Scheduler::new(cfg, KvManager::new(kv, BlockPool::new(blocks)));
     let mut id = 0u64;

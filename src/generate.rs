@@ -88,6 +88,7 @@ pub fn generate(
         max_waiting: 1,
         step_tokens: params.prefill_chunk.max(1),
         itl_target: None,
+        ttft_target: None,
     };
     let kv = KvConfig {
         block_size: engine.cache.block_size(),

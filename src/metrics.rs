@@ -20,6 +20,7 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     pub itl_target_misses: IntCounter,
     pub fairness_holds: IntCounter,
+    pub ttft_deadline_steps: IntCounter,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
@@ -147,6 +148,10 @@ impl Metrics {
             fairness_holds: counter(
                 "llama_relay_fairness_holds_total",
                 "Steps in which tenants over their share of running slots sat out for another tenant's first chunk",
+            ),
+            ttft_deadline_steps: counter(
+                "llama_relay_ttft_deadline_steps_total",
+                "Steps that ran past scheduler.itl_target_ms so that queued turns meet scheduler.ttft_target_ms",
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),

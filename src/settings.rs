@@ -102,6 +102,9 @@ pub struct SchedulerSettings {
     pub step_tokens: usize,
     /// Step-time target while replies decode, in ms (0 = off: the token budget alone).
     pub itl_target_ms: u64,
+    /// First-token target for prompts that fit a step, in ms (0 = off): a step may run past
+    /// `itl_target_ms` so that queued turns meet it (`engine::scheduler::deadline`).
+    pub ttft_target_ms: u64,
     /// Keyless clients' (the default tenant's) requests running and waiting at once; 0 = only
     /// the caps above.
     pub anonymous_max_running: usize,

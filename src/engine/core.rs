@@ -290,6 +290,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             tokens = sch.batch.num_tokens(),
             forward_ms = seconds * 1e3,
             predicted_ms = self.sched.predict_ms(&sch.shape),
+            stretched = sch.stretched,
             "step"
         );
         self.sched.observe_step(&sch.shape, seconds);

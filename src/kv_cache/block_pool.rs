@@ -274,10 +274,23 @@ impl BlockPool {
         h
     }
 
-    /// The longest run of cached blocks matching the full blocks of `tokens` (at most
-    /// `max_blocks`) in `scope`, each with one new reference.
-    pub fn acquire_prefix(
-        &mut self,
+    /// How many of `tokens`' first full blocks (at most `max_blocks`) `acquire_prefix` would
+    /// find cached in `scope`, changing nothing.
+    pub fn cached_prefix_blocks(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        scope: &CacheScope,
+        max_blocks: usize,
+    ) -> usize {
+        self.match_prefix(tokens, block_size, scope, max_blocks)
+            .len()
+    }
+
+    /// The cached blocks holding `tokens`' first full blocks in `scope`, in order, up to the
+    /// first miss.
+    fn match_prefix(
+        &self,
         tokens: &[u32],
         block_size: usize,
         scope: &CacheScope,
@@ -299,6 +312,19 @@ impl BlockPool {
             out.push(b);
             parent = Some(h);
         }
+        out
+    }
+
+    /// The longest run of cached blocks matching the full blocks of `tokens` (at most
+    /// `max_blocks`) in `scope`, each with one new reference.
+    pub fn acquire_prefix(
+        &mut self,
+        tokens: &[u32],
+        block_size: usize,
+        scope: &CacheScope,
+        max_blocks: usize,
+    ) -> Vec<u32> {
+        let out = self.match_prefix(tokens, block_size, scope, max_blocks);
         for &b in &out {
             let m = &mut self.meta[b as usize];
             if m.refs == 0 {

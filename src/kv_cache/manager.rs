@@ -183,6 +183,19 @@ impl KvManager {
         blocks_for(tokens, self.cfg.block_size) <= self.pool.total()
     }
 
+    /// Prompt tokens `computed_blocks` would find in the cache's full blocks in `scope` (a
+    /// lease's or pin's partly filled block not counted), changing nothing: the scheduler's
+    /// estimate of a queued request's prefill. Only `scope`'s partition is looked at.
+    pub fn cached_len(&self, tokens: &[u32], scope: &CacheScope) -> usize {
+        if !self.cfg.prefix_caching || tokens.is_empty() {
+            return 0;
+        }
+        let bs = self.cfg.block_size;
+        self.pool
+            .cached_prefix_blocks(tokens, bs, scope, (tokens.len() - 1) / bs)
+            * bs
+    }
+
     /// The blocks a request starts from (vLLM's `get_computed_blocks`): the longest cached run of
     /// its full blocks in its scope, then the session lease's partly filled block or a pinned
     /// prefix's partly filled block when the tokens continue it, always leaving the last token to

@@ -124,6 +124,13 @@ impl Settings {
                 "0 (off) to 60000",
             ));
         }
+        if c.ttft_target_ms > 60_000 {
+            return Err(invalid(
+                "scheduler.ttft_target_ms",
+                c.ttft_target_ms,
+                "0 (off) to 60000",
+            ));
+        }
         let sp = &self.sampling;
         self.sampling_defaults()
             .check()
@@ -212,6 +219,8 @@ impl Settings {
                 step_tokens: self.scheduler.step_tokens,
                 itl_target: (self.scheduler.itl_target_ms > 0)
                     .then(|| std::time::Duration::from_millis(self.scheduler.itl_target_ms)),
+                ttft_target: (self.scheduler.ttft_target_ms > 0)
+                    .then(|| std::time::Duration::from_millis(self.scheduler.ttft_target_ms)),
             },
             kv: crate::kv_cache::manager::KvConfig {
                 block_size: self.engine.block_size,

@@ -335,6 +335,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
         max_waiting: 8,
         step_tokens: 512,
         itl_target: None,
+        ttft_target: None,
     };
     let kv = KvConfig {
         block_size: 16,

@@ -84,11 +84,17 @@ impl Scheduler {
         if !long_running {
             return;
         }
+        self.estimate_cached();
         while b.tokens > 0 && !b.full && self.running.len() < self.cfg.max_running {
             // The next short one in the usual order: a long prompt queued ahead does not hold it.
+            // Short by what it needs to prefill: a turn after a long cached prompt (a widget's
+            // system prompt, the conversation so far) is short.
             let room = budget.min(b.tokens);
-            let short =
-                |s: &Sequence| !s.started && s.kind != SeqKind::Draft && s.tokens.len() <= room;
+            let short = |s: &Sequence| {
+                !s.started
+                    && s.kind != SeqKind::Draft
+                    && s.tokens.len() - s.cached_estimate.unwrap_or(0) <= room
+            };
             let Some(i) = self.next_to_admit_of(priority, &b.hold, short) else {
                 return;
             };

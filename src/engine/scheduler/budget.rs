@@ -39,6 +39,9 @@ pub(super) struct StepBudget {
     pub(super) shape: StepShape,
     /// The step-time target, in seconds, when the step carries decodes.
     pub(super) limit: Option<f64>,
+    /// The target before first-token deadlines stretched `limit` (`deadline`): prompts longer
+    /// than a step keep it, the stretch is for the turns it was planned for.
+    pub(super) unstretched: Option<f64>,
     /// When the step carries decodes: the time drafts may bring it to (`DRAFT_SLACK`).
     pub(super) spare: Option<f64>,
     /// A prefill chunk is in the step.
@@ -129,6 +132,8 @@ impl Scheduler {
         }
         let limit = if s.kind == SeqKind::Draft {
             b.spare.map(|sp| b.limit.map_or(sp, |l| l.min(sp)))
+        } else if pending > self.cfg.step_tokens {
+            b.unstretched.or(b.limit)
         } else {
             b.limit
         };

@@ -23,13 +23,20 @@
 //! target leaves and end once computed (`Scheduled::prefilled`), and paused replies (a paced
 //! stream at its window), which keep their slot and blocks but do not decode.
 //!
+//! A second target, `ttft_target`, plans for first tokens: when the step-time target would leave
+//! queued turns past their first-token deadline (a burst of visitors arriving together), the
+//! step takes more of them, as far as the decoding streams are ahead of their own pace
+//! (`deadline`).
+//!
 //! One file per concern: this one plans a step (`schedule`) and preempts for blocks; `request`
 //! holds the per-request state and the queue API; `budget` the step-time target and chunk sizes;
-//! `admit` the order prefills are admitted in; `fairness` the rules between tenants. Each is an
+//! `admit` the order prefills are admitted in; `deadline` first-token deadlines; `fairness` the
+//! rules between tenants. Each is an
 //! `impl Scheduler` block over the same state, so a policy reads alone.
 
 mod admit;
 mod budget;
+mod deadline;
 mod fairness;
 mod request;
 #[cfg(test)]
@@ -64,6 +71,9 @@ pub struct SchedulerStats {
     pub prefill_tokens: u64,
     /// Steps that held over-share tenants' work back for another tenant's first chunk.
     pub holds: u64,
+    /// Steps that ran past the step-time target so that queued turns meet their first-token
+    /// target (`deadline`).
+    pub deadline_steps: u64,
 }
 
 impl SchedulerStats {
@@ -77,6 +87,7 @@ impl SchedulerStats {
             itl_misses: self.itl_misses.saturating_sub(earlier.itl_misses),
             prefill_tokens: self.prefill_tokens.saturating_sub(earlier.prefill_tokens),
             holds: self.holds.saturating_sub(earlier.holds),
+            deadline_steps: self.deadline_steps.saturating_sub(earlier.deadline_steps),
         }
     }
 }
@@ -91,10 +102,18 @@ pub struct SchedulerConfig {
     pub step_tokens: usize,
     /// The step time to stay under while replies are decoding (`None`: token budget only).
     pub itl_target: Option<std::time::Duration>,
+    /// The first-token target for replies whose prompt fits a step (`None`: no deadline
+    /// planning; the step-time target alone). Applies only while `itl_target` is set.
+    pub ttft_target: Option<std::time::Duration>,
 }
+
+/// The scheduler's clock: arrivals and first-token deadlines are read from it (tests drive a
+/// simulated one, `Scheduler::with_clock`).
+pub type Clock = std::sync::Arc<dyn Fn() -> std::time::Instant + Send + Sync>;
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    clock: Clock,
     kv: KvManager,
     cost: Box<dyn CostModel>,
     /// Recent steps' measured time over predicted time: steps are planned to the target divided
@@ -113,6 +132,8 @@ pub struct Scheduler {
     held_last: bool,
     /// Steps that held tenants back, in all.
     holds: u64,
+    /// Steps stretched for first-token deadlines, in all.
+    deadline_steps: u64,
 }
 
 impl Scheduler {
@@ -124,6 +145,7 @@ impl Scheduler {
     pub fn with_cost(cfg: SchedulerConfig, kv: KvManager, cost: Box<dyn CostModel>) -> Self {
         Scheduler {
             cfg,
+            clock: std::sync::Arc::new(std::time::Instant::now),
             kv,
             cost,
             errors: VecDeque::new(),
@@ -136,7 +158,18 @@ impl Scheduler {
             prefill_tokens: 0,
             held_last: false,
             holds: 0,
+            deadline_steps: 0,
         }
+    }
+
+    /// With `clock` instead of the system's monotonic clock.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    pub(super) fn now(&self) -> std::time::Instant {
+        (self.clock)()
     }
 
     /// The KV cache manager (blocks, leases, pins).
@@ -187,6 +220,7 @@ impl Scheduler {
             itl_misses: self.itl_misses,
             prefill_tokens: self.prefill_tokens,
             holds: self.holds,
+            deadline_steps: self.deadline_steps,
         }
     }
 
@@ -247,6 +281,9 @@ impl Scheduler {
         self.preempt_for_fairness(&mut out);
         b.hold = self.tenants_to_hold();
         let decoding = self.schedule_decodes(&b.hold, &mut out);
+        // The step-time target a miss is counted against (none when first tokens' deadlines
+        // stretched the step on purpose).
+        let mut itl_limit = None;
         for id in &decoding {
             let s = self
                 .running
@@ -274,6 +311,13 @@ impl Scheduler {
                 .itl_target
                 .map(|t| t.as_secs_f64() * PLAN_FRACTION / safety);
             b.spare = Some(self.cost.predict(&b.shape) * (1.0 + DRAFT_SLACK));
+            if self.plan_first_tokens(&decoding, &mut b) {
+                self.deadline_steps += 1;
+                out.stretched = true;
+                itl_limit = None;
+            } else {
+                itl_limit = b.limit;
+            }
         }
         for priority in [Priority::Interactive, Priority::Batch] {
             self.schedule_running_prefills(&decoding, priority, Remainder::Short, &mut b, &mut out);
@@ -281,7 +325,7 @@ impl Scheduler {
             self.schedule_running_prefills(&decoding, priority, Remainder::Long, &mut b, &mut out);
             self.admit(priority, &mut b, &mut out);
         }
-        if b.limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
+        if itl_limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
             self.itl_misses += 1;
         }
         self.prefill_tokens += (out.batch.num_tokens() - decoding.len()) as u64;

@@ -73,12 +73,27 @@ pub struct Sequence {
     pub(super) kind: SeqKind,
     /// A paced reply at its window: it keeps its place and its blocks but does not decode.
     pub(super) paused: bool,
+    /// When it was queued (the scheduler's clock): its first token's deadline and its stream's
+    /// pace count from here (`deadline`).
+    pub(super) arrived: std::time::Instant,
+    /// Its prompt's length: the tokens after it are its reply.
+    pub(super) prompt_len: usize,
+    /// Prompt tokens the prefix cache held when the plan last looked, before admission
+    /// (`KvManager::cached_len`): how much prefill it will need.
+    pub(super) cached_estimate: Option<usize>,
 }
 
 impl Sequence {
-    pub(super) fn new(id: RequestId, tokens: Vec<u32>, scope: CacheScope, kind: SeqKind) -> Self {
+    pub(super) fn new(
+        id: RequestId,
+        tokens: Vec<u32>,
+        scope: CacheScope,
+        kind: SeqKind,
+        arrived: std::time::Instant,
+    ) -> Self {
         Sequence {
             id,
+            prompt_len: tokens.len(),
             tokens,
             computed: 0,
             blocks: SeqBlocks::new(scope),
@@ -91,6 +106,8 @@ impl Sequence {
             quota: Quota::default(),
             kind,
             paused: false,
+            arrived,
+            cached_estimate: None,
         }
     }
 
@@ -105,6 +122,11 @@ impl Sequence {
 
     pub(super) fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// Tokens of its reply so far.
+    pub(super) fn generated(&self) -> usize {
+        self.tokens.len().saturating_sub(self.prompt_len)
     }
 }
 
@@ -147,6 +169,8 @@ pub struct Scheduled {
     pub prefilled: Vec<RequestId>,
     /// The step's shape, for the cost model (`Scheduler::observe_step` with its measured time).
     pub shape: StepShape,
+    /// The step runs past the step-time target for queued turns' first tokens (`deadline`).
+    pub stretched: bool,
 }
 
 /// Prompt tokens looked up in the prefix cache at first admission, and found.
@@ -197,7 +221,7 @@ impl Scheduler {
                 return Err(AddError::TenantOverloaded { waiting });
             }
         }
-        let mut s = Sequence::new(id, prompt, scope, SeqKind::Reply);
+        let mut s = Sequence::new(id, prompt, scope, SeqKind::Reply, self.now());
         s.quota = quota;
         self.waiting.push_back(s);
         Ok(self.waiting.len() - 1)
@@ -246,6 +270,7 @@ impl Scheduler {
             tokens,
             CacheScope::operator(tenant),
             SeqKind::Pin,
+            self.now(),
         ));
     }
 
@@ -302,7 +327,14 @@ impl Scheduler {
         let Some(p) = self.running.iter().find(|s| s.id == parent) else {
             return;
         };
-        let mut s = Sequence::new(child, p.tokens.clone(), *p.blocks.scope(), SeqKind::Reply);
+        let mut s = Sequence::new(
+            child,
+            p.tokens.clone(),
+            *p.blocks.scope(),
+            SeqKind::Reply,
+            p.arrived,
+        );
+        s.prompt_len = p.prompt_len;
         s.tokens.push(first);
         s.priority = p.priority;
         s.started = true;

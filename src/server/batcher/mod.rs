@@ -218,6 +218,7 @@ impl Batcher {
         m.itl_target_misses.inc_by(d.itl_misses);
         m.prefill_tokens.inc_by(d.prefill_tokens);
         m.fairness_holds.inc_by(d.holds);
+        m.ttft_deadline_steps.inc_by(d.deadline_steps);
     }
 
     /// Ends `lease`'s draft, if one runs: the lease keeps what it computed.

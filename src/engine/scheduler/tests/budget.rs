@@ -19,6 +19,7 @@ fn timed(blocks: usize, step_tokens: usize, target_ms: u64, max_running: usize) 
         max_waiting: 64,
         step_tokens,
         itl_target: Some(std::time::Duration::from_millis(target_ms)),
+        ttft_target: None,
     };
     let kv = KvConfig {
         block_size: 4,

@@ -123,6 +123,7 @@ fn a_turn_that_waits_a_step_for_room_keeps_its_leased_partial_block() {
         max_waiting: 4,
         step_tokens: 16,
         itl_target: None,
+        ttft_target: None,
     };
     let mut s = new_sched(32, cfg, true, (64, 64));
     let turn1: Vec<u32> = (0..12).collect();
@@ -139,8 +140,8 @@ fn a_turn_that_waits_a_step_for_room_keeps_its_leased_partial_block() {
     s.set_lease(id(3), LeaseKey(42));
     assert_eq!(started(&step(&mut s)), vec![(2, 0)]);
     assert_eq!(s.kv().held_blocks().leased, 4, "the lease is still whole");
-    // Request 2 prefills 16 more; then turn 2 starts from all 14 tokens.
-    step(&mut s);
+    // Request 2 has more than a step left: turn 2, short by what it needs to prefill (4 tokens
+    // past its cached 14), goes ahead of its next chunk, from all 14 tokens.
     assert_eq!(started(&step(&mut s)), vec![(3, 14)]);
     s.kv().check().unwrap();
 }

@@ -24,6 +24,7 @@ fn tenants_take_turns_for_free_running_slots() {
         max_waiting: 16,
         step_tokens: 64,
         itl_target: None,
+        ttft_target: None,
     };
     let mut s = new_sched(64, cfg, false, (0, 0));
     // Tenant 1 floods first (ids 1-6, six principals); tenant 2 comes later (ids 10, 11).
@@ -203,7 +204,7 @@ proptest! {
         arrivals in proptest::collection::vec((0u64..3, 0u64..4), 1..24),
         finishes in proptest::collection::vec(0usize..8, 0..24),
     ) {
-        let cfg = SchedulerConfig { max_running: 3, max_waiting: 64, step_tokens: 256, itl_target: None };
+        let cfg = SchedulerConfig { max_running: 3, max_waiting: 64, step_tokens: 256, itl_target: None, ttft_target: None };
         let mut s = new_sched(256, cfg, false, (0, 0));
         let quota = |t: u64| Quota { max_running: (t == 0).then_some(2), max_waiting: None };
         for (n, &(t, p)) in arrivals.iter().enumerate() {

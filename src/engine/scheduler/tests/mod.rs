@@ -11,6 +11,7 @@ use proptest::prelude::*;
 
 mod budget;
 mod cache;
+mod deadline;
 mod fairness;
 
 /// One partition for every block (these tests are about scheduling, not principals).
@@ -41,6 +42,7 @@ fn caching(blocks: usize, lease_per_session: usize, lease_total: usize) -> Sched
         max_waiting: 4,
         step_tokens: 64,
         itl_target: None,
+        ttft_target: None,
     };
     new_sched(blocks, cfg, true, (lease_per_session, lease_total))
 }
@@ -51,6 +53,7 @@ fn sched(blocks: usize, max_running: usize, step_tokens: usize) -> Scheduler {
         max_waiting: 4,
         step_tokens,
         itl_target: None,
+        ttft_target: None,
     };
     new_sched(blocks, cfg, false, (0, 0))
 }
@@ -200,7 +203,7 @@ proptest! {
     /// the pool idle.
     #[test]
     fn random_workloads_return_to_idle(ops in proptest::collection::vec((0u8..5, 1usize..14, 1usize..10), 1..80), caching in any::<bool>()) {
-        let cfg = SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, itl_target: None };
+        let cfg = SchedulerConfig { max_running: 3, max_waiting: 4, step_tokens: 6, itl_target: None, ttft_target: None };
         let mut s = new_sched(12, cfg, caching, (16, 24));
         let mut next = 0u64;
         let mut gen: std::collections::HashMap<u64, (usize, usize)> = Default::default();
