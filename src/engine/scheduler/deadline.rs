@@ -6,8 +6,8 @@
 //! Before a step's prefills are chosen, the plan simulates the queue's first tokens over the
 //! learned cost model (`turns_now`): this step takes the first `k` waiting turns, every later
 //! step what the step-time target leaves (at least one turn, as the first new request of a step
-//! goes whole). It picks the `k` with the most turns meeting their deadline (ties: the smallest)
-//! and raises the step's time limit, and its token budget up to twice `step_tokens`, to fit them.
+//! goes whole). It picks the `k` with the most turns meeting their deadline (then the earliest
+//! first tokens on average, then the smallest) and raises the step's time limit, and its token budget up to twice `step_tokens`, to fit them.
 //! A turn that can no longer meet its deadline does not count: its first token is late whatever
 //! this step does, so the step is not stretched for it (it keeps its place in the queue). This
 //! is the goodput objective that DistServe and Sarathi-Serve state for TTFT and TPOT targets,
