@@ -4,10 +4,11 @@
 //! - **Dense path for big steps.** candle's quantized CPU matmul runs one dot product per (row,
 //!   column) pair and its speed does not grow with the rows, while its F32 gemm's does (figures:
 //!   docs/performance.md, "Measurements behind constants in the code"). A step with at
-//!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS` on
-//!   AVX2; with AVX-512 VNNI the repacked Q8_0 and Q4_1 kernels win at every size and never go
-//!   dense) dequantizes the weight into a buffer that is dropped right after and runs the F32
-//!   gemm. No second copy of the weights is kept.
+//!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS`,
+//!   except where the repacked kernel wins at every size and never goes dense: Q4_1 with AVX2
+//!   or AVX-512 VNNI, Q8_0 with VNNI; `Packed::dense_from`) dequantizes the weight into a
+//!   buffer that is dropped right after and runs the F32 gemm. No second copy of the weights
+//!   is kept.
 //! - **Fused projections.** Q, K and V (and gate and up) read the same input; stored as one matrix
 //!   they cost one activation quantization and one thread-pool dispatch instead of three.
 
@@ -114,12 +115,16 @@ impl Packed {
     }
 
     /// Rows from which `forward_rows` takes the dense path, at instruction-set level `isa`: with
-    /// AVX-512 VNNI the Q8_0 and Q4_1 kernels stay ahead of dequantize + gemm at every size
-    /// (never dense: `usize::MAX`); AVX2 machines keep the thresholds measured on them.
+    /// AVX-512 VNNI the Q8_0 and Q4_1 kernels stay ahead of dequantize + gemm at every size, and
+    /// with AVX2 the Q4_1 kernel does (never dense: `usize::MAX`); the scalar level, AVX2's
+    /// Q8_0 and the K-quants keep the thresholds (docs/performance.md, "The roof report" and
+    /// "AVX2 only").
     fn dense_from(&self, isa: Isa) -> usize {
         let vnni = isa.avx512_vnni().is_some();
+        let avx2 = isa.avx2().is_some();
         match self {
             Packed::Q8_0(_) | Packed::Q4_1(_) if vnni => usize::MAX,
+            Packed::Q4_1(_) if avx2 => usize::MAX,
             Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
             Packed::Q4_1(_) | Packed::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
         }
@@ -242,9 +247,9 @@ impl Linear {
 /// shapes (docs/performance.md, "Measurements behind constants in the code").
 pub const Q8_0_DENSE_MIN_ROWS: usize = 192;
 
-/// The same for Q4_1, whose AVX2 kernel held 160-240 GFLOP/s there: ahead of dequantize + gemm on
-/// every shape up to 256 rows, mixed at 512 (same benchmark). With AVX-512 VNNI neither Q8_0 nor
-/// Q4_1 goes dense (`Packed::dense_from`; docs/performance.md, "The roof report").
+/// The same for Q4_1 (and Q4_K) at the scalar level; with AVX2 or AVX-512 VNNI a Q4_1 step never
+/// goes dense, nor a Q8_0 step with VNNI (`Packed::dense_from`; docs/performance.md, "The roof
+/// report" and "AVX2 only").
 pub const Q4_1_DENSE_MIN_ROWS: usize = 512;
 
 /// `x [.., k] . w^T` for a repacked matrix: the 8-row kernel for small steps, dequantize + F32
@@ -410,7 +415,7 @@ mod tests {
     }
 
     #[test]
-    fn with_vnni_big_steps_stay_on_the_kernels() {
+    fn big_steps_stay_on_the_kernels_that_lead() {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (32, 64), &dev).unwrap();
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
@@ -419,13 +424,16 @@ mod tests {
             let p = lin.as_packed().expect("repacked");
             for isa in Isa::available() {
                 let dense_from = p.dense_from(isa);
-                match isa.avx512_vnni() {
-                    Some(_) => assert_eq!(dense_from, usize::MAX, "{dtype:?}"),
-                    None => assert!(
+                let kernel = isa.avx512_vnni().is_some()
+                    || (isa.avx2().is_some() && dtype == GgmlDType::Q4_1);
+                if kernel {
+                    assert_eq!(dense_from, usize::MAX, "{dtype:?} {}", isa.name());
+                } else {
+                    assert!(
                         dense_from <= Q4_1_DENSE_MIN_ROWS,
                         "{dtype:?} {}",
                         isa.name()
-                    ),
+                    );
                 }
             }
         }
