@@ -6,8 +6,10 @@
 //! Before a step's prefills are chosen, the plan simulates the queue's first tokens over the
 //! learned cost model (`turns_now`): this step takes the first `k` waiting turns, every later
 //! step what the step-time target leaves (at least one turn, as the first new request of a step
-//! goes whole). It picks the `k` with the most turns meeting their deadline (then the earliest
-//! first tokens on average, then the smallest) and raises the step's time limit, and its token budget up to twice `step_tokens`, to fit them.
+//! goes whole). It picks the smallest `k` with the most turns meeting their deadline and raises
+//! the step's time limit, and its token budget up to twice `step_tokens`, to fit them. Only a
+//! deadline at risk stretches a step: earlier first tokens on average are not worth a stream's
+//! gap or a long prompt's share (measured: docs/performance.md, "First-token deadlines").
 //! A turn that can no longer meet its deadline does not count: its first token is late whatever
 //! this step does, so the step is not stretched for it (it keeps its place in the queue). This
 //! is the goodput objective that DistServe and Sarathi-Serve state for TTFT and TPOT targets,
@@ -47,10 +49,9 @@ pub(super) struct Room {
 
 /// How many of `turns` (in the order they are admitted) this step should take, at least
 /// `default` (what it takes without deadlines) and at most `max` (what the streams' room
-/// holds): the count with the most turns meeting their deadline; among those, the one with the
-/// earliest first tokens on average; among those, the smallest. Each step, this one and the
-/// later ones, takes `decode` seconds for its decodes plus its turns' costs; later steps take
-/// turns in order while `later` has room, at least one. A turn that would miss its deadline
+/// holds): the smallest count with the fewest turns missing their deadline. Each step, this one
+/// and the later ones, takes `decode` seconds for its decodes plus its turns' costs; later steps
+/// take turns in order while `later` has room, at least one. A turn that would miss its deadline
 /// even taken now (with every turn before it) is not counted as a miss. Pure: the scheduler's
 /// cost model and clock give the numbers.
 pub(super) fn turns_now(
@@ -70,14 +71,12 @@ pub(super) fn turns_now(
             decode + before <= t.deadline
         })
         .collect();
-    // For `k` turns now: the turns missing a deadline they could meet, and the sum of every
-    // turn's first-token time.
-    let outcome = |k: usize| {
+    // For `k` turns now: the turns missing a deadline they could meet.
+    let missed = |k: usize| {
         let mut t = decode + turns[..k].iter().map(|t| t.cost).sum::<f64>();
         let mut missed = (0..k)
             .filter(|&j| reachable[j] && t > turns[j].deadline)
             .count();
-        let mut total = t * k as f64;
         let mut i = k;
         while i < n {
             let (first, mut time, mut tokens) = (i, 0.0, 0);
@@ -91,20 +90,20 @@ pub(super) fn turns_now(
                 i += 1;
             }
             t += decode + time;
-            total += t * (i - first) as f64;
             missed += (first..i)
                 .filter(|&j| reachable[j] && t > turns[j].deadline)
                 .count();
         }
-        (missed, total)
+        missed
     };
-    let mut best = (outcome(default), default);
+    let mut best = (missed(default), default);
     for k in default + 1..=n.min(max) {
-        let o = outcome(k);
-        // Fewer misses; or as many and an earlier first token on average (by more than a
-        // microsecond a turn: float noise does not stretch a step).
-        if o.0 < best.0 .0 || (o.0 == best.0 .0 && o.1 < best.0 .1 - 1e-6 * n as f64) {
-            best = (o, k);
+        if best.0 == 0 {
+            break;
+        }
+        let m = missed(k);
+        if m < best.0 {
+            best = (m, k);
         }
     }
     best.1
