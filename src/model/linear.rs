@@ -120,11 +120,10 @@ impl Packed {
     /// Q8_0 and the K-quants keep the thresholds (docs/performance.md, "The roof report" and
     /// "AVX2 only").
     fn dense_from(&self, isa: Isa) -> usize {
-        let vnni = isa.avx512_vnni().is_some();
-        let avx2 = isa.avx2().is_some();
         match self {
-            Packed::Q8_0(_) | Packed::Q4_1(_) if vnni => usize::MAX,
-            Packed::Q4_1(_) if avx2 => usize::MAX,
+            // The VNNI level includes AVX2.
+            Packed::Q4_1(_) if isa.avx2().is_some() => usize::MAX,
+            Packed::Q8_0(_) if isa.avx512_vnni().is_some() => usize::MAX,
             Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
             Packed::Q4_1(_) | Packed::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
         }

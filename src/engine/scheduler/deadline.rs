@@ -74,7 +74,7 @@ pub(super) fn turns_now(
     // For `k` turns now: the turns missing a deadline they could meet.
     let missed = |k: usize| {
         let mut t = decode + turns[..k].iter().map(|t| t.cost).sum::<f64>();
-        let mut missed = (0..k)
+        let mut count = (0..k)
             .filter(|&j| reachable[j] && t > turns[j].deadline)
             .count();
         let mut i = k;
@@ -90,11 +90,11 @@ pub(super) fn turns_now(
                 i += 1;
             }
             t += decode + time;
-            missed += (first..i)
+            count += (first..i)
                 .filter(|&j| reachable[j] && t > turns[j].deadline)
                 .count();
         }
-        missed
+        count
     };
     let mut best = (missed(default), default);
     for k in default + 1..=n.min(max) {
