@@ -122,6 +122,7 @@ fn run(
         logprobs: None,
         forks: Vec::new(),
         quota: Default::default(),
+        constraint: None,
     };
     core.add(request).map_err(|e| {
         let free = core.scheduler().kv().pool().free_count();
@@ -155,6 +156,8 @@ fn run(
                     stats.stopped_at_eos = reason == Finish::EndOfTurn;
                 }
                 Event::Started { .. } => {}
+                // Only a request with a grammar fails alone; this one has none.
+                Event::Failed { .. } => {}
             }
         }
     }

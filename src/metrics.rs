@@ -34,6 +34,9 @@ pub struct Metrics {
     pub drafts: IntCounterVec,
     pub sessions: IntGauge,
     pub engine_failures: IntCounter,
+    pub grammar_compile: Histogram,
+    pub grammar_cache_hits: IntCounter,
+    pub grammar_mask: Histogram,
 }
 
 fn buckets(v: &[f64]) -> Vec<f64> {
@@ -183,6 +186,20 @@ impl Metrics {
             engine_failures: counter(
                 "llama_relay_engine_failures_total",
                 "Times the engine failed for good (a panic, or repeated failed steps); the server then exits",
+            ),
+            grammar_compile: hist(
+                "llama_relay_grammar_compile_seconds",
+                "Time to compile a response format's grammar (those not found in the principal's cache)",
+                &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5],
+            ),
+            grammar_cache_hits: counter(
+                "llama_relay_grammar_cache_hits_total",
+                "Response formats found compiled in the principal's cache",
+            ),
+            grammar_mask: hist(
+                "llama_relay_grammar_mask_seconds",
+                "Time to compute one constrained sequence's token mask (on a second thread, while the forward pass runs)",
+                &[0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025],
             ),
             errors,
             registry,

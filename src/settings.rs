@@ -139,6 +139,8 @@ pub struct LimitSettings {
     pub max_message_chars: usize,
     pub max_stop_strings: usize,
     pub max_stop_chars: usize,
+    /// Bytes of a request's `response_format` (its JSON): a schema, regex or grammar.
+    pub max_schema_bytes: usize,
     pub frames_per_s: f64,
     pub frame_burst: u32,
     pub rejected_frames_per_s: f64,

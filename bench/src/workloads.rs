@@ -36,6 +36,10 @@ pub enum Workload {
     /// `--users` streaming users beside as many clients consuming replies at `--acks-per-s`
     /// deltas a second, without and then with `--window`.
     Paced(PacedArgs),
+    /// `--users` users with and without a JSON Schema on every reply (`--pairs` pairs, the order
+    /// alternating): TTFT, gaps and aggregate each way, then the grammar's mask and compile times
+    /// from the server's metrics.
+    Structured(StructuredArgs),
     /// Through a load balancer (`--url`): conversations of `--turns` turns, a new connection
     /// each turn with `?conversation=ID`, resuming or restoring where it lands
     /// (deploy/local-cluster.sh).
@@ -58,6 +62,7 @@ impl Workload {
             Workload::Resume(a) => a.server.url.is_none(),
             Workload::Typeahead(a) => a.server.url.is_none(),
             Workload::Paced(a) => a.server.url.is_none(),
+            Workload::Structured(a) => a.server.url.is_none(),
             Workload::Cluster(_) | Workload::Soak(_) => false,
         }
     }
@@ -72,6 +77,7 @@ impl Workload {
             Workload::Resume(a) => resume(settings, opts, a),
             Workload::Typeahead(a) => typeahead(settings, opts, a),
             Workload::Paced(a) => paced(settings, opts, a),
+            Workload::Structured(a) => structured(settings, opts, a),
             Workload::Cluster(a) => cluster(a),
             Workload::Soak(a) => crate::soak::main(a),
         }
@@ -235,6 +241,26 @@ pub struct TypeaheadArgs {
 }
 
 #[derive(Args)]
+pub struct StructuredArgs {
+    #[command(flatten)]
+    pub server: Server,
+    /// Concurrent users, one set of pairs each.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    pub users: Vec<usize>,
+    /// Runs with and without the schema per user count, alternating which goes first.
+    #[arg(long, default_value_t = 2)]
+    pub pairs: usize,
+    /// Requests per run; 0 = 4 per user.
+    #[arg(long, default_value_t = 0)]
+    pub requests: usize,
+    #[arg(long, default_value_t = 100)]
+    pub prompt_words: usize,
+    /// New tokens per request (the schema's answer is longer, so every reply has this many).
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+}
+
+#[derive(Args)]
 pub struct PacedArgs {
     #[command(flatten)]
     pub server: Server,
@@ -359,6 +385,7 @@ fn throughput(
                     },
                     prompt_words: a.prompt_words,
                     max_tokens: a.max_tokens,
+                    response_format: None,
                 };
                 load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
             }
@@ -486,6 +513,7 @@ fn overhead(mut settings: Settings, opts: EngineOptions, a: OverheadArgs) -> any
             requests: 1,
             prompt_words: a.prompt_words,
             max_tokens: a.max_tokens,
+            response_format: None,
         };
         // The server's first stream, unmeasured.
         load::run(cfg.clone())
@@ -718,4 +746,111 @@ async fn start_in_process(settings: &Settings, opts: EngineOptions) -> anyhow::R
         actix_web::rt::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     Ok(format!("ws://{addr}/ws"))
+}
+
+/// The schema of the structured workload: a support answer with a category and a long text (at
+/// least 400 characters, so that every constrained reply runs to `--max-tokens` as the free ones
+/// do with `ignore_eos`).
+fn bench_schema() -> serde_json::Value {
+    serde_json::json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+        "type": "object",
+        "properties": {
+            "category": {"enum": ["billing", "shipping", "returns", "other"]},
+            "urgent": {"type": "boolean"},
+            "answer": {"type": "string", "minLength": 400},
+        },
+        "required": ["category", "urgent", "answer"],
+        "additionalProperties": false,
+    }}})
+}
+
+fn structured(
+    mut settings: Settings,
+    opts: EngineOptions,
+    a: StructuredArgs,
+) -> anyhow::Result<()> {
+    let max_users = a.users.iter().copied().max().unwrap_or(1);
+    settings.server.port = 0;
+    settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
+    actix_web::rt::System::new().block_on(async move {
+        let url = server_url(&a.server, &settings, &opts).await?;
+        let metrics_url = load::completions_url(&url).replace("/v1/chat/completions", "/metrics");
+        for &users in &a.users {
+            for pair in 0..a.pairs {
+                let mut order = [None, Some(bench_schema())];
+                if pair % 2 == 1 {
+                    order.reverse();
+                }
+                for format in order {
+                    print!(
+                        "{:<10} ",
+                        if format.is_some() {
+                            "schema"
+                        } else {
+                            "free text"
+                        }
+                    );
+                    let cfg = load::BenchConfig {
+                        api: load::Api::WebSocket,
+                        api_key: None,
+                        run: rand::random(),
+                        url: url.clone(),
+                        users,
+                        requests: if a.requests == 0 {
+                            4 * users
+                        } else {
+                            a.requests
+                        },
+                        prompt_words: a.prompt_words,
+                        max_tokens: a.max_tokens,
+                        response_format: format,
+                    };
+                    load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
+                }
+            }
+        }
+        let mut r = awc::Client::new()
+            .get(&metrics_url)
+            .send()
+            .await
+            .map_err(|e| anyhow::anyhow!("{metrics_url}: {e}"))?;
+        let text = String::from_utf8_lossy(&r.body().limit(1 << 22).await?).to_string();
+        for name in [
+            "llama_relay_grammar_mask_seconds",
+            "llama_relay_grammar_compile_seconds",
+        ] {
+            println!("{}", histogram_summary(&text, name));
+        }
+        Ok(())
+    })
+}
+
+/// A Prometheus histogram from `/metrics` text: its count, mean, and the bucket bounds below
+/// which 50% and 99% of the observations fall.
+fn histogram_summary(metrics: &str, name: &str) -> String {
+    let value = |line: &str| line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+    let (mut buckets, mut sum, mut count) = (Vec::new(), 0.0, 0.0);
+    for line in metrics.lines() {
+        if let Some(rest) = line.strip_prefix(&format!("{name}_bucket{{le=\"")) {
+            let le = rest.split('"').next().unwrap_or("");
+            if let (Ok(le), Some(v)) = (le.parse::<f64>(), value(line)) {
+                buckets.push((le, v));
+            }
+        } else if line.starts_with(&format!("{name}_sum")) {
+            sum = value(line).unwrap_or(0.0);
+        } else if line.starts_with(&format!("{name}_count")) {
+            count = value(line).unwrap_or(0.0);
+        }
+    }
+    let under = |p: f64| {
+        (buckets.iter())
+            .find(|(_, v)| *v >= p * count)
+            .map_or("+Inf".to_string(), |(le, _)| format!("{:.2} ms", le * 1e3))
+    };
+    format!(
+        "{name}: {count} observed, mean {:.3} ms, p50 <= {}, p99 <= {}",
+        if count > 0.0 { sum / count * 1e3 } else { 0.0 },
+        under(0.5),
+        under(0.99)
+    )
 }

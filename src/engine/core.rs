@@ -9,6 +9,7 @@
 use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
+use super::constraint::{Constraint, Mask};
 use super::scheduler::{AddError, Priority, Quota, RequestId, Scheduler, SchedulerConfig};
 use super::Engine;
 use crate::error::EngineError;
@@ -39,6 +40,8 @@ pub struct Request {
     pub forks: Vec<Fork>,
     /// Its tenant's share of the scheduler.
     pub quota: Quota,
+    /// The grammar its reply must follow (its forks start from the same state).
+    pub constraint: Option<Constraint>,
 }
 
 /// Another choice of a request's prompt, with its own sampling (its own seed).
@@ -72,6 +75,9 @@ pub enum Event {
     },
     /// The request is over (its blocks freed or left to its lease); comes after its last token.
     Finished { id: RequestId, reason: Finish },
+    /// The request's grammar could not go on (a limit of the grammar engine reached): the
+    /// request is removed, its blocks freed.
+    Failed { id: RequestId, error: String },
 }
 
 /// A step that failed: its requests are removed.
@@ -92,12 +98,19 @@ struct Decoding {
     logprobs: Option<usize>,
     /// Choices still to fork from this request's first sampled step.
     forks: Vec<(RequestId, Sampler)>,
+    constraint: Option<Constraint>,
 }
 
 impl Decoding {
-    /// Whether `token`, just sampled, ends the request.
+    /// Whether `token`, just sampled, ends the request (a complete grammar ends it as an
+    /// end-of-turn id would).
     fn finish_reason(&self, token: u32, eos: &[u32], max_context: usize) -> Option<Finish> {
-        if !self.ignore_eos && eos.contains(&token) {
+        if (!self.ignore_eos && eos.contains(&token))
+            || self
+                .constraint
+                .as_ref()
+                .is_some_and(Constraint::is_complete)
+        {
             Some(Finish::EndOfTurn)
         } else if self.generated >= self.max_tokens
             || self.prompt_tokens + self.generated >= max_context
@@ -116,6 +129,8 @@ pub struct Core<E: BorrowMut<Engine> = Engine> {
     live: HashMap<RequestId, Decoding>,
     max_context: usize,
     eos: Vec<u32>,
+    /// How long each grammar mask took, since `take_mask_seconds` last emptied it.
+    mask_seconds: Vec<f64>,
 }
 
 impl<E: BorrowMut<Engine>> Core<E> {
@@ -130,6 +145,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             live: HashMap::new(),
             max_context,
             eos,
+            mask_seconds: Vec::new(),
         }
     }
 
@@ -150,6 +166,12 @@ impl<E: BorrowMut<Engine>> Core<E> {
     pub fn into_engine(mut self) -> E {
         self.engine.borrow_mut().pool = self.sched.into_kv().into_pool();
         self.engine
+    }
+
+    /// The times the grammar masks of the steps since the last call took, one per constrained
+    /// sequence and step.
+    pub fn take_mask_seconds(&mut self) -> Vec<f64> {
+        std::mem::take(&mut self.mask_seconds)
     }
 
     pub fn is_idle(&self) -> bool {
@@ -183,6 +205,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 lease: r.lease,
                 logprobs: r.logprobs,
                 forks,
+                constraint: r.constraint,
             },
         );
         Ok(position)
@@ -223,14 +246,23 @@ impl<E: BorrowMut<Engine>> Core<E> {
         fork: RequestId,
         mut sampler: Sampler,
         raw: &[f32],
+        mask: Option<&Mask>,
         events: &mut Vec<Event>,
     ) {
         let Some(p) = self.live.get(&parent) else {
             return;
         };
         let mut row = raw.to_vec();
+        if let Some(m) = mask {
+            m.apply(&mut row);
+        }
         let token = sampler.sample(&mut row);
         sampler.observe(token);
+        let mut constraint = p.constraint.as_ref().map(Constraint::fork);
+        if let Some(Err(error)) = constraint.as_mut().map(|c| c.accept(token)) {
+            events.push(Event::Failed { id: fork, error });
+            return;
+        }
         let d = Decoding {
             sampler,
             max_tokens: p.max_tokens,
@@ -240,6 +272,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             lease: None,
             logprobs: p.logprobs,
             forks: Vec::new(),
+            constraint,
         };
         events.push(Event::Started {
             id: fork,
@@ -259,6 +292,18 @@ impl<E: BorrowMut<Engine>> Core<E> {
         }
     }
 
+    /// Removes a request whose grammar cannot go on, and the choices still to fork from it.
+    fn fail(&mut self, id: RequestId, error: String, events: &mut Vec<Event>) {
+        tracing::warn!(request = id.0, error = %error, "constrained decoding stopped a request");
+        for fork in self.remove(id) {
+            events.push(Event::Failed {
+                id: fork,
+                error: error.clone(),
+            });
+        }
+        events.push(Event::Failed { id, error });
+    }
+
     /// Runs one step: `Ok(None)` when there is nothing to run.
     pub fn step(&mut self) -> Result<Option<Vec<Event>>, StepFailed> {
         let Some(sch) = self.sched.schedule() else {
@@ -274,17 +319,49 @@ impl<E: BorrowMut<Engine>> Core<E> {
             .collect();
         let t = std::time::Instant::now();
         let e = self.engine.borrow();
-        let result = sch
-            .copies
-            .iter()
-            .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
-            .and_then(|_| e.model.forward(&sch.batch, &e.cache))
-            .and_then(|l| {
-                l.map(|l| l.to_vec2::<f32>())
-                    .transpose()
-                    .map_err(Into::into)
-            });
+        let forward = || {
+            sch.copies
+                .iter()
+                .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
+                .and_then(|_| e.model.forward(&sch.batch, &e.cache))
+                .and_then(|l| {
+                    l.map(|l| l.to_vec2::<f32>())
+                        .transpose()
+                        .map_err(Into::into)
+                })
+        };
+        // The sampled requests' grammar masks, computed on a second thread while the forward
+        // pass runs (they depend only on the tokens already accepted).
+        let sampled: std::collections::HashSet<RequestId> =
+            (sch.entries.iter().filter(|e| e.sample).map(|e| e.id)).collect();
+        let mut constrained: Vec<(RequestId, &mut Constraint)> = (self.live.iter_mut())
+            .filter(|(id, _)| sampled.contains(id))
+            .filter_map(|(id, d)| d.constraint.as_mut().map(|c| (*id, c)))
+            .collect();
+        let (result, masks) = if constrained.is_empty() {
+            (forward(), HashMap::new())
+        } else {
+            std::thread::scope(|s| {
+                let masks = s.spawn(move || {
+                    (constrained.iter_mut())
+                        .map(|(id, c)| {
+                            let t = std::time::Instant::now();
+                            let m = c.mask();
+                            (*id, (m, t.elapsed().as_secs_f64()))
+                        })
+                        .collect::<HashMap<_, _>>()
+                });
+                let result = forward();
+                (result, masks.join().unwrap_or_default())
+            })
+        };
         let seconds = t.elapsed().as_secs_f64();
+        let mut masks: HashMap<RequestId, Result<Mask, String>> = (masks.into_iter())
+            .map(|(id, (m, s))| {
+                self.mask_seconds.push(s);
+                (id, m)
+            })
+            .collect();
         tracing::debug!(
             seqs = sch.batch.seqs.len(),
             tokens = sch.batch.num_tokens(),
@@ -316,17 +393,32 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let Some(d) = self.live.get_mut(&id) else {
                 continue;
             };
+            let mask = match masks.remove(&id) {
+                Some(Err(error)) => {
+                    self.fail(id, error, &mut events);
+                    continue;
+                }
+                Some(Ok(m)) => Some(m),
+                None => None,
+            };
             let raw = (d.logprobs.is_some() || !d.forks.is_empty()).then(|| row.clone());
             for (fork, sampler) in std::mem::take(&mut d.forks) {
                 let raw = raw.as_deref().expect("kept for forks");
-                self.fork(id, fork, sampler, raw, &mut events);
+                self.fork(id, fork, sampler, raw, mask.as_ref(), &mut events);
             }
             let Some(d) = self.live.get_mut(&id) else {
                 continue;
             };
+            if let Some(m) = &mask {
+                m.apply(&mut row);
+            }
             let token = d.sampler.sample(&mut row);
             d.sampler.observe(token);
             d.generated += 1;
+            if let Some(Err(error)) = d.constraint.as_mut().map(|c| c.accept(token)) {
+                self.fail(id, error, &mut events);
+                continue;
+            }
             let logprobs =
                 (d.logprobs.zip(raw.as_deref())).map(|(k, raw)| log_probs(raw, token, k));
             events.push(Event::Token {

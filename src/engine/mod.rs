@@ -3,6 +3,7 @@
 //! (`core`). No actors and no wire types: the server's batcher actor drives a core and maps its
 //! events to frames; `generate` drives one for a single prompt.
 
+pub mod constraint;
 pub mod core;
 pub mod cost;
 pub mod loaded;

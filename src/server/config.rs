@@ -196,6 +196,7 @@ impl Settings {
                 max_message_chars: self.limits.max_message_chars,
                 max_stop_strings: self.limits.max_stop_strings,
                 max_stop_chars: self.limits.max_stop_chars,
+                max_schema_bytes: self.limits.max_schema_bytes,
                 max_id_chars: 128,
                 frames_per_s: self.limits.frames_per_s,
                 frame_burst: self.limits.frame_burst,

@@ -27,6 +27,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix_web::{web, App, HttpServer};
 
+use crate::engine::constraint::Grammars;
 use crate::engine::{Engine, EngineOptions};
 use crate::metrics::Metrics;
 use crate::server::batcher::{Batcher, BatcherConfig};
@@ -192,6 +193,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let state = web::Data::new(app_state(settings, addr, admin_addr)?);
     let metrics = state.metrics.clone();
+    let grammar_metrics = state.metrics.clone();
     let workers = match sv.workers {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
@@ -240,6 +242,7 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
         match loaded {
             Ok(engine) => {
                 let tokenizer = engine.tokenizer.clone();
+                let vocab = engine.model.config().vocab_size;
                 let model = engine.info.name.clone();
                 let max_context = engine.model.max_positions();
                 let cfg = BatcherConfig {
@@ -267,8 +270,13 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     operator_tokens.insert(system.clone(), tokens);
                 }
                 tracing::info!(model = %model, seconds = started.elapsed().as_secs_f64(), "ready");
+                let grammars = Arc::new(Grammars::new(tokenizer.clone(), vocab).with_metrics(
+                    grammar_metrics.grammar_compile.clone(),
+                    grammar_metrics.grammar_cache_hits.clone(),
+                ));
                 load_state.set(Status::Ready(Ready {
                     batcher,
+                    grammars,
                     tokenizer,
                     model,
                     operator_tokens: Arc::new(operator_tokens),

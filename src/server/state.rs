@@ -22,6 +22,8 @@ use crate::tokenizer::TextTokenizer;
 pub struct Ready {
     pub batcher: Addr<Batcher>,
     pub tokenizer: Arc<TextTokenizer>,
+    /// The response formats' grammar compiler over this tokenizer's vocabulary.
+    pub grammars: Arc<crate::engine::constraint::Grammars>,
     pub model: String,
     /// Each configured operator prompt rendered alone (a system message), by its text: the
     /// prompt tokens a request shares with it are the tenant's (`Session`), and it is what is

@@ -20,5 +20,6 @@ mod replicas;
 mod security;
 mod smollm2;
 mod startup;
+mod structured;
 mod tiny_llama3;
 mod tokenizers_fixtures;

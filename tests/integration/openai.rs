@@ -18,7 +18,7 @@ use crate::tiny_llama3::run_batched;
 pub(crate) const QUESTION: &str = "Tell me about llamas.";
 pub(crate) const KEY: &str = "api-key-0123456789abcdef";
 
-fn run<F: std::future::Future<Output = ()>>(f: F) {
+pub(crate) fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
 }
 
@@ -42,7 +42,7 @@ pub(crate) async fn ws_reply(app: &App, max_tokens: usize) -> (String, u64) {
 }
 
 /// A raw HTTP/1.1 exchange: (status, headers, body as JSON or text).
-fn http(
+pub(crate) fn http(
     app: &App,
     method: &str,
     path: &str,
@@ -70,7 +70,7 @@ fn http(
 }
 
 /// The JSON of a response body (chunked or not: the JSON object inside it).
-fn json_of(body: &str) -> Value {
+pub(crate) fn json_of(body: &str) -> Value {
     let start = body
         .find('{')
         .unwrap_or_else(|| panic!("no JSON in {body:?}"));
@@ -78,7 +78,12 @@ fn json_of(body: &str) -> Value {
     serde_json::from_str(&body[start..=end]).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
-fn post(app: &App, path: &str, body: Value, headers: &[(&str, &str)]) -> (u16, String, Value) {
+pub(crate) fn post(
+    app: &App,
+    path: &str,
+    body: Value,
+    headers: &[(&str, &str)],
+) -> (u16, String, Value) {
     let (status, head, body) = http(app, "POST", path, headers, &body.to_string());
     (status, head, json_of(&body))
 }

@@ -362,6 +362,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
             })
             .to_vec(),
         quota: Default::default(),
+        constraint: None,
     })
     .unwrap();
     let mut out: std::collections::BTreeMap<u64, Vec<u32>> = Default::default();
@@ -391,6 +392,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
                     o.push(token);
                 }
                 Event::Finished { .. } => {}
+                Event::Failed { error, .. } => panic!("no grammar here: {error}"),
             }
         }
     }

@@ -77,6 +77,8 @@ pub struct BenchConfig {
     pub requests: usize,
     pub prompt_words: usize,
     pub max_tokens: usize,
+    /// Each request's `response_format` (none: free text).
+    pub response_format: Option<Value>,
 }
 
 /// Percentile of sorted values (nearest rank).
@@ -115,8 +117,11 @@ async fn user(
             break;
         }
         let id = format!("u{user}r{n}");
-        let frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
+        let mut frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
+        if let Some(f) = &cfg.response_format {
+            frame["params"]["response_format"] = f.clone();
+        }
         let sent = Instant::now();
         send_fresh(&mut ws, &frame).await?;
         let mut s = Sample::default();
@@ -170,9 +175,12 @@ async fn sse_user(
         if n >= cfg.requests {
             break;
         }
-        let body = json!({"model": model, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
+        let mut body = json!({"model": model, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
             "temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true, "stream": true,
             "stream_options": {"include_usage": true}, "user": format!("bench-{}-{user}", cfg.run)});
+        if let Some(f) = &cfg.response_format {
+            body["response_format"] = f.clone();
+        }
         let sent = Instant::now();
         let mut req = client.post(&url);
         if let Some(k) = &cfg.api_key {

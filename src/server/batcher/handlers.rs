@@ -14,7 +14,7 @@ impl Handler<InjectFault> for Batcher {
 impl Handler<Submit> for Batcher {
     type Result = Result<usize, RequestError>;
 
-    fn handle(&mut self, m: Submit, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, mut m: Submit, ctx: &mut Context<Self>) -> Self::Result {
         if let Some(reason) = &self.failed {
             return Err(RequestError::Internal(format!(
                 "{reason}; the server is restarting"
@@ -54,6 +54,7 @@ impl Handler<Submit> for Batcher {
             logprobs: m.logprobs,
             forks: m.forks.clone(),
             quota: m.quota,
+            constraint: m.constraint.take(),
         };
         let position = match self.core.add(request) {
             Ok(p) => p,
@@ -211,6 +212,7 @@ impl Handler<Draft> for Batcher {
             logprobs: None,
             forks: Vec::new(),
             quota: m.quota,
+            constraint: None,
         };
         // A full queue has no capacity to spare: the draft is simply not prefilled.
         if self.core.add(request).is_ok() {

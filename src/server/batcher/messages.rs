@@ -164,6 +164,8 @@ pub struct Submit {
     pub quota: Quota,
     /// A paced reply: the tokens it may generate before its client allows more (`Allow`).
     pub window: Option<usize>,
+    /// The grammar of its response format.
+    pub constraint: Option<crate::engine::constraint::Constraint>,
 }
 
 impl Submit {
@@ -191,6 +193,7 @@ impl Submit {
             reply_to,
             quota,
             window: valid.window,
+            constraint: prompt.constraint,
         }
     }
 }

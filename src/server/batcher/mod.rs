@@ -26,7 +26,7 @@ use crate::metrics::Metrics;
 use crate::sampler::{SamplingParams, TokenLogprobs};
 use crate::server::gate::outbox::Backlog;
 use crate::server::request::reply::{FinishReason, Timings, Usage};
-use crate::server::request::RequestError;
+use crate::server::request::{Field, RequestError};
 use crate::server::request::{Prompt, ValidRequest};
 
 mod expiry;
@@ -412,6 +412,9 @@ impl Batcher {
                 return !self.core.is_idle();
             }
         };
+        for s in self.core.take_mask_seconds() {
+            self.metrics.grammar_mask.observe(s);
+        }
         let now = Instant::now();
         for ev in events {
             match ev {
@@ -421,6 +424,13 @@ impl Batcher {
                     token,
                     logprobs,
                 } => self.on_token(id, token, logprobs, now),
+                Event::Failed { id, error } => self.fail_all(
+                    vec![id],
+                    RequestError::invalid(
+                        Field::ResponseFormat,
+                        format!("stopped the reply: {error}"),
+                    ),
+                ),
                 Event::Finished { id, reason } => {
                     let reason = match reason {
                         Finish::EndOfTurn => FinishReason::Stop,

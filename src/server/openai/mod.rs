@@ -378,6 +378,7 @@ fn chat_job(
         &[],
         &api.chat.messages,
         api.chat.cache_key.as_deref(),
+        &api.chat.format,
     )?;
     Ok(Job {
         api,
@@ -440,7 +441,11 @@ fn completion_job(
     );
     Ok(Job {
         api,
-        prompt: Prompt { ids, scope },
+        prompt: Prompt {
+            ids,
+            scope,
+            constraint: None,
+        },
         identity,
         ready,
         permit,

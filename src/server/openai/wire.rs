@@ -3,8 +3,8 @@
 //! is), so one definition of every limit serves all. Pure: no actix, no engine.
 //!
 //! Fields follow OpenAI's API reference. Fields that would change what a reply means and that
-//! this server does not do (tools, JSON response formats, audio, logit bias, several prompts in
-//! one completion request) are refused with 400 naming the field; unknown fields are ignored, as
+//! this server does not do (tools, audio, logit bias, several prompts in one completion
+//! request) are refused with 400 naming the field; unknown fields are ignored, as
 //! OpenAI's server does.
 
 use serde::{Deserialize, Serialize};
@@ -176,6 +176,7 @@ impl CommonFields {
         messages: Vec<Message>,
         max_tokens: Option<i64>,
         logprobs: Option<usize>,
+        response_format: Option<Value>,
         limits: &Limits,
         defaults: &SamplingParams,
         default_max_tokens: usize,
@@ -220,6 +221,7 @@ impl CommonFields {
             cache_key: self.prompt_cache_key.clone(),
             priority: self.priority.clone(),
             window: None,
+            response_format,
         };
         let chat = limits.validate(id, messages, params, defaults, default_max_tokens)?;
         Ok(ValidApi {
@@ -256,14 +258,7 @@ impl ChatRequest {
                 "web_search_options",
             ],
         )?;
-        if let Some(f) = &self.response_format {
-            if f.get("type").and_then(Value::as_str) != Some("text") {
-                return Err(bad(
-                    "response_format",
-                    "may only be {\"type\": \"text\"}: this server does not constrain output to JSON",
-                ));
-            }
-        }
+        let response_format = self.response_format;
         if let Some(m) = self.modalities.iter().flatten().find(|m| *m != "text") {
             return Err(bad(
                 "modalities",
@@ -290,6 +285,7 @@ impl ChatRequest {
             messages,
             max_tokens,
             logprobs,
+            response_format,
             limits,
             defaults,
             default_max_tokens,
@@ -408,6 +404,7 @@ impl CompletionRequest {
             stand_in,
             self.common.max_tokens,
             logprobs,
+            None,
             limits,
             defaults,
             COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -543,7 +540,7 @@ mod tests {
                 "tools",
             ),
             (
-                serde_json::json!({"messages": m, "response_format": {"type": "json_object"}}),
+                serde_json::json!({"messages": m, "response_format": {"type": "yaml"}}),
                 "response_format",
             ),
             (serde_json::json!({"messages": m, "n": 9}), "n"),

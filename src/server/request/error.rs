@@ -22,6 +22,7 @@ pub enum Field {
     CacheKey,
     Priority,
     Window,
+    ResponseFormat,
     /// A field only one dialect has, as that dialect names it (`n`, `stream_options`, `index`).
     Wire(String),
 }
@@ -54,6 +55,7 @@ impl Field {
             Field::CacheKey => "cache_key".into(),
             Field::Priority => "priority".into(),
             Field::Window => "window".into(),
+            Field::ResponseFormat => "response_format".into(),
         };
         // A generation parameter: under `params` on `/ws`, bare over HTTP, inside the event's
         // object on the Realtime API, with the two names the dialects spell their own way.

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 pub use error::{Dialect, ErrorKind, Field, RequestError, Wire};
 
+use crate::engine::constraint::ResponseFormat;
 use crate::engine::Priority;
 use crate::kv_cache::CacheScope;
 use crate::sampler::{SamplingOverrides, SamplingParams};
@@ -39,6 +40,10 @@ pub struct GenerateParams {
     /// A paced stream: at most this many deltas unacknowledged (`ack`); past it the reply stops
     /// generating, its KV kept, until the client acks.
     pub window: Option<usize>,
+    /// What the reply must be: free text (default), JSON (any object, or valid against a
+    /// schema), or text a regular expression or Lark grammar matches. Held as JSON until
+    /// `validate` parses it, so a wrong shape is refused naming the field as other values are.
+    pub response_format: Option<serde_json::Value>,
 }
 
 /// The largest `params.window`.
@@ -57,6 +62,7 @@ pub struct Limits {
     pub max_message_chars: usize,
     pub max_stop_strings: usize,
     pub max_stop_chars: usize,
+    pub max_schema_bytes: usize,
     pub max_id_chars: usize,
     /// Text frames a session may send a second on average, and at once.
     pub frames_per_s: f64,
@@ -78,6 +84,7 @@ impl Limits {
             max_message_chars: 100,
             max_stop_strings: 4,
             max_stop_chars: 16,
+            max_schema_bytes: 4096,
             max_id_chars: 64,
             frames_per_s: 10.0,
             frame_burst: 20,
@@ -100,12 +107,16 @@ pub struct ValidRequest {
     pub cache_key: Option<String>,
     pub priority: Priority,
     pub window: Option<usize>,
+    /// Checked for size, compiled where the prompt is built (`prompt::chat_prompt`).
+    pub format: ResponseFormat,
 }
 
-/// The token ids to run and the blocks they may share.
+/// The token ids to run, the blocks they may share, and the compiled grammar of the request's
+/// response format.
 pub struct Prompt {
     pub ids: Vec<u32>,
     pub scope: CacheScope,
+    pub constraint: Option<crate::engine::constraint::Constraint>,
 }
 
 /// The rule every text limit reads the same way in: "`field` must be at most N characters
@@ -163,7 +174,9 @@ impl Limits {
                 format!("must be between 1 and {MAX_WINDOW}. Given: {w}"),
             ));
         }
+        let format = self.response_format(p.response_format)?;
         Ok(ValidRequest {
+            format,
             id,
             messages,
             sampling,
@@ -204,6 +217,25 @@ impl Limits {
             None => default_max_tokens.min(self.max_tokens),
         };
         Ok((sampling, max_tokens))
+    }
+
+    /// A request's response format, parsed and checked against `max_schema_bytes` (compiling
+    /// it waits for the prompt's turn on the blocking pool).
+    pub fn response_format(
+        &self,
+        v: Option<serde_json::Value>,
+    ) -> Result<ResponseFormat, RequestError> {
+        let bad = |reason| RequestError::invalid(Field::ResponseFormat, reason);
+        let Some(v) = v else {
+            return Ok(ResponseFormat::Text);
+        };
+        let format: ResponseFormat = serde_json::from_value(v).map_err(|e| {
+            bad(format!(
+                "must be {{\"type\": \"text\"}}, {{\"type\": \"json_object\"}}, {{\"type\": \"json_schema\", \"json_schema\": {{\"name\": ..., \"schema\": ...}}}}, or this server's {{\"type\": \"regex\", \"regex\": ...}} or {{\"type\": \"lark\", \"lark\": ...}}: {e}"
+            ))
+        })?;
+        format.check(self.max_schema_bytes).map_err(bad)?;
+        Ok(format)
     }
 
     /// A message's text against `max_message_chars`.

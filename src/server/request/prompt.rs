@@ -3,16 +3,19 @@
 //! template, and how many leading tokens are that operator text (shared within the tenant; the
 //! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
 
+use crate::engine::constraint::ResponseFormat;
 use crate::server::gate::tenants::{Identity, Tenants};
 use crate::server::request::Prompt;
-use crate::server::request::RequestError;
+use crate::server::request::{Field, RequestError};
 use crate::server::state::Ready;
 use crate::tokenizer::Message;
 
 /// Checks that `identity` may send the roles of `new`, renders operator text, `history` and
-/// `new` with the chat template (generation prompt added), and derives the cache scope:
+/// `new` with the chat template (generation prompt added), derives the cache scope and compiles
+/// the response format's grammar:
 /// `principal` names the principal for clients without an API key (a session's id, or a fresh
 /// id per HTTP request), `cache_key` a partition inside an API key's principal.
+#[allow(clippy::too_many_arguments)]
 pub fn chat_prompt(
     ready: &Ready,
     tenants: &Tenants,
@@ -21,10 +24,16 @@ pub fn chat_prompt(
     history: &[Message],
     new: &[Message],
     cache_key: Option<&str>,
+    format: &ResponseFormat,
 ) -> Result<Prompt, RequestError> {
-    build(
+    let mut prompt = build(
         ready, tenants, identity, principal, history, new, cache_key, false,
-    )
+    )?;
+    // Compiled within the request's principal: a grammar cached for another is never found.
+    prompt.constraint = (ready.grammars)
+        .compile(format, prompt.scope.principal.0)
+        .map_err(|e| RequestError::invalid(Field::ResponseFormat, e))?;
+    Ok(prompt)
 }
 
 /// The prompt of a draft: `history` and a user message holding `text` so far, rendered up to
@@ -89,7 +98,11 @@ fn build(
     };
     let shared = shared_tokens(ready, identity, &ids);
     let scope = tenants.scope(identity, principal, cache_key, shared);
-    Ok(Prompt { ids, scope })
+    Ok(Prompt {
+        ids,
+        scope,
+        constraint: None,
+    })
 }
 
 /// The leading prompt tokens that are operator text: those equal to the operator prompt rendered

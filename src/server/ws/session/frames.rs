@@ -178,10 +178,11 @@ impl Session {
             self.identity.clone(),
             self.id,
         );
-        let (history, messages, key) = (
+        let (history, messages, key, format) = (
             self.conversation[..replace_from].to_vec(),
             chat.messages.clone(),
             chat.cache_key.clone(),
+            chat.format.clone(),
         );
         // Until it is submitted, a parked session keeps it to start on resume.
         self.preparing = Some((chat.clone(), replace_from));
@@ -194,6 +195,7 @@ impl Session {
                 &history,
                 &messages,
                 key.as_deref(),
+                &format,
             )
         })
         .into_actor(self)

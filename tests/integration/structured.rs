@@ -1,0 +1,278 @@
+//! Structured outputs end to end: `response_format` over OpenAI's HTTP API (whole, streamed,
+//! `n` forks, the official SDK's `parse()`) and `params.response_format` on `/ws`. The tiny model
+//! has random weights, so every valid reply here is the server's doing, not the model's.
+
+use std::path::Path;
+use std::process::Command;
+
+use llama_relay::settings::Settings;
+use serde_json::{json, Value};
+
+use crate::common::*;
+use crate::openai::{http, model_id, post, run, sdk_python};
+
+/// A ticket: bounded strings and numbers, so that even a random model ends within the reply's
+/// room.
+fn ticket_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "state": {"enum": ["open", "pending", "closed"]},
+            "priority": {"type": "integer", "minimum": 1, "maximum": 5},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+            "urgent": {"type": "boolean"},
+        },
+        "required": ["state", "priority", "tags", "urgent"],
+        "additionalProperties": false,
+    })
+}
+
+fn assert_ticket(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text:?}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
+    assert_eq!(o.len(), 4, "{text}");
+    assert!(
+        ["open", "pending", "closed"].contains(&o["state"].as_str().unwrap()),
+        "{text}"
+    );
+    assert!((1..=5).contains(&o["priority"].as_i64().unwrap()), "{text}");
+    let tags = o["tags"].as_array().unwrap();
+    assert!(tags.len() <= 2, "{text}");
+    assert!(
+        tags.iter()
+            .all(|t| t.as_str().unwrap().chars().count() <= 6),
+        "{text}"
+    );
+    assert!(o["urgent"].is_boolean(), "{text}");
+}
+
+fn chat_body(model: &str, format: Value, seed: u64) -> Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "Open a ticket for me."}],
+        "max_tokens": 120, "temperature": 1.0, "seed": seed, "response_format": format})
+}
+
+/// The content of an SSE chat stream, and its finish reason.
+fn streamed(body: &str) -> (String, String) {
+    let (mut text, mut finish) = (String::new(), String::new());
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap();
+        for c in v["choices"].as_array().unwrap() {
+            text += c["delta"]["content"].as_str().unwrap_or("");
+            if let Some(f) = c["finish_reason"].as_str() {
+                finish = f.into();
+            }
+        }
+    }
+    (text, finish)
+}
+
+#[test]
+fn replies_follow_the_schema_even_from_a_random_model() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    let format = json!({"type": "json_schema",
+        "json_schema": {"name": "ticket", "schema": ticket_schema(), "strict": true}});
+    for seed in 0..4 {
+        let (status, _, r) = post(
+            &app,
+            "/v1/chat/completions",
+            chat_body(&model, format.clone(), seed),
+            &[],
+        );
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+        let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+        assert_ticket(text);
+        // Streamed, the same seed: the same reply in chunks.
+        let mut body = chat_body(&model, format.clone(), seed);
+        body["stream"] = json!(true);
+        let (status, _, sse) = http(&app, "POST", "/v1/chat/completions", &[], &body.to_string());
+        assert_eq!(status, 200);
+        assert_eq!(streamed(&sse), (text.to_string(), "stop".to_string()));
+    }
+    // Three choices fork from one prefill, each with its own grammar state.
+    let mut body = chat_body(&model, format, 9);
+    body["n"] = json!(3);
+    let (status, _, r) = post(&app, "/v1/chat/completions", body, &[]);
+    assert_eq!(status, 200, "{r}");
+    let texts: Vec<&str> = (r["choices"].as_array().unwrap().iter())
+        .map(|c| c["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts.len(), 3);
+    texts.iter().for_each(|t| assert_ticket(t));
+    // Any JSON object, and this server's regex and Lark extensions.
+    let (_, _, r) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(&model, json!({"type": "json_object"}), 1),
+        &[],
+    );
+    if r["choices"][0]["finish_reason"] == "stop" {
+        let v: Value =
+            serde_json::from_str(r["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+        assert!(v.is_object(), "{v}");
+    } else {
+        // A random model may fill its room with one long string: still JSON so far.
+        assert_eq!(r["choices"][0]["finish_reason"], "length", "{r}");
+        assert!(r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .starts_with('{'));
+    }
+    let (_, _, r) = post(
+        &app,
+        "/v1/chat/completions",
+        chat_body(
+            &model,
+            json!({"type": "lark", "lark": "start: \"yes\" | \"no\""}),
+            2,
+        ),
+        &[],
+    );
+    let text = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(text == "yes" || text == "no", "{r}");
+    run(async {
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn the_websocket_takes_the_same_formats() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s: &mut Settings| {
+        s.limits.max_schema_bytes = 512;
+    });
+    run(async {
+        let mut c = app.connect().await;
+        let regex = json!({"type": "regex", "regex": "[A-Z]{3}-[0-9]{4}"});
+        for (i, seed) in (0..3).enumerate() {
+            let id = format!("r{i}");
+            c.chat(&id, "Your order number?", json!({"temperature": 1.0, "seed": seed, "max_tokens": 40, "response_format": regex})).await;
+            let r = c.reply(&id).await;
+            assert_eq!(r.done["type"], "done", "{}", r.done);
+            let t: Vec<char> = r.text.chars().collect();
+            assert!(
+                t.len() == 8
+                    && t[..3].iter().all(char::is_ascii_uppercase)
+                    && t[3] == '-'
+                    && t[4..].iter().all(char::is_ascii_digit),
+                "{:?}",
+                r.text
+            );
+            assert_eq!(r.done["finish_reason"], "stop", "{}", r.done);
+        }
+        // A regex that does not compile, an unknown type, and one over the limit: each named.
+        for (format, says) in [
+            (json!({"type": "regex", "regex": "(unclosed"}), ""),
+            (json!({"type": "yaml"}), "unknown variant"),
+            (
+                json!({"type": "regex", "regex": "a".repeat(600)}),
+                "limits.max_schema_bytes",
+            ),
+        ] {
+            c.chat("bad", "hi", json!({"response_format": format}))
+                .await;
+            let r = c.reply("bad").await;
+            assert_eq!(r.done["type"], "error", "{}", r.done);
+            let m = r.done["message"].as_str().unwrap();
+            assert!(
+                m.contains("params.response_format") && m.contains(says),
+                "{m}"
+            );
+        }
+        // The session goes on.
+        c.chat("ok", "hi", json!({"max_tokens": 2})).await;
+        assert_eq!(c.reply("ok").await.done["type"], "done");
+        app.wait_idle().await;
+    });
+}
+
+#[test]
+fn openai_errors_name_response_format() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    for (format, says) in [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}}),
+            "missing",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "no spaces", "schema": {}}}),
+            "json_schema.name",
+        ),
+        (json!({"type": "xml"}), "unknown variant"),
+        (json!({"type": "lark", "lark": "start: nowhere"}), "nowhere"),
+    ] {
+        let (status, _, r) = post(
+            &app,
+            "/v1/chat/completions",
+            chat_body(&model, format, 0),
+            &[],
+        );
+        assert_eq!(status, 400, "{r}");
+        assert_eq!(r["error"]["param"], "response_format", "{r}");
+        assert!(
+            r["error"]["message"].as_str().unwrap().contains(says),
+            "{r}"
+        );
+    }
+}
+
+/// The official SDK's `parse()` with a Pydantic model gets a parsed object back.
+#[test]
+fn the_python_sdk_parses_structured_replies() {
+    let python = sdk_python();
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    let out = Command::new(&python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/sdk_parse.py"))
+        .arg(format!("http://{}/v1", app.addr))
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let parsed = got["parsed"].as_array().unwrap();
+    assert_eq!(parsed.len(), 3, "{got}");
+    for p in parsed {
+        assert_ticket(&p.to_string());
+    }
+}
+
+/// 32 varied schemas through the official SDK, every reply checked by a JSON-Schema validator.
+#[test]
+fn every_constrained_reply_validates_against_its_schema() {
+    let python = sdk_python();
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    let out = Command::new(&python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/structured_validity.py"))
+        .arg(format!("http://{}/v1", app.addr))
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(got["checked"].as_u64().unwrap() >= 30, "{got}");
+    assert_eq!(got["failures"], json!([]), "{got:#}");
+}
