@@ -239,7 +239,7 @@ fn the_python_sdk_gets_the_websocket_reply_and_the_served_logprobs() {
     );
     assert_eq!(err["temperature"]["status"], 400);
     assert_eq!(err["temperature"]["param"], "temperature");
-    assert_eq!(err["tools"]["param"], "tools");
+    assert_eq!(err["functions"]["param"], "functions");
 }
 
 #[test]

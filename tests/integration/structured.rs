@@ -276,3 +276,132 @@ fn every_constrained_reply_validates_against_its_schema() {
     assert!(got["checked"].as_u64().unwrap() >= 30, "{got}");
     assert_eq!(got["failures"], json!([]), "{got:#}");
 }
+
+/// Tools through the official SDK: forced and named calls validate against their schemas, the
+/// streamed calls are the whole ones, a tool result continues the conversation, and mistakes are
+/// refused naming the field.
+#[test]
+fn the_python_sdk_calls_tools() {
+    let python = sdk_python();
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    let out = Command::new(&python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/sdk_tools.py"))
+        .arg(format!("http://{}/v1", app.addr))
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for w in got["whole"].as_array().unwrap() {
+        assert_eq!(w["finish"], "tool_calls", "{w}");
+        assert_eq!(w["stream_finish"], "tool_calls", "{w}");
+        assert_eq!(w["content"], Value::Null, "{w}");
+        assert_eq!(
+            w["calls"].as_array().unwrap().len(),
+            1,
+            "no parallel calls: {w}"
+        );
+        assert_eq!(w["streamed"], w["calls"], "{w}");
+        assert_eq!(w["streamed_ids"], true, "{w}");
+    }
+    let named = got["named"].as_array().unwrap();
+    assert!(
+        !named.is_empty() && named.iter().all(|c| c["name"] == "handover"),
+        "{got}"
+    );
+    assert_eq!(got["round_trip"]["calls"], Value::Null, "{got}");
+    assert_eq!(got["round_trip"]["finish"], "length", "{got}");
+    assert_eq!(
+        got["errors"],
+        json!([
+            {"undeclared_choice": {"status": 400, "param": "tool_choice.function.name"}},
+            {"bad_name": {"status": 400, "param": "tools[0].function.name"}},
+            {"unknown_call_id": {"status": 400, "param": "messages[1].tool_call_id"}},
+        ]),
+        "{got}"
+    );
+}
+
+/// The same from Rust (async-openai): a forced call whose arguments follow the schema, whole and
+/// streamed alike.
+#[test]
+fn a_rust_openai_client_gets_tool_calls() {
+    use async_openai::config::OpenAIConfig;
+    use async_openai::types::chat::{
+        ChatCompletionMessageToolCalls, ChatCompletionRequestMessage,
+        ChatCompletionRequestUserMessage, ChatCompletionTool, ChatCompletionToolChoiceOption,
+        ChatCompletionTools, CreateChatCompletionRequestArgs, FunctionObject, ToolChoiceOptions,
+    };
+    use futures_util::StreamExt;
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |_| {});
+    let model = model_id(&app);
+    run(async {
+        let client = async_openai::Client::with_config(
+            OpenAIConfig::new()
+                .with_api_base(format!("http://{}/v1", app.addr))
+                .with_api_key("unused"),
+        );
+        let msg: ChatCompletionRequestMessage =
+            ChatCompletionRequestUserMessage::from("Is order 12345 open?").into();
+        let tool = ChatCompletionTools::Function(ChatCompletionTool {
+            function: FunctionObject {
+                name: "set_state".into(),
+                description: Some("Sets a ticket's state.".into()),
+                parameters: Some(json!({"type": "object",
+                    "properties": {"state": {"enum": ["open", "closed"]}, "level": {"type": "integer", "minimum": 1, "maximum": 3}},
+                    "required": ["state", "level"], "additionalProperties": false})),
+                strict: Some(true),
+            },
+        });
+        let req = CreateChatCompletionRequestArgs::default()
+            .model(&model)
+            .messages(vec![msg])
+            .tools(vec![tool])
+            .tool_choice(ChatCompletionToolChoiceOption::Mode(
+                ToolChoiceOptions::Required,
+            ))
+            .parallel_tool_calls(false)
+            .max_completion_tokens(60u32)
+            .temperature(1.0)
+            .seed(4)
+            .build()
+            .unwrap();
+        let whole = client.chat().create(req.clone()).await.unwrap();
+        let calls = whole.choices[0].message.tool_calls.clone().unwrap();
+        assert_eq!(calls.len(), 1);
+        let ChatCompletionMessageToolCalls::Function(call) = &calls[0] else {
+            panic!("a function call: {calls:?}")
+        };
+        assert_eq!(call.function.name, "set_state");
+        let args: Value = serde_json::from_str(&call.function.arguments).unwrap();
+        assert!(
+            ["open", "closed"].contains(&args["state"].as_str().unwrap()),
+            "{args}"
+        );
+        assert!((1..=3).contains(&args["level"].as_i64().unwrap()), "{args}");
+        let mut stream = client.chat().create_stream(req).await.unwrap();
+        let (mut name, mut arguments) = (String::new(), String::new());
+        while let Some(chunk) = stream.next().await {
+            for c in chunk.unwrap().choices {
+                for t in c.delta.tool_calls.unwrap_or_default() {
+                    if let Some(f) = t.function {
+                        name += f.name.as_deref().unwrap_or("");
+                        arguments += f.arguments.as_deref().unwrap_or("");
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            (name.as_str(), arguments.as_str()),
+            ("set_state", call.function.arguments.as_str())
+        );
+        app.wait_idle().await;
+    });
+}

@@ -101,11 +101,7 @@ errors = {}
 for name, kwargs in {
     "model": {"model": "no-such-model"},
     "temperature": {"temperature": 5},
-    "tools": {
-        "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": {}}}
-        ]
-    },
+    "functions": {"functions": [{"name": "f", "parameters": {}}]},
 }.items():
     args = {"model": model, "messages": messages, "max_tokens": 4}
     args.update(kwargs)

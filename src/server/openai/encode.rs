@@ -10,6 +10,19 @@ pub(super) fn finish_reason(r: FinishReason) -> &'static str {
     }
 }
 
+/// A reply that made calls and ended by itself ended for them.
+fn finish_with_calls(r: FinishReason, calls: usize) -> &'static str {
+    match r {
+        FinishReason::Stop if calls > 0 => "tool_calls",
+        r => finish_reason(r),
+    }
+}
+
+/// A new call's id, as OpenAI spells them.
+fn call_id() -> String {
+    format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24])
+}
+
 /// The streamed response: role chunks first, then one write per event that has something to say.
 pub(super) struct SseState {
     pub(super) gen: Generation,
@@ -19,6 +32,8 @@ pub(super) struct SseState {
     /// serializes only its text.
     pub(super) head: String,
     pub(super) tail: &'static str,
+    /// With tools: each choice's text split into calls as it streams.
+    pub(super) calls: Vec<CallParser>,
 }
 
 pub(super) fn sse(v: &Value) -> String {
@@ -43,12 +58,17 @@ impl SseState {
         } else {
             "]}\n\n"
         };
+        let calls = match &meta.tools {
+            Some(t) => vec![CallParser::new(t); gen.choices.len()],
+            None => Vec::new(),
+        };
         SseState {
             gen,
             meta,
             opened: false,
             head,
             tail,
+            calls,
         }
     }
 
@@ -117,6 +137,13 @@ impl SseState {
                         index,
                         text,
                         logprobs,
+                    } if !self.calls.is_empty() => {
+                        s += &self.tool_deltas(index, &text, logprobs);
+                    }
+                    Out::Delta {
+                        index,
+                        text,
+                        logprobs,
                     } if !self.gen.logprobs => {
                         debug_assert!(logprobs.is_empty());
                         s += &self.plain_delta(index, &text);
@@ -134,6 +161,45 @@ impl SseState {
                 return Some(Bytes::from(s));
             }
         }
+    }
+
+    /// A delta of a reply that may call tools: its text as content, or as `tool_calls` chunks
+    /// (the first of a call with its id and name, then fragments of its arguments).
+    fn tool_deltas(
+        &mut self,
+        index: usize,
+        text: &str,
+        mut logprobs: Vec<(u32, TokenLogprobs)>,
+    ) -> String {
+        let mut s = String::new();
+        for piece in self.calls[index].feed(text) {
+            let delta = match piece {
+                Piece::Text(t) if !self.gen.logprobs => {
+                    s += &self.plain_delta(index, &t);
+                    continue;
+                }
+                Piece::Text(t) => {
+                    let o = Out::Delta {
+                        index,
+                        text: t,
+                        logprobs: std::mem::take(&mut logprobs),
+                    };
+                    let c = self.choice_chunk(o);
+                    s += &sse(&self.chunk(vec![c]));
+                    continue;
+                }
+                Piece::CallStart { index: k, name } => json!({"tool_calls": [{"index": k,
+                    "id": call_id(), "type": "function",
+                    "function": {"name": name, "arguments": ""}}]}),
+                Piece::Arguments { index: k, text } => {
+                    json!({"tool_calls": [{"index": k, "function": {"arguments": text}}]})
+                }
+            };
+            let c =
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null});
+            s += &sse(&self.chunk(vec![c]));
+        }
+        s
     }
 
     pub(super) fn choice_chunk(&self, o: Out) -> Value {
@@ -172,7 +238,7 @@ impl SseState {
                 "index": index,
                 "delta": {},
                 "logprobs": null,
-                "finish_reason": finish_reason(reason),
+                "finish_reason": finish_with_calls(reason, self.calls.get(index).map_or(0, CallParser::calls)),
             }),
             (Out::Finished { index, reason }, Shape::Completion) => json!({
                 "index": index,
@@ -236,11 +302,27 @@ pub(super) async fn whole(mut gen: Generation, meta: Meta, state: &AppState) -> 
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let reason = c.finish.map(finish_reason);
+            let (text, calls) = match &meta.tools {
+                Some(t) => parse_reply(t, c.sent()),
+                None => (c.sent().to_string(), Vec::new()),
+            };
+            let reason = c.finish.map(|r| finish_with_calls(r, calls.len()));
+            let message = if calls.is_empty() {
+                json!({"role": "assistant", "content": text})
+            } else {
+                let calls: Vec<Value> = (calls.into_iter())
+                    .map(|(name, arguments)| {
+                        json!({"id": call_id(), "type": "function",
+                        "function": {"name": name, "arguments": arguments}})
+                    })
+                    .collect();
+                json!({"role": "assistant", "content": (!text.is_empty()).then_some(text),
+                    "tool_calls": calls})
+            };
             match meta.shape {
                 Shape::Chat => json!({
                     "index": i,
-                    "message": {"role": "assistant", "content": c.sent()},
+                    "message": message,
                     "logprobs": gen.logprobs.then(|| json!({"content": chat_lps[i]})),
                     "finish_reason": reason,
                 }),

@@ -11,6 +11,8 @@ pub(super) struct Meta {
     pub(super) fingerprint: String,
     pub(super) shape: Shape,
     pub(super) include_usage: bool,
+    /// The functions the reply may call: its text is parsed into `tool_calls`.
+    pub(super) tools: Option<Tools>,
 }
 
 /// One choice's progress: its reply stream (text, stop strings, log-probabilities held with their

@@ -52,6 +52,7 @@ use crate::server::gate::tenants::{ClientKind, Identity, Roles};
 use crate::server::request::prompt::chat_prompt;
 use crate::server::request::reply::FinishReason;
 use crate::server::request::stream::{ReplyStream, Update};
+use crate::server::request::tools::{parse_reply, CallParser, Piece, Tools};
 use crate::server::request::Prompt;
 use crate::server::request::{Dialect, ErrorKind, RequestError};
 use crate::server::state::{AppState, Ready};
@@ -571,6 +572,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         fingerprint: fingerprint(&ready),
         shape,
         include_usage: api.include_usage,
+        tools: api.tools.clone(),
     };
     if api.stream {
         let stream =

@@ -11,8 +11,12 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
+use crate::server::request::tools::{
+    valid_name, Tool, ToolChoice, Tools, MAX_TOOLS, MAX_TOOL_NAME_CHARS,
+};
 use crate::server::request::{Field, GenerateParams, Limits, RequestError, ValidRequest};
 use crate::tokenizer::Message;
+use serde_json::json;
 
 /// Most choices (`n`) one request may ask for: each is a running sequence.
 pub const MAX_CHOICES: usize = 8;
@@ -62,6 +66,9 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     pub response_format: Option<Value>,
     pub modalities: Option<Vec<String>>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub common: CommonFields,
     #[serde(flatten)]
@@ -134,6 +141,8 @@ pub struct ValidApi {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// The functions the reply may call (with a choice other than `none`).
+    pub tools: Option<Tools>,
 }
 
 /// A field only OpenAI's API has, and what is wrong with it.
@@ -233,6 +242,7 @@ impl CommonFields {
             include_usage: (self.stream_options.as_ref())
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
+            tools: None,
         })
     }
 }
@@ -249,8 +259,6 @@ impl ChatRequest {
         refuse_unsupported(
             &self.other,
             &[
-                "tools",
-                "tool_choice",
                 "functions",
                 "function_call",
                 "audio",
@@ -265,11 +273,27 @@ impl ChatRequest {
                 format!("may only hold \"text\". Given: {m:?}"),
             ));
         }
+        let tools = parse_tools(
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
+            limits.max_schema_bytes,
+        )?;
+        if tools.as_ref().is_some_and(Tools::active)
+            && (response_format.as_ref())
+                .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
+        {
+            return Err(bad(
+                "response_format",
+                "cannot be combined with tools this server may call (a tool_choice other than \"none\")",
+            ));
+        }
+        let mut calls = std::collections::HashMap::new();
         let messages = self
             .messages
             .into_iter()
             .enumerate()
-            .map(|(i, m)| m.into_message(i))
+            .map(|(i, m)| m.into_message(i, &mut calls))
             .collect::<Result<Vec<_>, _>>()?;
         let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (true, k) => Some(non_negative("top_logprobs", k)?.unwrap_or(0)),
@@ -280,7 +304,7 @@ impl ChatRequest {
         };
         check_alternatives("top_logprobs", logprobs)?;
         let max_tokens = self.max_completion_tokens.or(self.common.max_tokens);
-        self.common.validate(
+        let mut api = self.common.validate(
             id,
             messages,
             max_tokens,
@@ -289,33 +313,79 @@ impl ChatRequest {
             limits,
             defaults,
             default_max_tokens,
-        )
+        )?;
+        if let Some(t) = tools.filter(Tools::active) {
+            // The functions and the format in the system turn (after the checks of what the
+            // client wrote: this text is the server's), every call valid by the grammar.
+            let text = t.system_text();
+            match api.chat.messages.first_mut() {
+                Some(m) if m.role == "system" => {
+                    m.content = format!("{}\n\n{text}", m.content);
+                }
+                _ => api.chat.messages.insert(0, Message::new("system", &text)),
+            }
+            api.chat.format = t.format();
+            api.tools = Some(t);
+        }
+        Ok(api)
     }
 }
 
 impl ApiMessage {
     /// One of OpenAI's message forms as a chat template message: `developer` is the system role
     /// by its newer name; content is a string or text parts, joined.
-    fn into_message(self, i: usize) -> Result<Message, RequestError> {
+    ///
+    /// Tools in the generic format: an assistant message's `tool_calls` become the text the
+    /// model writes for them (`calls` keeps each call's id and name), a `tool` message a user
+    /// turn that gives the named function's result (text, as any content is).
+    fn into_message(
+        self,
+        i: usize,
+        calls: &mut std::collections::HashMap<String, String>,
+    ) -> Result<Message, RequestError> {
         let role = match self.role.as_str() {
             "developer" => "system".to_string(),
-            "tool" | "function" => {
+            "function" => return Err(bad(
+                &format!("messages[{i}].role"),
+                "\"function\" is the deprecated form: send \"tool\" messages with a tool_call_id",
+            )),
+            _ => self.role.clone(),
+        };
+        let tool_calls = match self.other.get("tool_calls") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) if role == "assistant" => a.clone(),
+            Some(_) => {
                 return Err(bad(
-                    &format!("messages[{i}].role"),
-                    format!("{:?} is not supported by this server (no tools)", self.role),
+                    &format!("messages[{i}].tool_calls"),
+                    "must be a list, on an assistant message",
                 ))
             }
-            _ => self.role,
         };
-        if self
-            .other
-            .get("tool_calls")
-            .is_some_and(|v| !v.is_null() && v.as_array().is_none_or(|a| !a.is_empty()))
-        {
-            return Err(bad(
-                &format!("messages[{i}].tool_calls"),
-                "is not supported by this server (no tools)",
-            ));
+        if !tool_calls.is_empty() {
+            let mut text = Vec::new();
+            for (j, c) in tool_calls.iter().enumerate() {
+                let at = |f: &str| format!("messages[{i}].tool_calls[{j}].{f}");
+                let id = c
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty());
+                let id = id.ok_or_else(|| bad(&at("id"), "is required"))?;
+                let f = c.get("function");
+                let name = f.and_then(|f| f.get("name")).and_then(Value::as_str);
+                let name = name
+                    .filter(|n| valid_name(n))
+                    .ok_or_else(|| bad(&at("function.name"), "must be a function name"))?;
+                let args = f.and_then(|f| f.get("arguments")).and_then(Value::as_str);
+                let args: Value = args
+                    .and_then(|a| serde_json::from_str(a).ok())
+                    .ok_or_else(|| bad(&at("function.arguments"), "must be a JSON string"))?;
+                calls.insert(id.to_string(), name.to_string());
+                text.push(Tools::call_text(name, &args));
+            }
+            return Ok(Message {
+                role,
+                content: text.join("\n"),
+            });
         }
         let content = match self.content {
             None => String::new(),
@@ -344,8 +414,134 @@ impl ApiMessage {
                 s
             }
         };
+        if role == "tool" {
+            let id = self.other.get("tool_call_id").and_then(Value::as_str);
+            let name = id.and_then(|id| calls.get(id)).ok_or_else(|| {
+                bad(
+                    &format!("messages[{i}].tool_call_id"),
+                    "must name a call of an earlier assistant message",
+                )
+            })?;
+            return Ok(Message::new(
+                "user",
+                &format!("The function {name} returned:\n{content}"),
+            ));
+        }
         Ok(Message { role, content })
     }
+}
+
+/// OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked; `None` without tools.
+fn parse_tools(
+    tools: Option<&[Value]>,
+    choice: Option<&Value>,
+    parallel: Option<bool>,
+    max_bytes: usize,
+) -> Result<Option<Tools>, RequestError> {
+    let Some(list) = tools.filter(|t| !t.is_empty()) else {
+        return match choice {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) if s == "none" || s == "auto" => Ok(None),
+            Some(_) => Err(bad("tool_choice", "needs `tools`")),
+        };
+    };
+    if list.len() > MAX_TOOLS {
+        return Err(bad(
+            "tools",
+            format!(
+                "must hold at most {MAX_TOOLS} functions. Given: {}",
+                list.len()
+            ),
+        ));
+    }
+    let n = serde_json::to_string(list).map_or(0, |s| s.len());
+    if n > max_bytes {
+        return Err(bad(
+            "tools",
+            format!(
+                "must be at most {max_bytes} bytes of JSON (limits.max_schema_bytes). Given: {n}"
+            ),
+        ));
+    }
+    let mut out: Vec<Tool> = Vec::new();
+    for (i, t) in list.iter().enumerate() {
+        let at = |f: &str| format!("tools[{i}].{f}");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(&at("type"), "must be \"function\""));
+        }
+        let f = t.get("function").filter(|f| f.is_object());
+        let f = f.ok_or_else(|| bad(&at("function"), "is required"))?;
+        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+        if !valid_name(name) {
+            return Err(bad(
+                &at("function.name"),
+                format!("must be 1 to {MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -. Given: {name:?}"),
+            ));
+        }
+        if out.iter().any(|o| o.name == name) {
+            return Err(bad(
+                &at("function.name"),
+                format!("{name:?} is declared twice"),
+            ));
+        }
+        let description = match f.get("description") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(_) => return Err(bad(&at("function.description"), "must be a string")),
+        };
+        let parameters = match f.get("parameters") {
+            None | Some(Value::Null) => {
+                json!({"type": "object", "properties": {}, "additionalProperties": false})
+            }
+            Some(p) if p.is_object() => p.clone(),
+            Some(_) => {
+                return Err(bad(
+                    &at("function.parameters"),
+                    "must be a JSON Schema object",
+                ))
+            }
+        };
+        out.push(Tool {
+            name: name.into(),
+            description,
+            parameters,
+        });
+    }
+    let choice = match choice {
+        None | Some(Value::Null) => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(bad(
+                    "tool_choice",
+                    format!("must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {other:?}"),
+                ))
+            }
+        },
+        Some(v) => {
+            let name = (v.get("type").and_then(Value::as_str) == Some("function"))
+                .then(|| v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str))
+                .flatten();
+            let name = name.ok_or_else(|| {
+                bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
+            })?;
+            if !out.iter().any(|t| t.name == name) {
+                return Err(bad(
+                    "tool_choice.function.name",
+                    format!("{name:?} is not one of the declared tools"),
+                ));
+            }
+            ToolChoice::Named(name.into())
+        }
+    };
+    let parallel = parallel.unwrap_or(true) && !matches!(choice, ToolChoice::Named(_));
+    Ok(Some(Tools {
+        tools: out,
+        choice,
+        parallel,
+    }))
 }
 
 impl CompletionRequest {
@@ -537,7 +733,11 @@ mod tests {
         let cases = [
             (
                 serde_json::json!({"messages": m, "tools": [{"type": "function"}]}),
-                "tools",
+                "tools[0].function",
+            ),
+            (
+                serde_json::json!({"messages": m, "functions": [{"name": "f"}]}),
+                "functions",
             ),
             (
                 serde_json::json!({"messages": m, "response_format": {"type": "yaml"}}),
@@ -582,7 +782,7 @@ mod tests {
             ),
             (
                 serde_json::json!({"messages": [{"role": "tool", "content": "x"}]}),
-                "messages[0].role",
+                "messages[0].tool_call_id",
             ),
             (
                 serde_json::json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),

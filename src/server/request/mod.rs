@@ -8,6 +8,7 @@ pub mod prompt;
 pub mod reply;
 pub mod stop;
 pub mod stream;
+pub mod tools;
 
 use serde::{Deserialize, Serialize};
 
