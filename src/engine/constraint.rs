@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::{Matcher, ParserFactory, TokenParser};
+use llguidance::{Matcher, ParserFactory};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -138,12 +138,12 @@ pub struct Grammars {
     metrics: Option<(prometheus::Histogram, prometheus::IntCounter)>,
 }
 
-/// Compiled, not yet started parsers by (partition, format) hash, with when each was last used
+/// Compiled grammars' matchers at their start (the first mask computed) by (partition, format) hash, with when each was last used
 /// (`clock` counts uses), so the least recently used goes first.
 #[derive(Default)]
 struct Cache {
     clock: u64,
-    parsers: HashMap<[u8; 32], (u64, TokenParser)>,
+    matchers: HashMap<[u8; 32], (u64, Matcher)>,
 }
 
 /// Our tokenizer as llguidance sees it: the trie of every id's bytes, and message-content
@@ -214,6 +214,12 @@ impl Grammars {
         let env: toktrie::TokEnv = Arc::new(VocabEnv { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.quiet();
+        // A fifth and a quarter of llguidance's defaults: a mask that spends all its fuel takes
+        // tens of milliseconds, not hundreds, in a step every reply shares (a hostile regex,
+        // measured: 250 ms -> 44 ms), while the 32-schema validity test still compiles.
+        let limits = factory.limits_mut();
+        limits.initial_lexer_fuel = 200_000;
+        limits.step_lexer_fuel = 50_000;
         Ok(factory)
     }
 
@@ -239,42 +245,47 @@ impl Grammars {
             let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             c.clock += 1;
             let now = c.clock;
-            c.parsers.get_mut(&key).map(|(used, p)| {
+            c.matchers.get_mut(&key).map(|(used, m)| {
                 *used = now;
-                p.deep_clone()
+                m.deep_clone()
             })
         };
-        let parser = match cached {
-            Some(p) => {
+        let matcher = match cached {
+            Some(m) => {
                 if let Some((_, hits)) = &self.metrics {
                     hits.inc();
                 }
-                p
+                m
             }
             None => {
                 let t = std::time::Instant::now();
                 let p = (factory.create_parser(grammar)).map_err(|e| first_line(&e))?;
+                let mut m = Matcher::new(Ok(p));
+                if let Some(e) = m.get_error() {
+                    return Err(e);
+                }
+                // The first mask here, not in the batcher's step: it spends the grammar's
+                // initial fuel (a format that exhausts it is refused before it runs, and never
+                // stalls a step other replies share), and the lexer states it builds are kept
+                // with the cached copy.
+                m.compute_mask().map_err(|e| first_line(&e))?;
                 self.compiled.fetch_add(1, Ordering::Relaxed);
                 if let Some((compile, _)) = &self.metrics {
                     compile.observe(t.elapsed().as_secs_f64());
                 }
                 let mut c = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-                if c.parsers.len() >= CACHED_GRAMMARS {
-                    let oldest = (c.parsers.iter()).min_by_key(|(_, (used, _))| *used);
+                if c.matchers.len() >= CACHED_GRAMMARS {
+                    let oldest = (c.matchers.iter()).min_by_key(|(_, (used, _))| *used);
                     if let Some(old) = oldest.map(|(k, _)| *k) {
-                        c.parsers.remove(&old);
+                        c.matchers.remove(&old);
                     }
                 }
                 let now = c.clock;
-                c.parsers.insert(key, (now, p.deep_clone()));
-                p
+                c.matchers.insert(key, (now, m.deep_clone()));
+                m
             }
         };
         let vocab = factory.tok_env().tok_trie().vocab_size();
-        let matcher = Matcher::new(Ok(parser));
-        if let Some(e) = matcher.get_error() {
-            return Err(e);
-        }
         Ok(Some(Constraint { matcher, vocab }))
     }
 }
@@ -558,13 +569,19 @@ mod tests {
 
     #[test]
     fn bad_formats_say_why() {
-        let (_, g) = grammars();
+        let (tok, g) = grammars();
         let e = g.compile(&regex("(unclosed"), 1).unwrap_err();
         assert!(!e.is_empty());
         let lark = ResponseFormat::Lark {
             lark: "start: undefined_rule".into(),
         };
         assert!(g.compile(&lark, 1).unwrap_err().contains("undefined_rule"));
+        // A format whose automaton explodes fails that request within the grammar engine's
+        // fuel (the batcher then ends it alone), instead of growing without bound.
+        let mut c = g.compile(&regex("(a{1000}){1000}"), 1).unwrap().unwrap();
+        let a = tok.encode_text("a").unwrap()[0];
+        let failed = (0..40).any(|_| c.mask().is_err() || c.accept(a).is_err());
+        assert!(failed, "the grammar engine's limits stop it");
         let big = regex(&"a".repeat(5000));
         assert!(big
             .check(4096)

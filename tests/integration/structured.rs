@@ -173,6 +173,8 @@ fn the_websocket_takes_the_same_formats() {
         // A regex that does not compile, an unknown type, and one over the limit: each named.
         for (format, says) in [
             (json!({"type": "regex", "regex": "(unclosed"}), ""),
+            // Compiles, then exhausts the grammar engine's fuel: that reply alone ends.
+            (json!({"type": "regex", "regex": "(a{1000}){1000}"}), ""),
             (json!({"type": "yaml"}), "unknown variant"),
             (
                 json!({"type": "regex", "regex": "a".repeat(600)}),
