@@ -2,7 +2,8 @@
 //! that `cargo test` replays the same functions over the saved corpus and every crash the fuzzer
 //! ever found (`tests/integration/fuzz_corpus.rs`). Each harness panics when an invariant breaks:
 //! - `client_frame`: any bytes as a WebSocket frame and as an OpenAI request body, parsed and
-//!   validated with the shipped limits: an error or a value within the limits, never a panic.
+//!   validated with the shipped limits: an error or a value within the limits, never a panic;
+//!   callable tools described in the system turn, held to a grammar, their calls parsed back.
 //! - `chat_template`: arbitrary messages rendered with the chat template and tokenized: content
 //!   adds no special token (markup in content stays text), the ids decode to the rendered text,
 //!   and the length pre-check's lower bound holds.
@@ -19,11 +20,13 @@
 
 use serde_json::Value;
 
+use crate::engine::constraint::ResponseFormat;
 use crate::server::gate::tenants::Roles;
 use crate::server::openai::wire::{ChatRequest, CompletionRequest};
 use crate::server::realtime::{Action, Item, Realtime, Rules};
 use crate::server::request::reply::ReplyText;
 use crate::server::request::reply::{FinishReason, Usage};
+use crate::server::request::tools::{parse_reply, Tools, MAX_TOOLS};
 use crate::server::request::GenerateParams;
 use crate::server::ws::protocol::{ClientFrame, ServerFrame};
 use crate::server::SessionConfig;
@@ -59,6 +62,21 @@ pub fn client_frame(data: &[u8]) {
     if let Ok(r) = serde_json::from_str::<ChatRequest>(text) {
         if let Ok(v) = r.validate("x".into(), limits, sampling, *max_tokens) {
             assert!(v.chat.max_tokens >= 1 && v.chat.max_tokens <= limits.max_tokens);
+            // Callable tools: described in a leading system turn, the reply held to a grammar,
+            // and a call the model writes parses back into the same call.
+            if let Some(t) = &v.tools {
+                assert!(t.active() && t.tools.len() <= MAX_TOOLS);
+                assert_eq!(v.chat.messages[0].role, "system");
+                assert!(v.chat.messages[0].content.ends_with(&t.system_text()));
+                assert!(matches!(v.chat.format, ResponseFormat::Lark { .. }));
+                let args = serde_json::json!({"k": "v\"}{"});
+                let call = Tools::call_text(&t.tools[0].name, &args);
+                let (text, calls) = parse_reply(t, &call);
+                assert!(text.is_empty() && calls.len() == 1, "{call}");
+                assert_eq!(calls[0].0, t.tools[0].name);
+                let back: Value = serde_json::from_str(&calls[0].1).expect("arguments are JSON");
+                assert_eq!(back, args);
+            }
         }
     }
     if let Ok(r) = serde_json::from_str::<CompletionRequest>(text) {
