@@ -331,13 +331,17 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 })
         };
         // The sampled requests' grammar masks, computed on a second thread while the forward
-        // pass runs (they depend only on the tokens already accepted).
-        let sampled: std::collections::HashSet<RequestId> =
-            (sch.entries.iter().filter(|e| e.sample).map(|e| e.id)).collect();
-        let mut constrained: Vec<(RequestId, &mut Constraint)> = (self.live.iter_mut())
-            .filter(|(id, _)| sampled.contains(id))
-            .filter_map(|(id, d)| d.constraint.as_mut().map(|c| (*id, c)))
-            .collect();
+        // pass runs (they depend only on the tokens already accepted). A step without a
+        // constrained request pays one scan of the running requests, nothing more.
+        let mut constrained: Vec<(RequestId, &mut Constraint)> = Vec::new();
+        if self.live.values().any(|d| d.constraint.is_some()) {
+            let sampled: std::collections::HashSet<RequestId> =
+                (sch.entries.iter().filter(|e| e.sample).map(|e| e.id)).collect();
+            constrained = (self.live.iter_mut())
+                .filter(|(id, _)| sampled.contains(id))
+                .filter_map(|(id, d)| d.constraint.as_mut().map(|c| (*id, c)))
+                .collect();
+        }
         let (result, masks) = if constrained.is_empty() {
             (forward(), HashMap::new())
         } else {

@@ -125,6 +125,29 @@ pub(crate) fn sdk_python() -> PathBuf {
     python
 }
 
+/// Runs `tests/openai/SCRIPT` with `python` against `app` (its API base and served model, then
+/// `args`) and returns the JSON it prints; the script failing fails the test with its stderr.
+pub(crate) fn sdk_script(python: &Path, app: &App, script: &str, args: &[&str]) -> Value {
+    let out = Command::new(python)
+        .arg(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/openai")
+                .join(script),
+        )
+        .arg(format!("http://{}/v1", app.addr))
+        .arg(model_id(app))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
 /// Log-softmax of a row.
 fn log_softmax(v: &[f32]) -> Vec<f32> {
     let max = v.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
@@ -140,18 +163,7 @@ fn the_python_sdk_gets_the_websocket_reply_and_the_served_logprobs() {
     let model = model_id(&app);
     let mut ws = (String::new(), 0);
     run(async { ws = ws_reply(&app, 24).await });
-    let out = Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/sdk_client.py"))
-        .arg(format!("http://{}/v1", app.addr))
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = sdk_script(&python, &app, "sdk_client.py", &[]);
     // Whole and streamed: the WebSocket's text, usage, finish reason.
     for k in ["whole", "stream"] {
         let r = &got[k];

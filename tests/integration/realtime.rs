@@ -3,8 +3,6 @@
 //! compared with the WebSocket reply to the same conversation; the browser form of the key (a
 //! subprotocol) and the refusals at the upgrade with a Rust WebSocket client.
 
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use llama_relay::server::gate::tenants::TenantSettings;
@@ -12,7 +10,7 @@ use serde_json::Value;
 
 use crate::common::*;
 use crate::common::{model_lock, Tiny};
-use crate::openai::{metric, model_id, sdk_python, ws_reply, KEY, QUESTION};
+use crate::openai::{metric, model_id, sdk_python, sdk_script, ws_reply, KEY, QUESTION};
 
 fn run<F: std::future::Future<Output = ()>>(f: F) {
     actix_web::rt::System::new().block_on(f);
@@ -31,22 +29,12 @@ fn keyed() -> impl FnOnce(&mut llama_relay::settings::Settings) {
 }
 
 fn sdk(app: &App, key: &str, mode: &str) -> Value {
-    let out = Command::new(sdk_python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/realtime_client.py"))
-        .arg(format!("http://{}/v1", app.addr))
-        .arg(model_id(app))
-        .arg(key)
-        .arg(QUESTION)
-        .arg(mode)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+    sdk_script(
+        &sdk_python(),
+        app,
+        "realtime_client.py",
+        &[key, QUESTION, mode],
+    )
 }
 
 /// The SDK's realtime client: `session.update`, a user item, `response.create`, the streamed

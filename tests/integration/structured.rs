@@ -2,14 +2,11 @@
 //! `n` forks, the official SDK's `parse()`) and `params.response_format` on `/ws`. The tiny model
 //! has random weights, so every valid reply here is the server's doing, not the model's.
 
-use std::path::Path;
-use std::process::Command;
-
 use llama_relay::settings::Settings;
 use serde_json::{json, Value};
 
 use crate::common::*;
-use crate::openai::{http, model_id, post, run, sdk_python};
+use crate::openai::{http, model_id, post, run, sdk_python, sdk_script};
 
 /// A ticket: bounded strings and numbers, so that even a random model ends within the reply's
 /// room.
@@ -236,19 +233,7 @@ fn the_python_sdk_parses_structured_replies() {
     let python = sdk_python();
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |_| {});
-    let model = model_id(&app);
-    let out = Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/sdk_parse.py"))
-        .arg(format!("http://{}/v1", app.addr))
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = sdk_script(&python, &app, "sdk_parse.py", &[]);
     let parsed = got["parsed"].as_array().unwrap();
     assert_eq!(parsed.len(), 3, "{got}");
     for p in parsed {
@@ -262,19 +247,7 @@ fn every_constrained_reply_validates_against_its_schema() {
     let python = sdk_python();
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |_| {});
-    let model = model_id(&app);
-    let out = Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/structured_validity.py"))
-        .arg(format!("http://{}/v1", app.addr))
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = sdk_script(&python, &app, "structured_validity.py", &[]);
     assert!(got["checked"].as_u64().unwrap() >= 30, "{got}");
     assert_eq!(got["failures"], json!([]), "{got:#}");
 }
@@ -287,19 +260,7 @@ fn the_python_sdk_calls_tools() {
     let python = sdk_python();
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), |_| {});
-    let model = model_id(&app);
-    let out = Command::new(&python)
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/openai/sdk_tools.py"))
-        .arg(format!("http://{}/v1", app.addr))
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let got: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let got = sdk_script(&python, &app, "sdk_tools.py", &[]);
     for w in got["whole"].as_array().unwrap() {
         assert_eq!(w["finish"], "tool_calls", "{w}");
         assert_eq!(w["stream_finish"], "tool_calls", "{w}");
