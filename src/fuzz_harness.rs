@@ -23,7 +23,7 @@ use serde_json::Value;
 use crate::engine::constraint::ResponseFormat;
 use crate::server::gate::tenants::Roles;
 use crate::server::openai::wire::{ChatRequest, CompletionRequest};
-use crate::server::realtime::{Action, Item, Realtime, Rules};
+use crate::server::realtime::{Action, Realtime, Rules};
 use crate::server::request::reply::ReplyText;
 use crate::server::request::reply::{FinishReason, Usage};
 use crate::server::request::tools::{parse_reply, Tools, MAX_TOOLS};
@@ -192,8 +192,10 @@ pub fn detokenizer(tok: &TextTokenizer, data: &[u8]) {
 /// pieces. A piece that starts with a byte below 8 is something only the server knows: a frame
 /// of the session for the response in flight (0 started, 1 delta with the rest as text, 2 done
 /// (the finish reason from the next byte), 3 error) or an event naming a real item (4 truncate,
-/// 5 delete, 6 retrieve the item the next byte picks; 7 create after it); any other piece is a
-/// client event's text (lossy UTF-8).
+/// 5 delete, 6 retrieve the item the next byte picks; 7 create after it), or, from 8 to 10, a
+/// function tool event (8 `session.update` with a tool and the choice the next byte picks, 9 a
+/// `function_call` item and 10 a `function_call_output` item, the call id from the next byte);
+/// any other piece is a client event's text (lossy UTF-8).
 pub fn realtime(data: &[u8]) {
     let Some((&who, rest)) = data.split_first() else {
         return;
@@ -281,6 +283,24 @@ pub fn realtime(data: &[u8]) {
                 };
                 client_event(&mut rt, &rules, &text, &mut conversation, &mut flight)
             }
+            Some((&kind @ 8..=10, body)) => {
+                let b = body.first().copied().unwrap_or(0);
+                let text = match kind {
+                    8 => format!(
+                        r#"{{"type":"session.update","session":{{"tools":[{{"type":"function","name":"f","parameters":{{"type":"object"}}}}],"tool_choice":"{}"}}}}"#,
+                        ["auto", "required", "none"][b as usize % 3]
+                    ),
+                    9 => format!(
+                        r#"{{"type":"conversation.item.create","item":{{"type":"function_call","call_id":"c{}","name":"f","arguments":"{{}}"}}}}"#,
+                        b % 4
+                    ),
+                    _ => format!(
+                        r#"{{"type":"conversation.item.create","item":{{"type":"function_call_output","call_id":"c{}","output":"ok"}}}}"#,
+                        b % 4
+                    ),
+                };
+                client_event(&mut rt, &rules, &text, &mut conversation, &mut flight)
+            }
             _ => {
                 let text = String::from_utf8_lossy(piece);
                 client_event(&mut rt, &rules, &text, &mut conversation, &mut flight)
@@ -321,8 +341,12 @@ fn client_event(
             from,
             messages,
             params,
+            tools,
             created,
         }) => {
+            assert!(tools
+                .as_ref()
+                .is_none_or(|t| !t.tools.is_empty() && !t.parallel));
             assert!(
                 flight.is_none(),
                 "a response started while one is in flight"
@@ -333,7 +357,7 @@ fn client_event(
             conversation.truncate(from);
             conversation.extend(messages);
             // The session now holds what the items make, after the instructions if any.
-            let items: Vec<Message> = rt.items().iter().map(Item::message).collect();
+            let items = rt.messages();
             let head = conversation.len() - items.len().min(conversation.len());
             assert_eq!(&conversation[head..], &items[..], "conversation != items");
             assert!(head == 0 || (head == 1 && conversation[0].role == "system"));

@@ -125,6 +125,70 @@ fn the_sdk_realtime_client_converses_cancels_and_is_told_audio_is_not_served() {
     assert!(settled - generated < 24.0 + 8.0 + 4000.0);
 }
 
+/// A function-call round trip with the SDK's realtime client: the session's tools with
+/// `tool_choice: "required"` make the response one `function_call` item whose streamed
+/// arguments (`response.function_call_arguments.delta`) are the `done` arguments, valid for the
+/// function's schema; a `function_call_output` item and `response.create` continue the
+/// conversation with the call and everything before it cached; a tool that was not declared is
+/// refused naming the field.
+#[test]
+fn the_sdk_realtime_client_calls_a_function_and_continues_from_its_output() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), keyed());
+    let got = sdk(&app, KEY, "tools");
+    assert_eq!(got["session_tools"], serde_json::json!(["order_status"]));
+    let call = &got["call"];
+    assert_eq!(call["item_type"], "function_call");
+    assert_eq!(call["output_type"], "function_call");
+    assert_eq!(
+        (&call["name"], &call["done_name"]),
+        (&"order_status".into(), &"order_status".into())
+    );
+    assert_eq!(call["deltas"], call["done_arguments"]);
+    assert_eq!(call["deltas"], call["output_arguments"]);
+    assert_eq!(call["status"], "completed", "{call}");
+    let args: Value = serde_json::from_str(call["deltas"].as_str().unwrap()).unwrap();
+    let order = args["order"].as_str().expect("the required string");
+    assert!(order.chars().count() <= 12);
+    assert_eq!(args.as_object().unwrap().len(), 1, "{args}");
+    let types: Vec<&str> = (call["types"].as_array().unwrap().iter())
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        &types[..3],
+        [
+            "response.created",
+            "response.output_item.added",
+            "conversation.item.added"
+        ]
+    );
+    assert!(!types.iter().any(|t| t.starts_with("response.output_text")));
+    assert_eq!(
+        &types[types.len() - 4..],
+        [
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "conversation.item.done",
+            "response.done"
+        ]
+    );
+    assert_eq!(got["output_item"], "function_call_output");
+    let answer = &got["answer"];
+    assert_eq!(answer["output_type"], "message");
+    assert!(!answer["text"].as_str().unwrap().is_empty());
+    let cached = answer["usage"]["input_token_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let first = call["input_tokens"].as_u64().unwrap();
+    assert!(
+        cached > first,
+        "cached {cached}: the first prompt ({first}) and the call"
+    );
+    assert_eq!(got["undeclared"]["type"], "error");
+    assert_eq!(got["undeclared"]["param"], "response.tool_choice.name");
+    assert_eq!(got["undeclared"]["event_id"], "ev9");
+}
+
 /// A wrong key is refused at the upgrade (401), with the SDK and in the browser form; a right
 /// key in the browser form is accepted with the `realtime` subprotocol; another model is 404.
 #[test]

@@ -4,6 +4,7 @@ client and prints what it got as JSON.
 Run by tests/integration/openai.rs, which makes the assertions:
     python realtime_client.py BASE_URL MODEL KEY QUESTION conversation
     python realtime_client.py BASE_URL MODEL KEY - bad_key
+    python realtime_client.py BASE_URL MODEL KEY QUESTION tools
 """
 
 import asyncio
@@ -151,4 +152,106 @@ async def bad_key():
         print(json.dumps({"refused": True, "status": status, "error": type(e).__name__}))
 
 
-asyncio.run(conversation() if mode == "conversation" else bad_key())
+ORDER_STATUS = {
+    "type": "function",
+    "name": "order_status",
+    "description": "Looks up an order by its number.",
+    "parameters": {
+        "type": "object",
+        "properties": {"order": {"type": "string", "maxLength": 12}},
+        "required": ["order"],
+        "additionalProperties": False,
+    },
+}
+
+
+async def tools():
+    """A function-call round trip: the session's tools, a response that must call, the call's
+    output as an item, a response that answers from it."""
+    client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+    out = {}
+    async with client.realtime.connect(model=model) as conn:
+        await conn.recv()
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "tools": [ORDER_STATUS],
+                "tool_choice": "required",
+            }
+        )
+        updated = await until(conn, "session.updated")
+        out["session_tools"] = [field(t, "name") for t in field(updated, "session", "tools")]
+        await add_user(conn, question)
+        await until(conn, "conversation.item.done")
+        await conn.response.create(response={"max_output_tokens": 64})
+        types, deltas, added, args_done, done = [], "", None, None, None
+        while done is None:
+            ev = await conn.recv()
+            types.append(ev.type)
+            if ev.type == "response.output_item.added":
+                added = ev.item
+            elif ev.type == "response.function_call_arguments.delta":
+                deltas += ev.delta
+            elif ev.type == "response.function_call_arguments.done":
+                args_done = ev
+            elif ev.type == "response.done":
+                done = ev
+            elif ev.type == "error":
+                raise RuntimeError(ev.error.message)
+        call = done.response.output[0]
+        out["call"] = {
+            "types": types,
+            "item_type": added.type,
+            "name": added.name,
+            "call_id": added.call_id,
+            "deltas": deltas,
+            "done_arguments": args_done.arguments,
+            "done_name": args_done.name,
+            "output_type": call.type,
+            "output_arguments": call.arguments,
+            "status": done.response.status,
+            "input_tokens": done.response.usage.input_tokens,
+        }
+        # The host answers the call; the conversation continues from it.
+        await conn.conversation.item.create(
+            item={
+                "type": "function_call_output",
+                "call_id": added.call_id,
+                "output": json.dumps({"status": "shipped"}),
+            }
+        )
+        created = await until(conn, "conversation.item.done")
+        out["output_item"] = field(created, "item", "type")
+        await conn.response.create(response={"max_output_tokens": 8, "tool_choice": "none"})
+        text, types, done = "", [], None
+        while done is None:
+            ev = await conn.recv()
+            types.append(ev.type)
+            if ev.type == "response.output_text.delta":
+                text += ev.delta
+            elif ev.type == "response.done":
+                done = ev
+            elif ev.type == "error":
+                raise RuntimeError(ev.error.message)
+        out["answer"] = {
+            "text": text,
+            "types": types,
+            "output_type": done.response.output[0].type,
+            "usage": done.response.usage.model_dump(),
+        }
+        # A tool the session did not declare.
+        await conn.send(
+            {
+                "type": "response.create",
+                "event_id": "ev9",
+                "response": {"tool_choice": {"type": "function", "name": "refund"}},
+            }
+        )
+        err = await conn.recv()
+        out["undeclared"] = {"type": err.type, "param": err.error.param, "event_id": err.error.event_id}
+    print(json.dumps(out))
+
+
+MODES = {"conversation": conversation, "bad_key": bad_key, "tools": tools}
+asyncio.run(MODES[mode]())

@@ -11,12 +11,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
-use crate::server::request::tools::{
-    valid_name, Tool, ToolChoice, Tools, MAX_TOOLS, MAX_TOOL_NAME_CHARS,
-};
+use crate::server::request::tools::{valid_name, Shape, Tools};
 use crate::server::request::{Field, GenerateParams, Limits, RequestError, ValidRequest};
 use crate::tokenizer::Message;
-use serde_json::json;
 
 /// Most choices (`n`) one request may ask for: each is a running sequence.
 pub const MAX_CHOICES: usize = 8;
@@ -273,11 +270,12 @@ impl ChatRequest {
                 format!("may only hold \"text\". Given: {m:?}"),
             ));
         }
-        let tools = parse_tools(
+        let tools = Tools::parse(
             self.tools.as_deref(),
             self.tool_choice.as_ref(),
             self.parallel_tool_calls,
             limits.max_schema_bytes,
+            Shape::Nested,
         )?;
         if tools.as_ref().is_some_and(Tools::active)
             && (response_format.as_ref())
@@ -314,18 +312,9 @@ impl ChatRequest {
             defaults,
             default_max_tokens,
         )?;
-        if let Some(t) = tools.filter(Tools::active) {
-            // The functions and the format in the system turn (after the checks of what the
-            // client wrote: this text is the server's), every call valid by the grammar.
-            let text = t.system_text();
-            match api.chat.messages.first_mut() {
-                Some(m) if m.role == "system" => {
-                    m.content = format!("{}\n\n{text}", m.content);
-                }
-                _ => api.chat.messages.insert(0, Message::new("system", &text)),
-            }
-            api.chat.format = t.format();
-            api.tools = Some(t);
+        if let Some(t) = tools {
+            t.apply(&mut api.chat);
+            api.tools = Some(t).filter(Tools::active);
         }
         Ok(api)
     }
@@ -422,126 +411,10 @@ impl ApiMessage {
                     "must name a call of an earlier assistant message",
                 )
             })?;
-            return Ok(Message::new(
-                "user",
-                &format!("The function {name} returned:\n{content}"),
-            ));
+            return Ok(Tools::result_message(name, &content));
         }
         Ok(Message { role, content })
     }
-}
-
-/// OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, checked; `None` without tools.
-fn parse_tools(
-    tools: Option<&[Value]>,
-    choice: Option<&Value>,
-    parallel: Option<bool>,
-    max_bytes: usize,
-) -> Result<Option<Tools>, RequestError> {
-    let Some(list) = tools.filter(|t| !t.is_empty()) else {
-        return match choice {
-            None | Some(Value::Null) => Ok(None),
-            Some(Value::String(s)) if s == "none" || s == "auto" => Ok(None),
-            Some(_) => Err(bad("tool_choice", "needs `tools`")),
-        };
-    };
-    if list.len() > MAX_TOOLS {
-        return Err(bad(
-            "tools",
-            format!(
-                "must hold at most {MAX_TOOLS} functions. Given: {}",
-                list.len()
-            ),
-        ));
-    }
-    let n = serde_json::to_string(list).map_or(0, |s| s.len());
-    if n > max_bytes {
-        return Err(bad(
-            "tools",
-            format!(
-                "must be at most {max_bytes} bytes of JSON (limits.max_schema_bytes). Given: {n}"
-            ),
-        ));
-    }
-    let mut out: Vec<Tool> = Vec::new();
-    for (i, t) in list.iter().enumerate() {
-        let at = |f: &str| format!("tools[{i}].{f}");
-        if t.get("type").and_then(Value::as_str) != Some("function") {
-            return Err(bad(&at("type"), "must be \"function\""));
-        }
-        let f = t.get("function").filter(|f| f.is_object());
-        let f = f.ok_or_else(|| bad(&at("function"), "is required"))?;
-        let name = f.get("name").and_then(Value::as_str).unwrap_or("");
-        if !valid_name(name) {
-            return Err(bad(
-                &at("function.name"),
-                format!("must be 1 to {MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -. Given: {name:?}"),
-            ));
-        }
-        if out.iter().any(|o| o.name == name) {
-            return Err(bad(
-                &at("function.name"),
-                format!("{name:?} is declared twice"),
-            ));
-        }
-        let description = match f.get("description") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => return Err(bad(&at("function.description"), "must be a string")),
-        };
-        let parameters = match f.get("parameters") {
-            None | Some(Value::Null) => {
-                json!({"type": "object", "properties": {}, "additionalProperties": false})
-            }
-            Some(p) if p.is_object() => p.clone(),
-            Some(_) => {
-                return Err(bad(
-                    &at("function.parameters"),
-                    "must be a JSON Schema object",
-                ))
-            }
-        };
-        out.push(Tool {
-            name: name.into(),
-            description,
-            parameters,
-        });
-    }
-    let choice = match choice {
-        None | Some(Value::Null) => ToolChoice::Auto,
-        Some(Value::String(s)) => match s.as_str() {
-            "none" => ToolChoice::None,
-            "auto" => ToolChoice::Auto,
-            "required" => ToolChoice::Required,
-            other => {
-                return Err(bad(
-                    "tool_choice",
-                    format!("must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}. Given: {other:?}"),
-                ))
-            }
-        },
-        Some(v) => {
-            let name = (v.get("type").and_then(Value::as_str) == Some("function"))
-                .then(|| v.get("function").and_then(|f| f.get("name")).and_then(Value::as_str))
-                .flatten();
-            let name = name.ok_or_else(|| {
-                bad("tool_choice", "must be none, auto, required or {\"type\": \"function\", \"function\": {\"name\": ...}}")
-            })?;
-            if !out.iter().any(|t| t.name == name) {
-                return Err(bad(
-                    "tool_choice.function.name",
-                    format!("{name:?} is not one of the declared tools"),
-                ));
-            }
-            ToolChoice::Named(name.into())
-        }
-    };
-    let parallel = parallel.unwrap_or(true) && !matches!(choice, ToolChoice::Named(_));
-    Ok(Some(Tools {
-        tools: out,
-        choice,
-        parallel,
-    }))
 }
 
 impl CompletionRequest {

@@ -99,36 +99,48 @@ pub(super) fn split_fields(
     Ok((kept, sampling))
 }
 
-/// A message item as a client sends it.
+/// What a function item is (`item.function` of the item that holds it).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Function {
+    /// A `function_call` item: the call `call_id` of function `name`; the item's text is its
+    /// arguments (JSON text) and its role `assistant` (the model wrote it).
+    Call { call_id: String, name: String },
+    /// A `function_call_output` item: the result of call `call_id` (of function `name`, looked
+    /// up when the item was added); the item's text is the output and its role `user` (what the
+    /// model reads it as).
+    Output { call_id: String, name: String },
+}
+
+/// An item as a client sends it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewItem {
     pub id: Option<String>,
     pub role: String,
     pub text: String,
+    /// A function call or a call's output (the output's function name still empty: the
+    /// conversation knows it).
+    pub function: Option<Function>,
 }
 
-/// Reads `item` (`conversation.item.create`): a message whose parts are all text.
+/// A string field of an item, required.
+fn item_string(obj: &Map<String, Value>, k: &str) -> Result<String, EventError> {
+    obj.get(k)
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| {
+            refuse(
+                "missing_required_parameter",
+                Some(&format!("item.{k}")),
+                format!("`item.{k}` is required (a string)"),
+            )
+        })
+}
+
+/// Reads `item` (`conversation.item.create`): a message whose parts are all text, a
+/// `function_call` (its arguments a JSON object) or a `function_call_output`.
 pub(super) fn parse_item(item: &Value) -> Result<NewItem, EventError> {
     let Some(obj) = item.as_object() else {
         return Err(refuse("invalid_value", Some("item"), "must be an object"));
-    };
-    let kind = obj.get("type").and_then(Value::as_str).unwrap_or("message");
-    if kind != "message" {
-        return Err(refuse(
-            "invalid_value",
-            Some("item.type"),
-            format!("only `message` items are served, not {kind:?} (no tools)"),
-        ));
-    }
-    let role = match obj.get("role").and_then(Value::as_str) {
-        Some(r @ ("user" | "assistant" | "system")) => r.to_string(),
-        other => {
-            return Err(refuse(
-                "invalid_value",
-                Some("item.role"),
-                format!("must be user, assistant or system, not {other:?}"),
-            ))
-        }
     };
     let id = match obj.get("id") {
         None | Some(Value::Null) => None,
@@ -138,6 +150,76 @@ pub(super) fn parse_item(item: &Value) -> Result<NewItem, EventError> {
                 "invalid_value",
                 Some("item.id"),
                 "must be 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`",
+            ))
+        }
+    };
+    let call_id = || {
+        let c = item_string(obj, "call_id")?;
+        if crate::server::gate::tenants::valid_id(&c) {
+            Ok(c)
+        } else {
+            Err(refuse(
+                "invalid_value",
+                Some("item.call_id"),
+                "must be 1 to 64 characters of A-Z, a-z, 0-9, `_` and `-`",
+            ))
+        }
+    };
+    match obj.get("type").and_then(Value::as_str).unwrap_or("message") {
+        "message" => {}
+        "function_call" => {
+            let call_id = call_id()?;
+            let name = item_string(obj, "name")?;
+            if !crate::server::request::tools::valid_name(&name) {
+                return Err(refuse(
+                    "invalid_value",
+                    Some("item.name"),
+                    format!("must be a function name (1 to 64 characters of a-z, A-Z, 0-9, _ and -). Given: {name:?}"),
+                ));
+            }
+            let arguments = item_string(obj, "arguments")?;
+            if !serde_json::from_str::<Value>(&arguments).is_ok_and(|a| a.is_object()) {
+                return Err(refuse(
+                    "invalid_value",
+                    Some("item.arguments"),
+                    "must be a JSON object, as text",
+                ));
+            }
+            return Ok(NewItem {
+                id,
+                role: "assistant".into(),
+                text: arguments,
+                function: Some(Function::Call { call_id, name }),
+            });
+        }
+        "function_call_output" => {
+            let call_id = call_id()?;
+            let output = item_string(obj, "output")?;
+            return Ok(NewItem {
+                id,
+                role: "user".into(),
+                text: output,
+                function: Some(Function::Output {
+                    call_id,
+                    name: String::new(),
+                }),
+            });
+        }
+        kind => {
+            return Err(refuse(
+                "invalid_value",
+                Some("item.type"),
+                format!("must be message, function_call or function_call_output, not {kind:?}"),
+            ))
+        }
+    }
+    let role = match obj.get("role").and_then(Value::as_str) {
+        Some(r @ ("user" | "assistant" | "system")) => r.to_string(),
+        other => {
+            return Err(refuse(
+                "invalid_value",
+                Some("item.role"),
+                format!("must be user, assistant or system, not {other:?}"),
             ))
         }
     };
@@ -163,7 +245,12 @@ pub(super) fn parse_item(item: &Value) -> Result<NewItem, EventError> {
             }
         }
     }
-    Ok(NewItem { id, role, text })
+    Ok(NewItem {
+        id,
+        role,
+        text,
+        function: None,
+    })
 }
 
 /// The text-only output modality check (`output_modalities`, or the older `modalities`).
@@ -184,6 +271,23 @@ pub struct Settings {
     pub instructions: Option<String>,
     pub max_output_tokens: Option<MaxTokens>,
     pub sampling: Sampling,
+    /// Function tools as the client wrote them (checked by `Rules::check_settings`, parsed into
+    /// `Tools` for each response).
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+}
+
+impl Settings {
+    /// These settings with what `s` sets replacing them.
+    pub(super) fn updated(self, s: Settings) -> Settings {
+        Settings {
+            instructions: s.instructions.or(self.instructions),
+            max_output_tokens: s.max_output_tokens.or(self.max_output_tokens),
+            sampling: self.sampling.under(&s.sampling),
+            tools: s.tools.or(self.tools),
+            tool_choice: s.tool_choice.or(self.tool_choice),
+        }
+    }
 }
 
 pub(super) fn parse_settings(
@@ -197,6 +301,8 @@ pub(super) fn parse_settings(
         "max_output_tokens",
         "output_modalities",
         "modalities",
+        "tools",
+        "tool_choice",
     ];
     known.extend_from_slice(extra_known);
     let (mut kept, sampling) = split_fields(obj, what, &known, ignored)?;
@@ -226,11 +332,25 @@ pub(super) fn parse_settings(
             )
         })?),
     };
+    let tools = match kept.remove("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(t)) => Some(t),
+        Some(_) => {
+            return Err(refuse(
+                "invalid_value",
+                Some(&format!("{what}.tools")),
+                "must be a list of function tools",
+            ))
+        }
+    };
+    let tool_choice = kept.remove("tool_choice").filter(|c| !c.is_null());
     Ok((
         Settings {
             instructions,
             max_output_tokens,
             sampling,
+            tools,
+            tool_choice,
         },
         kept,
     ))
@@ -330,30 +450,11 @@ pub(super) fn parse_event(
             if session.get("audio").is_some_and(|a| !a.is_null()) {
                 return Err(audio_not_served(Some("session.audio")));
             }
-            if session
-                .get("tools")
-                .is_some_and(|t| t.as_array().is_none_or(|t| !t.is_empty()))
-            {
-                return Err(refuse(
-                    "unknown_parameter",
-                    Some("session.tools"),
-                    "tools are not served by this server",
-                ));
-            }
             let (settings, _) = parse_settings(
                 session,
                 "session",
                 &[],
-                &[
-                    "type",
-                    "model",
-                    "audio",
-                    "tools",
-                    "tool_choice",
-                    "tracing",
-                    "truncation",
-                    "include",
-                ],
+                &["type", "model", "audio", "tracing", "truncation", "include"],
             )?;
             Ok(ClientEvent::SessionUpdate(settings))
         }
@@ -431,28 +532,11 @@ pub(super) fn parse_event(
                     "`input` is not served: add items with conversation.item.create",
                 ));
             }
-            if response
-                .get("tools")
-                .is_some_and(|t| t.as_array().is_none_or(|t| !t.is_empty()))
-            {
-                return Err(refuse(
-                    "unknown_parameter",
-                    Some("response.tools"),
-                    "tools are not served by this server",
-                ));
-            }
             let (settings, _) = parse_settings(
                 response,
                 "response",
                 &[],
-                &[
-                    "conversation",
-                    "metadata",
-                    "audio",
-                    "tools",
-                    "tool_choice",
-                    "input",
-                ],
+                &["conversation", "metadata", "audio", "input"],
             )?;
             Ok(ClientEvent::ResponseCreate(settings))
         }

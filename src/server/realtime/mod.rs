@@ -21,6 +21,7 @@ use serde_json::{json, Map, Value};
 use crate::sampler::SamplingOverrides;
 use crate::server::gate::tenants::Roles;
 use crate::server::request::reply::{FinishReason, Usage};
+use crate::server::request::tools::{CallParser, Piece, Shape, Tools};
 use crate::server::request::{Dialect, Field, GenerateParams, RequestError};
 use crate::server::state::SessionConfig;
 use crate::server::ws::protocol::ServerFrame;
@@ -30,21 +31,42 @@ mod events;
 
 pub use events::*;
 
-/// A conversation item as the client sees it.
+/// A conversation item as the client sees it: a message, or with `function` a function call
+/// (`text` its arguments) or a call's output (`text` the output).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Item {
     pub id: String,
     pub role: String,
     pub text: String,
+    pub function: Option<Function>,
 }
 
 impl Item {
-    /// The item as a chat message.
+    /// The item as a chat message: a call as the text the model writes for it, an output as
+    /// the turn that gives the model a function's result (`Tools::result_message`).
     pub fn message(&self) -> Message {
-        Message::new(&self.role, &self.text)
+        match &self.function {
+            None => Message::new(&self.role, &self.text),
+            Some(Function::Call { name, .. }) => {
+                Message::new("assistant", &Tools::call_text_raw(name, &self.text))
+            }
+            Some(Function::Output { name, .. }) => Tools::result_message(name, &self.text),
+        }
     }
 
     fn to_json(&self, status: &str) -> Value {
+        match &self.function {
+            Some(Function::Call { call_id, name }) => {
+                return json!({"id": self.id, "object": "realtime.item", "type": "function_call",
+                    "status": status, "call_id": call_id, "name": name, "arguments": self.text})
+            }
+            Some(Function::Output { call_id, .. }) => {
+                return json!({"id": self.id, "object": "realtime.item",
+                    "type": "function_call_output", "status": status, "call_id": call_id,
+                    "output": self.text})
+            }
+            None => {}
+        }
         let part = if self.role == "assistant" {
             json!({"type": "output_text", "text": self.text})
         } else {
@@ -62,8 +84,13 @@ struct InFlight {
     item_id: String,
     /// The item it follows, for `previous_item_id`.
     previous: Option<String>,
+    /// The message's text or the call's arguments.
     text: String,
-    started: bool,
+    /// The output item announced (`response.output_item.added`): `None` before the first
+    /// token, or with tools before the reply shows whether it is text or a call.
+    output: Option<Option<Function>>,
+    /// With tools the reply may call: its text split into text and a call as it streams.
+    calls: Option<CallParser>,
     max_output_tokens: Value,
 }
 
@@ -130,6 +157,27 @@ impl Rules<'_> {
             .check_message_chars(Field::Wire(param.clone()), i)
             .map_err(|e| invalid_value(&param, e))
     }
+
+    /// The function tools of `s` (`what` the event's object), checked as every dialect's are
+    /// (`Tools::parse`); one call per response (a response is one output item).
+    fn tools(&self, s: &Settings, what: &str) -> Result<Option<Tools>, EventError> {
+        Tools::parse(
+            s.tools.as_deref(),
+            s.tool_choice.as_ref(),
+            Some(false),
+            self.session.limits.max_schema_bytes,
+            Shape::Flat,
+        )
+        .map_err(|e| {
+            let param = match &e {
+                RequestError::InvalidParam { field, .. } => {
+                    format!("{what}.{}", field.name(Dialect::OpenAi))
+                }
+                _ => format!("{what}.tools"),
+            };
+            invalid_value(&param, e)
+        })
+    }
 }
 
 /// What the session does for a client event.
@@ -138,12 +186,14 @@ pub enum Action {
     /// Send these events.
     Send(Vec<Value>),
     /// Send `created`, then start the turn: `messages` replace the session's conversation from
-    /// message `from`; the response id is the turn's id.
+    /// message `from`; the response id is the turn's id; `tools` the functions declared (which
+    /// it may call unless their choice is `none`).
     Start {
         id: String,
         from: usize,
         messages: Vec<Message>,
         params: Box<GenerateParams>,
+        tools: Option<Tools>,
         created: Value,
     },
     /// Cancel the response in flight, this one (`response.done` follows when its reply ends).
@@ -235,6 +285,8 @@ impl Realtime {
         match parsed? {
             ClientEvent::SessionUpdate(s) => {
                 rules.check_settings(&s, "session")?;
+                // The tools as they will be (a `tool_choice` may name a tool sent before).
+                rules.tools(&self.settings.clone().updated(s.clone()), "session")?;
                 Ok(Action::Send(vec![self.update(s)]))
             }
             ClientEvent::ItemCreate {
@@ -267,12 +319,16 @@ impl Realtime {
                 }
                 let settings = self.for_response(&r);
                 let params = chat_params(&settings)?;
-                let (id, from, messages, created) = self.begin_response(&settings, conversation)?;
+                let tools = rules.tools(&settings, "response")?;
+                let active = tools.as_ref().filter(|t| t.active());
+                let (id, from, messages, created) =
+                    self.begin_response(&settings, conversation, active)?;
                 Ok(Action::Start {
                     id,
                     from,
                     messages,
                     params: Box::new(params),
+                    tools,
                     created,
                 })
             }
@@ -313,7 +369,8 @@ impl Realtime {
             "type": "realtime", "object": "realtime.session", "id": self.session_id,
             "model": self.model, "output_modalities": ["text"],
             "instructions": s.instructions.clone().unwrap_or_default(),
-            "max_output_tokens": max, "tools": [], "tool_choice": "auto",
+            "max_output_tokens": max, "tools": s.tools.clone().unwrap_or_default(),
+            "tool_choice": s.tool_choice.clone().unwrap_or(json!("auto")),
         });
         let extras = serde_json::to_value(&s.sampling).unwrap_or_default();
         if let (Some(v), Value::Object(extras)) = (v.as_object_mut(), extras) {
@@ -334,29 +391,14 @@ impl Realtime {
 
     /// `session.update`: validated against the server's limits by the caller.
     fn update(&mut self, s: Settings) -> Value {
-        let old = std::mem::take(&mut self.settings);
-        self.settings = Settings {
-            instructions: s.instructions.or(old.instructions),
-            max_output_tokens: s.max_output_tokens.or(old.max_output_tokens),
-            sampling: old.sampling.under(&s.sampling),
-        };
+        self.settings = std::mem::take(&mut self.settings).updated(s);
         let session = self.session_json();
         self.event("session.updated", json!({ "session": session }))
     }
 
     /// The settings in force for a response asking for `r`.
     fn for_response(&self, r: &Settings) -> Settings {
-        Settings {
-            instructions: r
-                .instructions
-                .clone()
-                .or(self.settings.instructions.clone()),
-            max_output_tokens: r
-                .max_output_tokens
-                .clone()
-                .or(self.settings.max_output_tokens.clone()),
-            sampling: self.settings.sampling.under(&r.sampling),
-        }
+        self.settings.clone().updated(r.clone())
     }
 
     fn position(&self, id: &str) -> Result<usize, EventError> {
@@ -395,10 +437,32 @@ impl Realtime {
                 format!("an item {id:?} is already in the conversation"),
             ));
         }
+        let function = match item.function {
+            // An output answers a call of the conversation: the model reads it with the
+            // function's name.
+            Some(Function::Output { call_id, .. }) => {
+                let name = self.items.iter().find_map(|i| match &i.function {
+                    Some(Function::Call { call_id: c, name }) if *c == call_id => Some(name),
+                    _ => None,
+                });
+                let Some(name) = name.cloned() else {
+                    return Err(refuse(
+                        "invalid_value",
+                        Some("item.call_id"),
+                        format!(
+                            "no function_call item with call_id {call_id:?} in the conversation"
+                        ),
+                    ));
+                };
+                Some(Function::Output { call_id, name })
+            }
+            f => f,
+        };
         let new = Item {
             id,
             role: item.role,
             text: item.text,
+            function,
         };
         let prev = at.checked_sub(1).map(|p| self.items[p].id.clone());
         let json = new.to_json("completed");
@@ -433,11 +497,11 @@ impl Realtime {
         self.check_not_generating(id)?;
         let at = self.position(id)?;
         let item = &mut self.items[at];
-        if item.role != "assistant" {
+        if item.role != "assistant" || item.function.is_some() {
             return Err(refuse(
                 "invalid_value",
                 Some("item_id"),
-                "only assistant items can be truncated",
+                "only assistant messages can be truncated",
             ));
         }
         let chars = item.text.chars().count();
@@ -485,6 +549,26 @@ impl Realtime {
     /// The conversation as the client sees it.
     pub fn items(&self) -> &[Item] {
         &self.items
+    }
+
+    /// The chat messages the items make: each item a message, but calls in a row one assistant
+    /// message (one call per line, as a model that calls several functions writes them).
+    pub fn messages(&self) -> Vec<Message> {
+        let mut out: Vec<Message> = Vec::new();
+        let mut calls = false;
+        for i in &self.items {
+            let m = i.message();
+            let call = matches!(i.function, Some(Function::Call { .. }));
+            match out.last_mut() {
+                Some(last) if call && calls => {
+                    last.content.push('\n');
+                    last.content.push_str(&m.content);
+                }
+                _ => out.push(m),
+            }
+            calls = call;
+        }
+        out
     }
 
     /// Items, counting the one a response in flight will add.
@@ -537,6 +621,7 @@ impl Realtime {
         &mut self,
         settings: &Settings,
         conversation: &[Message],
+        tools: Option<&Tools>,
     ) -> Result<(String, usize, Vec<Message>, Value), EventError> {
         if let Some(r) = &self.response {
             return Err(refuse(
@@ -550,7 +635,7 @@ impl Realtime {
         if let Some(i) = settings.instructions.as_deref().filter(|i| !i.is_empty()) {
             want.push(Message::new("system", i));
         }
-        want.extend(self.items.iter().map(Item::message));
+        want.extend(self.messages());
         let same = want
             .iter()
             .zip(conversation)
@@ -573,7 +658,8 @@ impl Realtime {
             item_id: new_id("item"),
             previous: self.items.last().map(|i| i.id.clone()),
             text: String::new(),
-            started: false,
+            output: None,
+            calls: tools.map(CallParser::new),
             max_output_tokens: max.clone(),
         });
         let created = self.event(
@@ -604,39 +690,39 @@ impl Realtime {
         let mut out = Vec::new();
         match frame {
             ServerFrame::Ready { .. } => out.push(self.created()),
-            ServerFrame::Started { id, .. } if self.is_active(id) => {
-                let Some(r) = self.response.as_mut() else {
-                    return out;
-                };
-                r.started = true;
-                let (rid, iid, prev) = (r.id.clone(), r.item_id.clone(), r.previous.clone());
-                let item = json!({"id": iid, "object": "realtime.item", "type": "message",
-                    "status": "in_progress", "role": "assistant", "content": []});
-                out.push(self.event(
-                    "response.output_item.added",
-                    json!({"response_id": rid, "output_index": 0, "item": item}),
-                ));
-                out.push(self.event(
-                    "conversation.item.added",
-                    json!({"previous_item_id": prev, "item": item}),
-                ));
-                out.push(self.event(
-                    "response.content_part.added",
-                    json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
-                        "part": {"type": "text", "text": ""}}),
-                ));
+            // Without tools the reply is a message from its first token.
+            ServerFrame::Started { id, .. }
+                if self.is_active(id)
+                    && self.response.as_ref().is_some_and(|r| r.calls.is_none()) =>
+            {
+                self.announce(None, &mut out);
             }
             ServerFrame::Delta { id, text, .. } if self.is_active(id) => {
                 let Some(r) = self.response.as_mut() else {
                     return out;
                 };
-                r.text.push_str(text);
-                let (rid, iid) = (r.id.clone(), r.item_id.clone());
-                out.push(self.event(
-                    "response.output_text.delta",
-                    json!({"response_id": rid, "item_id": iid, "output_index": 0,
-                        "content_index": 0, "delta": text}),
-                ));
+                let pieces = match r.calls.as_mut() {
+                    Some(p) => p.feed(text),
+                    None => vec![Piece::Text(text.clone())],
+                };
+                for piece in pieces {
+                    match piece {
+                        Piece::Text(t) => {
+                            self.announce(None, &mut out);
+                            self.delta("response.output_text.delta", t, &mut out);
+                        }
+                        Piece::CallStart { index: 0, name } => {
+                            let call_id = new_id("call");
+                            self.announce(Some(Function::Call { call_id, name }), &mut out);
+                        }
+                        // One call per response (`Rules::tools`).
+                        Piece::CallStart { .. } => {}
+                        Piece::Arguments { index: 0, text } => {
+                            self.delta("response.function_call_arguments.delta", text, &mut out)
+                        }
+                        Piece::Arguments { .. } => {}
+                    }
+                }
             }
             ServerFrame::Done {
                 id,
@@ -685,13 +771,62 @@ impl Realtime {
         self.response.as_ref().is_some_and(|r| r.id == id)
     }
 
+    /// Announces the response's output item (once): a message, or a function call.
+    fn announce(&mut self, function: Option<Function>, out: &mut Vec<Value>) {
+        let Some(r) = self.response.as_mut().filter(|r| r.output.is_none()) else {
+            return;
+        };
+        r.output = Some(function.clone());
+        let (rid, iid, prev) = (r.id.clone(), r.item_id.clone(), r.previous.clone());
+        let item = match &function {
+            Some(Function::Call { call_id, name }) => {
+                json!({"id": iid, "object": "realtime.item", "type": "function_call",
+                    "status": "in_progress", "call_id": call_id, "name": name, "arguments": ""})
+            }
+            _ => json!({"id": iid, "object": "realtime.item", "type": "message",
+                "status": "in_progress", "role": "assistant", "content": []}),
+        };
+        out.push(self.event(
+            "response.output_item.added",
+            json!({"response_id": rid, "output_index": 0, "item": item}),
+        ));
+        out.push(self.event(
+            "conversation.item.added",
+            json!({"previous_item_id": prev, "item": item}),
+        ));
+        if function.is_none() {
+            out.push(self.event(
+                "response.content_part.added",
+                json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
+                    "part": {"type": "text", "text": ""}}),
+            ));
+        }
+    }
+
+    /// More of the output item's text: `kind` is the text or the call arguments' delta event.
+    fn delta(&mut self, kind: &str, text: String, out: &mut Vec<Value>) {
+        let Some(r) = self.response.as_mut() else {
+            return;
+        };
+        r.text.push_str(&text);
+        let mut body = json!({"response_id": r.id, "item_id": r.item_id, "output_index": 0,
+            "delta": text});
+        match &r.output {
+            Some(Some(Function::Call { call_id, .. })) => body["call_id"] = json!(call_id),
+            _ => body["content_index"] = json!(0),
+        }
+        out.push(self.event(kind, body));
+    }
+
     /// The closing events of a response, and its item added to the conversation.
     fn finish(&mut self, r: InFlight, reason: FinishReason, usage: &Usage) -> Vec<Value> {
         let mut out = Vec::new();
+        let function = r.output.clone().flatten();
         let item = Item {
             id: r.item_id.clone(),
             role: "assistant".into(),
             text: r.text.clone(),
+            function: function.clone(),
         };
         let (status, details) = match reason {
             FinishReason::Stop => ("completed", Value::Null),
@@ -713,8 +848,9 @@ impl Realtime {
         } else {
             "incomplete"
         };
-        if !r.started {
-            // Cancelled before its first token: no item was announced.
+        if r.output.is_none() {
+            // Ended before its first piece (cancelled, or nothing written): no item was
+            // announced.
             let body = self.response_json(
                 &r.id,
                 status,
@@ -727,15 +863,23 @@ impl Realtime {
             return out;
         }
         let (rid, iid) = (r.id.clone(), r.item_id.clone());
-        out.push(self.event(
-            "response.output_text.done",
-            json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0, "text": r.text}),
-        ));
-        out.push(self.event(
-            "response.content_part.done",
-            json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
-                "part": {"type": "text", "text": r.text}}),
-        ));
+        if let Some(Function::Call { call_id, name }) = &function {
+            out.push(self.event(
+                "response.function_call_arguments.done",
+                json!({"response_id": rid, "item_id": iid, "output_index": 0, "call_id": call_id,
+                    "name": name, "arguments": r.text}),
+            ));
+        } else {
+            out.push(self.event(
+                "response.output_text.done",
+                json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0, "text": r.text}),
+            ));
+            out.push(self.event(
+                "response.content_part.done",
+                json!({"response_id": rid, "item_id": iid, "output_index": 0, "content_index": 0,
+                    "part": {"type": "text", "text": r.text}}),
+            ));
+        }
         let json = item.to_json(item_status);
         out.push(self.event(
             "response.output_item.done",
@@ -779,6 +923,7 @@ fn invalid_value(param: &str, e: RequestError) -> EventError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::request::tools::ToolChoice;
 
     fn user(rt: &mut Realtime, text: &str) -> String {
         let ev = rt
@@ -788,6 +933,7 @@ mod tests {
                     id: None,
                     role: "user".into(),
                     text: text.into(),
+                    function: None,
                 },
             )
             .unwrap();
@@ -802,7 +948,7 @@ mod tests {
     /// session would; the events.
     fn respond(rt: &mut Realtime, conversation: &mut Vec<Message>, reply: &[&str]) -> Vec<Value> {
         let settings = rt.for_response(&Settings::default());
-        let (id, from, new, created) = rt.begin_response(&settings, conversation).unwrap();
+        let (id, from, new, created) = rt.begin_response(&settings, conversation, None).unwrap();
         conversation.truncate(from);
         conversation.extend(new);
         let mut out = vec![created];
@@ -882,7 +1028,7 @@ mod tests {
         user(&mut rt, "Two");
         // Only the new item is sent; the rest is the session's already.
         let s = rt.for_response(&Settings::default());
-        let (id, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        let (id, from, new, _) = rt.begin_response(&s, &conv, None).unwrap();
         assert_eq!(from, 3);
         assert_eq!(new, vec![Message::new("user", "Two")]);
         rt.on_frame(&ServerFrame::Error {
@@ -892,7 +1038,7 @@ mod tests {
         });
         // Deleting the first item replaces from it.
         rt.delete_item(&first).unwrap();
-        let (_, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        let (_, from, new, _) = rt.begin_response(&s, &conv, None).unwrap();
         assert_eq!(from, 1);
         assert_eq!(
             new,
@@ -907,13 +1053,13 @@ mod tests {
         user(&mut rt, "One");
         respond(&mut rt, &mut conv, &["A"]);
         let s = rt.for_response(&Settings::default());
-        let e = rt.begin_response(&s, &conv).unwrap_err();
+        let e = rt.begin_response(&s, &conv, None).unwrap_err();
         assert!(e.message.contains("nothing new"), "{e:?}");
         let s = rt.for_response(&Settings {
             instructions: Some("Answer in French.".into()),
             ..Default::default()
         });
-        let (_, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        let (_, from, new, _) = rt.begin_response(&s, &conv, None).unwrap();
         assert_eq!(from, 0);
         assert_eq!(new[0], Message::new("system", "Answer in French."));
         assert_eq!(new.len(), 3);
@@ -924,7 +1070,7 @@ mod tests {
         let mut rt = Realtime::new("m".into());
         user(&mut rt, "One");
         let s = rt.for_response(&Settings::default());
-        let (id, ..) = rt.begin_response(&s, &[]).unwrap();
+        let (id, ..) = rt.begin_response(&s, &[], None).unwrap();
         let ev = rt.on_frame(&ServerFrame::Error {
             id: Some(id),
             error_type: "prompt_too_long".into(),
@@ -935,7 +1081,7 @@ mod tests {
         assert_eq!(ev[1]["response"]["status"], "failed");
         assert_eq!(rt.items.len(), 1, "no item for a failed response");
         // Cancelled before its first token: response.done alone.
-        let (id, ..) = rt.begin_response(&s, &[]).unwrap();
+        let (id, ..) = rt.begin_response(&s, &[], None).unwrap();
         let ev = rt.on_frame(&ServerFrame::Done {
             id,
             finish_reason: FinishReason::Cancelled,
@@ -959,6 +1105,7 @@ mod tests {
                     id: Some("b".into()),
                     role: "assistant".into(),
                     text: "bravo".into(),
+                    function: None,
                 },
             )
             .unwrap();
@@ -969,6 +1116,7 @@ mod tests {
             id: Some("b".into()),
             role: "user".into(),
             text: "x".into(),
+            function: None,
         };
         assert_eq!(
             rt.create_item(None, dup).unwrap_err().param.as_deref(),
@@ -998,6 +1146,7 @@ mod tests {
             id: None,
             role: "user".into(),
             text: String::new(),
+            function: None,
         };
         let e = rt.create_item(None, more.clone()).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("item"));
@@ -1017,18 +1166,19 @@ mod tests {
             user(&mut rt, "q");
         }
         let s = rt.for_response(&Settings::default());
-        let e = rt.begin_response(&s, &conv).unwrap_err();
+        let e = rt.begin_response(&s, &conv, None).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("item"), "{e:?}");
         let first = rt.items[0].id.clone();
         rt.delete_item(&first).unwrap();
         // One place left: the response takes it, so an item created meanwhile is refused.
-        let (id, from, new, _) = rt.begin_response(&s, &conv).unwrap();
+        let (id, from, new, _) = rt.begin_response(&s, &conv, None).unwrap();
         conv.truncate(from);
         conv.extend(new);
         let more = NewItem {
             id: None,
             role: "user".into(),
             text: "late".into(),
+            function: None,
         };
         let e = rt.create_item(None, more).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("item"), "{e:?}");
@@ -1060,9 +1210,7 @@ mod tests {
         );
         let e = code(r#"{"type":"session.update","session":{"output_modalities":["audio"]}}"#);
         assert_eq!(e.param.as_deref(), Some("session.output_modalities"));
-        let e = code(
-            r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"f"}]}}"#,
-        );
+        let e = code(r#"{"type":"session.update","session":{"tools":{"type":"function"}}}"#);
         assert_eq!(e.param.as_deref(), Some("session.tools"));
         let e = code(r#"{"type":"session.update","session":{"voice":"alloy"}}"#);
         assert_eq!(e.param.as_deref(), Some("session.voice"));
@@ -1075,6 +1223,12 @@ mod tests {
         let e = code(
             r#"{"type":"conversation.item.create","item":{"type":"function_call","name":"f"}}"#,
         );
+        assert_eq!(e.param.as_deref(), Some("item.call_id"));
+        let e = code(
+            r#"{"type":"conversation.item.create","item":{"type":"function_call","call_id":"c","name":"f","arguments":"[1]"}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("item.arguments"));
+        let e = code(r#"{"type":"conversation.item.create","item":{"type":"image"}}"#);
         assert_eq!(e.param.as_deref(), Some("item.type"));
         let e = code(
             r#"{"type":"conversation.item.truncate","item_id":"x","content_index":0,"audio_end_ms":1500}"#,
@@ -1095,5 +1249,173 @@ mod tests {
         assert_eq!(chat_params(&s).unwrap().max_tokens, None);
         let ok = parse(r#"{"type":"conversation.item.create","item":{"type":"message","role":"user","content":[{"type":"input_text","text":"a"},{"type":"input_text","text":"b"}]}}"#).1.unwrap();
         assert!(matches!(ok, ClientEvent::ItemCreate { item, .. } if item.text == "ab"));
+    }
+
+    fn shipped() -> SessionConfig {
+        crate::settings::Settings::load(None)
+            .expect("the shipped settings load")
+            .session_config()
+    }
+
+    #[test]
+    fn a_function_call_streams_as_its_item_and_its_output_continues_the_conversation() {
+        let session = shipped();
+        let rules = Rules {
+            session: &session,
+            roles: Roles::ALL,
+        };
+        let mut rt = Realtime::new("m".into());
+        let mut conversation: Vec<Message> = Vec::new();
+        let tools = r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"order_status","description":"Looks up an order.","parameters":{"type":"object","properties":{"order":{"type":"string"}},"required":["order"]}}],"tool_choice":"auto"}}"#;
+        let Ok(Action::Send(ev)) = rt.handle(tools, &rules, &conversation, false) else {
+            panic!("tools accepted")
+        };
+        assert_eq!(ev[0]["session"]["tools"][0]["name"], "order_status");
+        user(&mut rt, "Where is order A-1?");
+        let start = rt.handle(
+            r#"{"type":"response.create"}"#,
+            &rules,
+            &conversation,
+            false,
+        );
+        let Ok(Action::Start {
+            id,
+            from,
+            messages,
+            tools: Some(t),
+            ..
+        }) = start
+        else {
+            panic!("a response with tools: {start:?}")
+        };
+        assert!(t.active() && !t.parallel && t.choice == ToolChoice::Auto);
+        assert!(rt.response.as_ref().is_some_and(|r| r.calls.is_some()));
+        conversation.truncate(from);
+        conversation.extend(messages);
+        // Nothing is announced until the reply shows a call; then the call streams.
+        let started = ServerFrame::Started {
+            id: id.clone(),
+            prompt_tokens: 9,
+            cached_tokens: 0,
+        };
+        assert!(rt.on_frame(&started).is_empty());
+        let reply = r#"{"name": "order_status", "arguments": {"order": "A-1"}}"#;
+        let mut events = Vec::new();
+        for (i, piece) in [&reply[..10], &reply[10..40], &reply[40..]]
+            .iter()
+            .enumerate()
+        {
+            events.extend(rt.on_frame(&ServerFrame::Delta {
+                id: id.clone(),
+                index: i,
+                text: piece.to_string(),
+            }));
+        }
+        events.extend(rt.on_frame(&ServerFrame::Done {
+            id,
+            finish_reason: FinishReason::Stop,
+            usage: Usage::default(),
+            timings: Default::default(),
+            seal: None,
+        }));
+        conversation.push(Message::new("assistant", reply));
+        let kinds = types(&events);
+        assert_eq!(
+            kinds[..2],
+            ["response.output_item.added", "conversation.item.added"]
+        );
+        assert_eq!(events[0]["item"]["type"], "function_call");
+        assert_eq!(events[0]["item"]["name"], "order_status");
+        let call_id = events[0]["item"]["call_id"].as_str().unwrap().to_string();
+        let args: String = (events.iter())
+            .filter(|e| e["type"] == "response.function_call_arguments.delta")
+            .map(|e| {
+                assert_eq!(e["call_id"], call_id.as_str());
+                e["delta"].as_str().unwrap()
+            })
+            .collect();
+        assert_eq!(args, r#"{"order": "A-1"}"#);
+        let tail = &kinds[kinds.len() - 4..];
+        assert_eq!(
+            tail,
+            [
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+                "conversation.item.done",
+                "response.done"
+            ]
+        );
+        let done = events.last().unwrap();
+        assert_eq!(done["response"]["output"][0]["arguments"], args.as_str());
+        assert_eq!(done["response"]["status"], "completed");
+        // The call's output, then a response that continues: the conversation is the session's
+        // plus the result, nothing re-sent before it.
+        let unknown = r#"{"type":"conversation.item.create","item":{"type":"function_call_output","call_id":"nope","output":"x"}}"#;
+        let e = rt
+            .handle(unknown, &rules, &conversation, false)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("item.call_id"));
+        let output = format!(
+            r#"{{"type":"conversation.item.create","item":{{"type":"function_call_output","call_id":"{call_id}","output":"shipped today"}}}}"#
+        );
+        let Ok(Action::Send(ev)) = rt.handle(&output, &rules, &conversation, false) else {
+            panic!("the output is added")
+        };
+        assert_eq!(ev[1]["item"]["type"], "function_call_output");
+        let Ok(Action::Start { from, messages, .. }) = rt.handle(
+            r#"{"type":"response.create"}"#,
+            &rules,
+            &conversation,
+            false,
+        ) else {
+            panic!("a second response")
+        };
+        assert_eq!(from, conversation.len());
+        assert_eq!(
+            messages,
+            vec![Tools::result_message("order_status", "shipped today")]
+        );
+        assert!(rt.check().is_ok());
+        // A call item can be truncated no more than it can be cut short by a client.
+        let call_item = rt.items[1].id.clone();
+        assert!(rt.truncate_item(&call_item, 1).is_err());
+    }
+
+    #[test]
+    fn tools_are_checked_with_the_field_named_as_realtime_names_it() {
+        let session = shipped();
+        let rules = Rules {
+            session: &session,
+            roles: Roles::ALL,
+        };
+        let mut rt = Realtime::new("m".into());
+        let mut refused = |event: &str| rt.handle(event, &rules, &[], false).unwrap_err();
+        let e = refused(
+            r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"bad name"}]}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("session.tools[0].name"));
+        let e = refused(
+            r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"f"}],"tool_choice":{"type":"function","name":"g"}}}"#,
+        );
+        assert_eq!(e.param.as_deref(), Some("session.tool_choice.name"));
+        let e =
+            refused(r#"{"type":"response.create","response":{"tools":[{"type":"retrieval"}]}}"#);
+        assert_eq!(e.param.as_deref(), Some("response.tools[0].type"));
+        let e = refused(r#"{"type":"response.create","response":{"tool_choice":"required"}}"#);
+        assert_eq!(e.param.as_deref(), Some("response.tool_choice"));
+        // A choice naming a tool the session declared before.
+        let tools =
+            r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"f"}]}}"#;
+        assert!(rt.handle(tools, &rules, &[], false).is_ok());
+        let named =
+            r#"{"type":"session.update","session":{"tool_choice":{"type":"function","name":"f"}}}"#;
+        assert!(rt.handle(named, &rules, &[], false).is_ok());
+        user(&mut rt, "hi");
+        let required = r#"{"type":"response.create","response":{"tool_choice":"required"}}"#;
+        let Ok(Action::Start { tools: Some(t), .. }) = rt.handle(required, &rules, &[], false)
+        else {
+            panic!("a response that must call f")
+        };
+        assert_eq!(t.choice, ToolChoice::Required);
     }
 }

@@ -13,6 +13,8 @@
 use serde_json::{json, Value};
 
 use crate::engine::constraint::ResponseFormat;
+use crate::server::request::{Field, RequestError, ValidRequest};
+use crate::tokenizer::Message;
 
 /// Most functions one request may declare.
 pub const MAX_TOOLS: usize = 64;
@@ -47,7 +49,7 @@ pub enum ToolChoice {
 pub struct Tools {
     pub tools: Vec<Tool>,
     pub choice: ToolChoice,
-    /// Several calls in one reply (one per line).
+    /// Several calls in one reply (one per line), but for a named function (one call).
     pub parallel: bool,
 }
 
@@ -59,7 +61,176 @@ pub fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
+/// How a dialect writes a function tool and a named choice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    /// Chat Completions: `{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`, a named choice `{"type": "function", "function": {"name"}}`.
+    Nested,
+    /// Realtime (and Responses): `{"type": "function", "name", "description", "parameters"}`,
+    /// a named choice `{"type": "function", "name"}`.
+    Flat,
+}
+
+fn bad(param: &str, reason: impl std::fmt::Display) -> RequestError {
+    RequestError::invalid(Field::Wire(param.into()), reason)
+}
+
 impl Tools {
+    /// A dialect's `tools`, `tool_choice` and `parallel_tool_calls`, checked (the fields named as
+    /// the dialect names them, `tools[2].function.name` or `tools[2].name`); `None` without
+    /// tools. At most `MAX_TOOLS` functions of valid, distinct names, all within `max_bytes` of
+    /// JSON (`limits.max_schema_bytes`); a named choice names a declared function.
+    pub fn parse(
+        tools: Option<&[Value]>,
+        choice: Option<&Value>,
+        parallel: Option<bool>,
+        max_bytes: usize,
+        shape: Shape,
+    ) -> Result<Option<Tools>, RequestError> {
+        let Some(list) = tools.filter(|t| !t.is_empty()) else {
+            return match choice {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) if s == "none" || s == "auto" => Ok(None),
+                Some(_) => Err(bad("tool_choice", "needs `tools`")),
+            };
+        };
+        if list.len() > MAX_TOOLS {
+            return Err(bad(
+                "tools",
+                format!(
+                    "must hold at most {MAX_TOOLS} functions. Given: {}",
+                    list.len()
+                ),
+            ));
+        }
+        let n = serde_json::to_string(list).map_or(0, |s| s.len());
+        if n > max_bytes {
+            return Err(bad(
+                "tools",
+                format!(
+                    "must be at most {max_bytes} bytes of JSON (limits.max_schema_bytes). Given: {n}"
+                ),
+            ));
+        }
+        let inner = match shape {
+            Shape::Nested => "function.",
+            Shape::Flat => "",
+        };
+        let mut out: Vec<Tool> = Vec::new();
+        for (i, t) in list.iter().enumerate() {
+            let at = |f: &str| format!("tools[{i}].{inner}{f}");
+            if t.get("type").and_then(Value::as_str) != Some("function") {
+                return Err(bad(&format!("tools[{i}].type"), "must be \"function\""));
+            }
+            let f = match shape {
+                Shape::Nested => t.get("function").filter(|f| f.is_object()),
+                Shape::Flat => Some(t),
+            };
+            let f = f.ok_or_else(|| bad(&format!("tools[{i}].function"), "is required"))?;
+            let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+            if !valid_name(name) {
+                return Err(bad(
+                    &at("name"),
+                    format!("must be 1 to {MAX_TOOL_NAME_CHARS} characters of a-z, A-Z, 0-9, _ and -. Given: {name:?}"),
+                ));
+            }
+            if out.iter().any(|o| o.name == name) {
+                return Err(bad(&at("name"), format!("{name:?} is declared twice")));
+            }
+            let description = match f.get("description") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(_) => return Err(bad(&at("description"), "must be a string")),
+            };
+            let parameters = match f.get("parameters") {
+                None | Some(Value::Null) => {
+                    json!({"type": "object", "properties": {}, "additionalProperties": false})
+                }
+                Some(p) if p.is_object() => p.clone(),
+                Some(_) => return Err(bad(&at("parameters"), "must be a JSON Schema object")),
+            };
+            out.push(Tool {
+                name: name.into(),
+                description,
+                parameters,
+            });
+        }
+        let named = match shape {
+            Shape::Nested => "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+            Shape::Flat => "{\"type\": \"function\", \"name\": ...}",
+        };
+        let choice = match choice {
+            None | Some(Value::Null) => ToolChoice::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "none" => ToolChoice::None,
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                other => {
+                    return Err(bad(
+                        "tool_choice",
+                        format!("must be none, auto, required or {named}. Given: {other:?}"),
+                    ))
+                }
+            },
+            Some(v) => {
+                let f = match shape {
+                    Shape::Nested => v.get("function"),
+                    Shape::Flat => Some(v),
+                };
+                let name = (v.get("type").and_then(Value::as_str) == Some("function"))
+                    .then(|| f.and_then(|f| f.get("name")).and_then(Value::as_str))
+                    .flatten();
+                let name = name.ok_or_else(|| {
+                    bad(
+                        "tool_choice",
+                        format!("must be none, auto, required or {named}"),
+                    )
+                })?;
+                if !out.iter().any(|t| t.name == name) {
+                    return Err(bad(
+                        &format!("tool_choice.{inner}name"),
+                        format!("{name:?} is not one of the declared tools"),
+                    ));
+                }
+                ToolChoice::Named(name.into())
+            }
+        };
+        let parallel = parallel.unwrap_or(true);
+        Ok(Some(Tools {
+            tools: out,
+            choice,
+            parallel,
+        }))
+    }
+
+    /// Offers the functions to a validated request: their description and the format in its
+    /// system turn (after the checks of what the client wrote: this text is the server's), and
+    /// when the reply may call them (`active`), the grammar that makes every call valid. With
+    /// `none` the functions are still described, so the conversation's prefix stays the one
+    /// its other turns cached.
+    pub fn apply(&self, chat: &mut ValidRequest) {
+        if self.tools.is_empty() {
+            return;
+        }
+        let text = self.system_text();
+        match chat.messages.first_mut() {
+            Some(m) if m.role == "system" => {
+                m.content = format!("{}\n\n{text}", m.content);
+            }
+            _ => chat.messages.insert(0, Message::new("system", &text)),
+        }
+        if self.active() {
+            chat.format = self.format();
+        }
+    }
+
+    /// The turn that gives a function's result to the model: a user message (text, as any
+    /// content is, so a result can never forge the template's special tokens).
+    pub fn result_message(name: &str, content: &str) -> Message {
+        Message::new("user", &format!("The function {name} returned:\n{content}"))
+    }
+
     /// Whether the reply may call anything.
     pub fn active(&self) -> bool {
         self.choice != ToolChoice::None && !self.tools.is_empty()
@@ -73,10 +244,12 @@ impl Tools {
         })
     }
 
-    /// The system text that tells the model the functions and the format.
+    /// The system text that tells the model the functions and the format. The same whatever
+    /// the choice (the grammar enforces `required` and a named function), so that a
+    /// conversation whose turns choose differently keeps its cached prefix.
     pub fn system_text(&self) -> String {
         let mut s = String::from("You can call these functions:\n");
-        for t in self.callable() {
+        for t in &self.tools {
             let d =
                 json!({"name": t.name, "description": t.description, "parameters": t.parameters});
             s.push_str(&spaced(&d));
@@ -88,13 +261,7 @@ impl Tools {
         if self.parallel {
             s.push_str(", one per line to call several");
         }
-        s.push('.');
-        match &self.choice {
-            ToolChoice::Auto => s.push_str(" If no function is needed, answer in plain text."),
-            ToolChoice::Required => s.push_str(" You must call a function."),
-            ToolChoice::Named(n) => s.push_str(&format!(" You must call {n}.")),
-            ToolChoice::None => {}
-        }
+        s.push_str(". If no function is needed, answer in plain text.");
         s
     }
 
@@ -115,7 +282,7 @@ impl Tools {
         let schema = json!({"anyOf": calls, "x-guidance": {
             "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}});
         let call = format!("call: %json {schema}");
-        let calls = if self.parallel {
+        let calls = if self.parallel && !matches!(self.choice, ToolChoice::Named(_)) {
             "calls: call (\"\\n\" call)*"
         } else {
             "calls: call"
@@ -133,6 +300,12 @@ impl Tools {
     /// sends it back finds it cached).
     pub fn call_text(name: &str, arguments: &Value) -> String {
         spaced(&json!({"name": name, "arguments": arguments}))
+    }
+
+    /// The text of a call whose arguments are JSON text (as a Realtime item holds them): the
+    /// model's own text when they are what it wrote.
+    pub fn call_text_raw(name: &str, arguments: &str) -> String {
+        format!("{{\"name\": {}, \"arguments\": {arguments}}}", json!(name))
     }
 }
 
@@ -463,7 +636,13 @@ mod tests {
             panic!("a Lark grammar")
         };
         assert!(lark.contains("TEXT | calls") && lark.contains("(\"\\n\" call)*"));
-        assert!(named.system_text().contains("You must call handover."));
-        assert!(!named.system_text().contains("order_status"));
+        // The system turn is the same whatever the choice: a conversation keeps its prefix.
+        let none = tools(ToolChoice::None, true);
+        assert_eq!(
+            named.system_text(),
+            tools(ToolChoice::Required, false).system_text()
+        );
+        assert_eq!(none.system_text(), auto.system_text());
+        assert!(named.system_text().contains("order_status"));
     }
 }

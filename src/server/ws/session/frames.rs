@@ -66,7 +66,7 @@ impl Session {
                 if ends_draft {
                     self.pending_draft = None;
                 }
-                self.validated_turn(id, messages, *params, replace_from, ctx);
+                self.validated_turn(id, messages, *params, None, replace_from, ctx);
             }
             Action::Cancel { heard } => {
                 if let Some(cancel) = self.current.as_mut().and_then(|c| c.cancel(heard)) {
@@ -132,13 +132,14 @@ impl Session {
         .wait(ctx);
     }
 
-    /// Validates a turn's messages and parameters and starts it: its reply replaces the
-    /// conversation from `replace_from` on.
+    /// Validates a turn's messages and parameters and starts it, offering it `tools`: its reply
+    /// replaces the conversation from `replace_from` on.
     pub(super) fn validated_turn(
         &mut self,
         id: String,
         messages: Vec<Message>,
         params: crate::server::request::GenerateParams,
+        tools: Option<crate::server::request::tools::Tools>,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
@@ -150,7 +151,12 @@ impl Session {
             &cfg.sampling,
             cfg.default_max_tokens,
         ) {
-            Ok(chat) => self.start_chat(chat, replace_from, ctx),
+            Ok(mut chat) => {
+                if let Some(t) = tools {
+                    t.apply(&mut chat);
+                }
+                self.start_chat(chat, replace_from, ctx)
+            }
             Err(e) => self.error(ctx, Some(id), e),
         }
     }

@@ -32,11 +32,12 @@ impl Session {
                 from,
                 messages,
                 params,
+                tools,
                 created,
             }) => {
                 ctx.text(created.to_string());
                 // Its refusals and its reply come back as frames (`on_frame`).
-                self.validated_turn(id, messages, *params, from, ctx);
+                self.validated_turn(id, messages, *params, tools, from, ctx);
             }
             Ok(Action::Cancel(response)) => {
                 let current = self.current.as_mut().filter(|c| c.client_id == response);
