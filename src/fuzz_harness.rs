@@ -64,7 +64,7 @@ pub fn client_frame(data: &[u8]) {
             assert!(v.chat.max_tokens >= 1 && v.chat.max_tokens <= limits.max_tokens);
             // Callable tools: described in a leading system turn, the reply held to a grammar,
             // and a call the model writes parses back into the same call.
-            if let Some(t) = &v.tools {
+            if let Some(t) = &v.chat.tools {
                 assert!(t.active() && t.tools.len() <= MAX_TOOLS);
                 assert_eq!(v.chat.messages[0].role, "system");
                 assert!(v.chat.messages[0].content.ends_with(&t.system_text()));
@@ -530,6 +530,7 @@ pub fn native(data: &[u8]) {
             }),
             last_reply: s.last_reply.as_deref(),
             preparing: s.preparing,
+            tool_call: None,
         };
         let action = match handle(frame.clone(), &view) {
             Ok(a) => a,
@@ -556,6 +557,7 @@ pub fn native(data: &[u8]) {
                 );
             }
             Action::Nothing => assert!(matches!(frame, ClientFrame::Ack { .. })),
+            Action::ToolResult(_) => panic!("a tool result with no call waiting"),
             Action::Reset => {
                 assert!(s.running.is_none());
                 s.conversation.clear();

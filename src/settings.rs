@@ -141,6 +141,11 @@ pub struct LimitSettings {
     pub max_stop_chars: usize,
     /// Bytes of a request's `response_format` (its JSON): a schema, regex or grammar.
     pub max_schema_bytes: usize,
+    /// Seconds a widget's host page has to answer a `tool_call` before the model is told the
+    /// function did not answer.
+    pub tool_timeout_s: u64,
+    /// Function calls one turn may make before its reply must be text.
+    pub max_tool_calls: usize,
     pub frames_per_s: f64,
     pub frame_burst: u32,
     pub rejected_frames_per_s: f64,
@@ -495,6 +500,27 @@ pub struct WidgetSettings {
     /// Prepended as the system message of every conversation through this widget.
     #[serde(default)]
     pub system_prompt: String,
+    /// Functions the page that embeds the widget runs for the model, in the visitor's browser
+    /// (docs/widget.md): described after `system_prompt`, called with `tool_call` frames.
+    #[serde(default)]
+    pub tools: Vec<ToolSettings>,
+    /// `auto` (the model calls when it needs to, the default) or `required` (every reply starts
+    /// with a call, up to `limits.max_tool_calls` a turn).
+    #[serde(default)]
+    pub tool_choice: Option<String>,
+}
+
+/// A function an operator declares for a widget.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolSettings {
+    /// 1 to 64 of `a-z A-Z 0-9 _ -`.
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// A JSON Schema of the arguments object (a TOML table); none: no arguments.
+    #[serde(default)]
+    pub parameters: Option<serde_json::Value>,
 }
 
 /// A named system prompt that the tenant's API-key clients select with `/ws?prefix=NAME`;

@@ -405,6 +405,7 @@ fn chat(mut settings: Settings, opts: EngineOptions, a: ChatArgs) -> anyhow::Res
                     id: BENCH_WIDGET.0.into(),
                     origins: vec![BENCH_WIDGET.1.into()],
                     system_prompt: load::system_prompt(a.system_words),
+                    ..Default::default()
                 }],
                 ..Default::default()
             });

@@ -198,6 +198,8 @@ impl Settings {
                 max_stop_chars: self.limits.max_stop_chars,
                 max_schema_bytes: self.limits.max_schema_bytes,
                 max_id_chars: 128,
+                tool_timeout_s: self.limits.tool_timeout_s,
+                max_tool_calls: self.limits.max_tool_calls,
                 frames_per_s: self.limits.frames_per_s,
                 frame_burst: self.limits.frame_burst,
                 rejected_frames_per_s: self.limits.rejected_frames_per_s,

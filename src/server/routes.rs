@@ -437,6 +437,7 @@ mod tests {
                 id: "alpha-help".into(),
                 origins: vec!["http://shop.alpha.test".into()],
                 system_prompt: "You help Alpha's customers.".into(),
+                ..Default::default()
             }],
             ..Default::default()
         }];

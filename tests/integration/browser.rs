@@ -109,6 +109,7 @@ fn chat_page_and_widget_in_chromium() {
                     id: "acme-help".into(),
                     origins: vec![format!("http://allowed.test:{host_port}")],
                     system_prompt: WIDGET_PROMPT.into(),
+                    ..Default::default()
                 }],
                 ..Default::default()
             }];

@@ -249,6 +249,7 @@ fn two_tenants(s: &mut llama_relay::settings::Settings) {
                 id: "alpha-help".into(),
                 origins: vec!["http://shop.alpha.test".into()],
                 system_prompt: WIDGET_PROMPT.into(),
+                ..Default::default()
             }],
             ..Default::default()
         },

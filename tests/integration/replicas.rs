@@ -209,6 +209,7 @@ fn widget_tenant(secret: &'static str) -> impl FnOnce(&mut llama_relay::settings
                 id: "help".into(),
                 origins: vec![WIDGET_ORIGIN.into()],
                 system_prompt: "You are Acme's helper.".into(),
+                ..Default::default()
             }],
             ..Default::default()
         }];

@@ -28,6 +28,7 @@ fn tenants(s: &mut Settings) {
                 origins: vec![WIDGET_ORIGIN.into()],
                 system_prompt: "You are Acme's helper. Be brief, kind and accurate about orders."
                     .into(),
+                ..Default::default()
             }],
             prefixes: vec![PrefixSettings {
                 name: "support".into(),

@@ -368,3 +368,119 @@ fn a_rust_openai_client_gets_tool_calls() {
         app.wait_idle().await;
     });
 }
+
+const WIDGET_ORIGIN: &str = "http://shop.acme.test";
+
+/// A widget whose page runs `order_status`: every reply starts with a call (`required`), one
+/// call a turn, a short timeout.
+fn widget_with_tools(s: &mut Settings) {
+    use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
+    use llama_relay::settings::ToolSettings;
+    s.tenants = vec![TenantSettings {
+        name: "acme".into(),
+        widgets: vec![WidgetSettings {
+            id: "acme-help".into(),
+            origins: vec![WIDGET_ORIGIN.into()],
+            system_prompt: "You help Acme's customers with their orders.".into(),
+            tools: vec![ToolSettings {
+                name: "order_status".into(),
+                description: "Looks up an order by its number.".into(),
+                parameters: Some(json!({
+                    "type": "object",
+                    "properties": {"order": {"type": "string", "maxLength": 8}},
+                    "required": ["order"],
+                    "additionalProperties": false,
+                })),
+            }],
+            tool_choice: Some("required".into()),
+        }],
+        ..Default::default()
+    }];
+    s.limits.max_tool_calls = 1;
+    s.limits.tool_timeout_s = 2;
+}
+
+/// Frames of reply `id` up to its `tool_call` (asserting no delta came before it).
+async fn until_tool_call(c: &mut Client, id: &str) -> Value {
+    loop {
+        let f = c.recv().await;
+        match f["type"].as_str().unwrap() {
+            "tool_call" => {
+                assert_eq!(f["id"], id);
+                return f;
+            }
+            "queued" | "started" => {}
+            _ => panic!("before the tool call: {f}"),
+        }
+    }
+}
+
+/// Operator-declared widget tools over `/ws`: the reply calls the function (a `tool_call` frame
+/// with arguments valid for its schema, no delta of the call's text); a `tool_result` for
+/// another call, and a `chat` while the call waits, are refused; the right result makes the
+/// reply go on under the same id with everything before it cached; a call left unanswered
+/// times out into the model's next turn; a call can be cancelled.
+#[test]
+fn a_widget_calls_a_function_of_its_page_and_goes_on_from_the_result() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), widget_with_tools);
+    run(async {
+        let mut c = app
+            .connect_with("/ws?widget=acme-help", &[("Origin", WIDGET_ORIGIN)])
+            .await
+            .expect("the widget connects");
+        let params = json!({"temperature": 0, "max_tokens": 48});
+        c.chat("q1", "Where is my order A-1?", params.clone()).await;
+        let call = until_tool_call(&mut c, "q1").await;
+        assert_eq!(call["name"], "order_status");
+        let order = call["arguments"]["order"].as_str().expect("a string");
+        assert!(order.chars().count() <= 8, "{call}");
+        assert_eq!(call["arguments"].as_object().unwrap().len(), 1, "{call}");
+        let call_id = call["call_id"].as_str().unwrap().to_string();
+
+        c.send(json!({"type": "tool_result", "call_id": "call_other", "content": "x"}))
+            .await;
+        let e = c.recv().await;
+        assert_eq!(e["error_type"], "invalid_request", "{e}");
+        assert!(e["message"].as_str().unwrap().contains("call_id"), "{e}");
+        c.chat("q2", "Hello?", params.clone()).await;
+        let e = c.recv().await;
+        assert_eq!(
+            (&e["error_type"], &e["id"]),
+            (&json!("busy"), &json!("q2")),
+            "{e}"
+        );
+
+        c.send(json!({"type": "tool_result", "call_id": call_id,
+            "content": {"status": "shipped", "eta": "Friday"}}))
+            .await;
+        let r = c.reply("q1").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        assert!(r.done["seal"].is_string());
+        let started = r.started.expect("the reply goes on");
+        let (prompt, cached) = (
+            started["prompt_tokens"].as_u64().unwrap(),
+            started["cached_tokens"].as_u64().unwrap(),
+        );
+        assert!(cached + 40 > prompt && cached > 0, "{started}");
+
+        // Unanswered: after `limits.tool_timeout_s` the model is told so and the reply goes on.
+        c.chat("q3", "And order B-2?", params.clone()).await;
+        until_tool_call(&mut c, "q3").await;
+        let t0 = std::time::Instant::now();
+        let r = c.reply("q3").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        assert!(t0.elapsed() >= std::time::Duration::from_millis(1500));
+
+        // Cancelled while it waits.
+        c.chat("q4", "One more?", params).await;
+        until_tool_call(&mut c, "q4").await;
+        c.send(json!({"type": "cancel", "id": "q4"})).await;
+        let done = c.recv().await;
+        assert_eq!(
+            (&done["type"], &done["finish_reason"]),
+            (&json!("done"), &json!("cancelled")),
+            "{done}"
+        );
+    });
+}

@@ -26,6 +26,7 @@ use crate::kv_cache::{CacheScope, Salt};
 use crate::server::gate::credentials::Refusal;
 use crate::server::gate::credentials::{bearer, normalize_origin, sha256};
 use crate::server::request::error::{Field, RequestError};
+use crate::server::request::tools::{Shape, Tools};
 pub use crate::settings::{ClientRoles, PrefixSettings, TenantSettings, WidgetSettings};
 
 /// What kind of client a connection is.
@@ -104,6 +105,9 @@ pub struct Identity {
     pub system_prompt: Option<Arc<str>>,
     /// Roles this client may send.
     pub roles: Roles,
+    /// Functions the client runs for the model (a widget's operator-declared tools): already
+    /// described in `system_prompt`; a reply may call them unless it asks for another format.
+    pub tools: Option<Arc<Tools>>,
 }
 
 impl Identity {
@@ -141,6 +145,7 @@ struct Widget {
     tenant: usize,
     origins: Vec<String>,
     system_prompt: Option<Arc<str>>,
+    tools: Option<Arc<Tools>>,
 }
 
 pub struct Tenants {
@@ -287,6 +292,15 @@ impl Tenants {
                 if let Some(o) = w.origins.iter().find(|o| !valid_origin(o)) {
                     return Err(bad(format!("tenants[{i}].widgets[{j}].origins"), o, "origins like \"https://shop.example.com\" (scheme, host, optional port; no path)"));
                 }
+                let tools = widget_tools(w)
+                    .map_err(|(k, e)| bad(format!("tenants[{i}].widgets[{j}].{k}"), "", &e))?;
+                // The functions' description is operator text: it follows the widget's system
+                // prompt, and is shared and cached with it.
+                let prompt = match &tools {
+                    Some(t) if w.system_prompt.is_empty() => t.system_text(),
+                    Some(t) => format!("{}\n\n{}", w.system_prompt, t.system_text()),
+                    None => w.system_prompt.clone(),
+                };
                 let widget = Widget {
                     tenant: i,
                     origins: w
@@ -294,8 +308,8 @@ impl Tenants {
                         .iter()
                         .filter_map(|o| normalize_origin(o))
                         .collect(),
-                    system_prompt: (!w.system_prompt.is_empty())
-                        .then(|| Arc::from(w.system_prompt.as_str())),
+                    system_prompt: (!prompt.is_empty()).then(|| Arc::from(prompt.as_str())),
+                    tools: tools.map(Arc::new),
                 };
                 if t.widgets.insert(w.id.clone(), widget).is_some() {
                     return Err(bad(
@@ -430,6 +444,7 @@ impl Tenants {
             key_salt: None,
             system_prompt: w.system_prompt.clone(),
             roles: t.widget_roles,
+            tools: w.tools.clone(),
         })
     }
 
@@ -472,6 +487,7 @@ impl Tenants {
             key_salt: Some(salt),
             system_prompt,
             roles: t.key_roles,
+            tools: None,
         })
     }
 
@@ -492,8 +508,53 @@ impl Tenants {
             key_salt: None,
             system_prompt: None,
             roles: Roles::ALL,
+            tools: None,
         }
     }
+}
+
+/// Most bytes of JSON a widget's tools may take (operator text, but each is compiled into a
+/// grammar: llguidance's fuel bounds the rest).
+const MAX_WIDGET_TOOLS_BYTES: usize = 65536;
+
+/// A widget's declared tools, checked as a client's would be (`Tools::parse`), one call per
+/// reply; the failing key and why.
+fn widget_tools(w: &WidgetSettings) -> std::result::Result<Option<Tools>, (String, String)> {
+    if w.tools.is_empty() {
+        return match &w.tool_choice {
+            None => Ok(None),
+            Some(_) => Err(("tool_choice".into(), "needs `tools`".into())),
+        };
+    }
+    let list: Vec<serde_json::Value> = (w.tools.iter())
+        .map(|t| {
+            serde_json::json!({"type": "function", "name": t.name, "description": t.description,
+                "parameters": t.parameters})
+        })
+        .collect();
+    let choice = match w.tool_choice.as_deref() {
+        None | Some("auto") => None,
+        Some("required") => Some(serde_json::json!("required")),
+        Some(other) => {
+            return Err((
+                "tool_choice".into(),
+                format!("\"auto\" or \"required\", not {other:?}"),
+            ))
+        }
+    };
+    Tools::parse(
+        Some(&list),
+        choice.as_ref(),
+        Some(false),
+        MAX_WIDGET_TOOLS_BYTES,
+        Shape::Flat,
+    )
+    .map_err(|e| match e {
+        RequestError::InvalidParam { field, reason } => {
+            (field.name(crate::server::request::Dialect::OpenAi), reason)
+        }
+        other => ("tools".into(), other.to_string()),
+    })
 }
 
 /// An id the operator or a client names things by: 1 to 64 of `A-Z a-z 0-9 _ -`.
@@ -517,6 +578,7 @@ mod tests {
                 id: "acme-help".into(),
                 origins: vec!["https://shop.acme.test".into()],
                 system_prompt: "Be kind.".into(),
+                ..Default::default()
             }],
             prefixes: vec![PrefixSettings {
                 name: "support".into(),
@@ -603,6 +665,43 @@ mod tests {
     }
 
     #[test]
+    fn a_widgets_tools_are_checked_and_described_in_its_operator_text() {
+        use crate::settings::ToolSettings;
+        let tenant = |tools: Vec<ToolSettings>, choice: Option<&str>| TenantSettings {
+            name: "acme".into(),
+            widgets: vec![WidgetSettings {
+                id: "help".into(),
+                origins: vec!["https://shop.acme.test".into()],
+                system_prompt: "Be kind.".into(),
+                tools,
+                tool_choice: choice.map(String::from),
+            }],
+            ..Default::default()
+        };
+        let tool = |name: &str| ToolSettings {
+            name: name.into(),
+            description: "Looks up an order.".into(),
+            parameters: Some(serde_json::json!({"type": "object"})),
+        };
+        let t = Tenants::new(&[tenant(vec![tool("order_status")], None)]).unwrap();
+        let w = t.widget("help", Some("https://shop.acme.test")).unwrap();
+        let tools = w.tools.as_ref().expect("the widget's tools");
+        assert!(tools.active() && !tools.parallel);
+        let prompt = w.system_prompt.as_deref().unwrap();
+        assert!(prompt.starts_with("Be kind.\n\nYou can call these functions:"));
+        assert!(prompt.contains("order_status"));
+        let e = |ten| Tenants::new(&[ten]).unwrap_err().to_string();
+        let s = e(tenant(vec![tool("bad name")], None));
+        assert!(s.contains("tenants[0].widgets[0].tools[0].name"), "{s}");
+        let s = e(tenant(vec![tool("a"), tool("a")], None));
+        assert!(s.contains("declared twice"), "{s}");
+        let s = e(tenant(vec![tool("a")], Some("always")));
+        assert!(s.contains("tenants[0].widgets[0].tool_choice"), "{s}");
+        let s = e(tenant(vec![], Some("required")));
+        assert!(s.contains("needs `tools`"), "{s}");
+    }
+
+    #[test]
     fn principals_get_their_own_partitions() {
         let t = acme(None);
         let s1 = uuid::Uuid::new_v4();
@@ -672,6 +771,7 @@ mod tests {
                 id: "w".into(),
                 origins: vec!["https://a.test/path".into()],
                 system_prompt: String::new(),
+                ..Default::default()
             }],
             ..Default::default()
         });

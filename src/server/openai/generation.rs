@@ -12,7 +12,7 @@ pub(super) struct Meta {
     pub(super) shape: Shape,
     pub(super) include_usage: bool,
     /// The functions the reply may call: its text is parsed into `tool_calls`.
-    pub(super) tools: Option<Tools>,
+    pub(super) tools: Option<std::sync::Arc<Tools>>,
 }
 
 /// One choice's progress: its reply stream (text, stop strings, log-probabilities held with their

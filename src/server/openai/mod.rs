@@ -572,7 +572,7 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         fingerprint: fingerprint(&ready),
         shape,
         include_usage: api.include_usage,
-        tools: api.tools.clone(),
+        tools: api.chat.tools.clone(),
     };
     if api.stream {
         let stream =

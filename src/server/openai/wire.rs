@@ -138,8 +138,6 @@ pub struct ValidApi {
     pub logprobs: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
-    /// The functions the reply may call (with a choice other than `none`).
-    pub tools: Option<Tools>,
 }
 
 /// A field only OpenAI's API has, and what is wrong with it.
@@ -239,7 +237,6 @@ impl CommonFields {
             include_usage: (self.stream_options.as_ref())
                 .and_then(|o| o.include_usage)
                 .unwrap_or(false),
-            tools: None,
         })
     }
 }
@@ -313,8 +310,7 @@ impl ChatRequest {
             default_max_tokens,
         )?;
         if let Some(t) = tools {
-            t.apply(&mut api.chat);
-            api.tools = Some(t).filter(Tools::active);
+            std::sync::Arc::new(t).apply(&mut api.chat);
         }
         Ok(api)
     }

@@ -65,6 +65,9 @@ pub struct Limits {
     pub max_stop_chars: usize,
     pub max_schema_bytes: usize,
     pub max_id_chars: usize,
+    /// Seconds a `tool_call` waits for its `tool_result`; calls one turn may make.
+    pub tool_timeout_s: u64,
+    pub max_tool_calls: usize,
     /// Text frames a session may send a second on average, and at once.
     pub frames_per_s: f64,
     pub frame_burst: u32,
@@ -87,6 +90,8 @@ impl Limits {
             max_stop_chars: 16,
             max_schema_bytes: 4096,
             max_id_chars: 64,
+            tool_timeout_s: 30,
+            max_tool_calls: 4,
             frames_per_s: 10.0,
             frame_burst: 20,
             rejected_frames_per_s: 1.0,
@@ -110,6 +115,9 @@ pub struct ValidRequest {
     pub window: Option<usize>,
     /// Checked for size, compiled where the prompt is built (`prompt::chat_prompt`).
     pub format: ResponseFormat,
+    /// Functions the reply may call (`format` is then their grammar): the reply's text is
+    /// parsed into calls as it streams (`tools::CallParser`).
+    pub tools: Option<std::sync::Arc<tools::Tools>>,
 }
 
 /// The token ids to run, the blocks they may share, and the compiled grammar of the request's
@@ -187,6 +195,7 @@ impl Limits {
             cache_key: p.cache_key,
             priority,
             window: p.window,
+            tools: None,
         })
     }
 

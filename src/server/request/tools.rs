@@ -10,6 +10,8 @@
 //! grammar lets the reply be either text that does not start with `{` or calls (the pattern of
 //! llguidance's own tool-calling example), so a plain answer stays free.
 
+use std::sync::Arc;
+
 use serde_json::{json, Value};
 
 use crate::engine::constraint::ResponseFormat;
@@ -23,7 +25,7 @@ pub const MAX_TOOLS: usize = 64;
 pub const MAX_TOOL_NAME_CHARS: usize = 64;
 
 /// A declared function.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tool {
     pub name: String,
     pub description: String,
@@ -32,7 +34,7 @@ pub struct Tool {
 }
 
 /// Whether and which function the model must call.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolChoice {
     /// Never: the functions are not offered.
     None,
@@ -45,7 +47,7 @@ pub enum ToolChoice {
 }
 
 /// The functions of a request and how they may be called.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tools {
     pub tools: Vec<Tool>,
     pub choice: ToolChoice,
@@ -209,7 +211,7 @@ impl Tools {
     /// when the reply may call them (`active`), the grammar that makes every call valid. With
     /// `none` the functions are still described, so the conversation's prefix stays the one
     /// its other turns cached.
-    pub fn apply(&self, chat: &mut ValidRequest) {
+    pub fn apply(self: &Arc<Self>, chat: &mut ValidRequest) {
         if self.tools.is_empty() {
             return;
         }
@@ -220,8 +222,16 @@ impl Tools {
             }
             _ => chat.messages.insert(0, Message::new("system", &text)),
         }
+        self.constrain(chat);
+    }
+
+    /// Makes the reply able to call these functions (when `active`), already described to the
+    /// model (`apply`, or a widget's operator text): their grammar, and the reply parsed into
+    /// calls.
+    pub fn constrain(self: &Arc<Self>, chat: &mut ValidRequest) {
         if self.active() {
             chat.format = self.format();
+            chat.tools = Some(self.clone());
         }
     }
 

@@ -27,6 +27,8 @@ pub struct View<'a> {
     pub last_reply: Option<&'a str>,
     /// A turn whose prompt is being built, not yet submitted.
     pub preparing: bool,
+    /// The call a reply waits on (`running` names that reply meanwhile): its `call_id`.
+    pub tool_call: Option<&'a str>,
 }
 
 /// The reply in flight, as the dispatch needs it.
@@ -67,6 +69,8 @@ pub enum Action {
     Cancel { heard: Option<usize> },
     /// Take this transcript as the conversation (checked: limits, roles, seals).
     Restore(Vec<Message>),
+    /// The waiting call's result (its content as text): the reply goes on from it.
+    ToolResult(String),
     /// Forget the conversation and its KV lease.
     Reset,
     /// Nothing to do (an `ack` for a reply that just ended).
@@ -214,6 +218,26 @@ pub fn handle(frame: ClientFrame, view: &View) -> Result<Action, Refused> {
                 ends_draft: false,
             })
         }
+        ClientFrame::ToolResult { call_id, content } => {
+            if view.tool_call != Some(call_id.as_str()) {
+                let e = RequestError::invalid(
+                    Field::Wire("call_id".into()),
+                    match view.tool_call {
+                        Some(c) => format!("is {call_id:?}; the call waiting is {c:?}"),
+                        None => format!("is {call_id:?}; no call is waiting for a result"),
+                    },
+                );
+                return Err(Refused::new(running.map(|r| r.id), e));
+            }
+            let content = match content {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            (view.limits)
+                .check_message_chars(Field::Wire("content".into()), &content)
+                .map_err(|e| Refused::new(running.map(|r| r.id), e))?;
+            Ok(Action::ToolResult(content))
+        }
         ClientFrame::Restore { messages } => restore(messages, view).map(Action::Restore),
         ClientFrame::Reset => match running {
             Some(r) => Err(Refused::new(None, RequestError::Busy(r.id.into()))),
@@ -287,6 +311,7 @@ mod tests {
         running: Option<(String, usize, bool)>,
         last_reply: Option<String>,
         preparing: bool,
+        tool_call: Option<String>,
     }
 
     impl Session {
@@ -298,6 +323,7 @@ mod tests {
                 running: None,
                 last_reply: None,
                 preparing: false,
+                tool_call: None,
             }
         }
 
@@ -320,6 +346,7 @@ mod tests {
                 }),
                 last_reply: self.last_reply.as_deref(),
                 preparing: self.preparing,
+                tool_call: self.tool_call.as_deref(),
             };
             handle(parse(frame).map_err(|e| Refused::new(None, e))?, &view)
         }
@@ -328,6 +355,41 @@ mod tests {
     fn refused(r: Result<Action, Refused>) -> (Option<String>, String) {
         let e = r.expect_err("refused");
         (e.id, e.error.to_string())
+    }
+
+    #[test]
+    fn a_tool_result_answers_only_the_call_waiting_within_the_message_limit() {
+        let mut s = Session::new();
+        let frame = |c: &str, content: &str| {
+            format!(r#"{{"type":"tool_result","call_id":"{c}","content":{content}}}"#)
+        };
+        let (_, msg) = refused(s.handle(&frame("call_1", r#""ok""#)));
+        assert!(
+            msg.contains("`call_id`") && msg.contains("no call is waiting"),
+            "{msg}"
+        );
+        s.running = Some(("q1".into(), 0, false));
+        s.tool_call = Some("call_1".into());
+        let (id, msg) = refused(s.handle(&frame("call_2", r#""ok""#)));
+        assert_eq!(id.as_deref(), Some("q1"));
+        assert!(msg.contains("\"call_1\""), "{msg}");
+        assert_eq!(
+            s.handle(&frame("call_1", r#""shipped""#)).unwrap(),
+            Action::ToolResult("shipped".into())
+        );
+        // Any JSON is read as its text.
+        assert_eq!(
+            s.handle(&frame("call_1", r#"{"eta":"Friday"}"#)).unwrap(),
+            Action::ToolResult(r#"{"eta":"Friday"}"#.into())
+        );
+        let long = format!("\"{}\"", "x".repeat(101));
+        let (_, msg) = refused(s.handle(&frame("call_1", &long)));
+        assert!(msg.contains("`content`"), "{msg}");
+        // The waiting reply is the one a cancel names, and it makes a chat wait its turn.
+        assert_eq!(
+            s.handle(r#"{"type":"cancel","id":"q1"}"#).unwrap(),
+            Action::Cancel { heard: None }
+        );
     }
 
     #[test]

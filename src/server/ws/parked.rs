@@ -39,6 +39,23 @@ pub struct ParkedReply {
     /// shown), with the last delta heard, if it said.
     pub cancelled_at: Option<usize>,
     pub heard: Option<usize>,
+    /// A reply that may call the widget's functions: its turn's request and the calls the turn
+    /// made before it.
+    pub calling: Option<(Box<crate::server::request::ValidRequest>, usize)>,
+}
+
+/// A reply that called one of the widget's functions, waiting for the client's `tool_result`.
+#[derive(Debug, Clone)]
+pub struct ToolWait {
+    pub client_id: String,
+    pub call_id: String,
+    pub name: String,
+    /// The turn's request: the reply goes on with it.
+    pub chat: Box<crate::server::request::ValidRequest>,
+    /// Calls the turn has made, this one included.
+    pub made: usize,
+    /// When the model is told the function did not answer.
+    pub deadline: Instant,
 }
 
 /// The last reply that ended, as it was sent: a client whose connection dropped before it read
@@ -64,6 +81,8 @@ pub struct ParkedSession {
     /// running reply counts as a connection until it is resumed or expires.
     pub permit: Option<crate::server::gate::admission::Permit>,
     pub expires: Instant,
+    /// A call waiting for its result.
+    pub tool_wait: Option<ToolWait>,
 }
 
 /// Tells a live session that a new connection resumes it: it parks and closes its connection.
@@ -199,6 +218,7 @@ mod tests {
             preparing: None,
             permit: None,
             expires,
+            tool_wait: None,
         }
     }
 

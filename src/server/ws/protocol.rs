@@ -67,6 +67,12 @@ pub enum ClientFrame {
         id: String,
         index: usize,
     },
+    /// The result of the function a `tool_call` asked for (text, or any JSON, which the model
+    /// reads as its text): the reply goes on from it.
+    ToolResult {
+        call_id: String,
+        content: serde_json::Value,
+    },
     Reset,
 }
 
@@ -123,6 +129,15 @@ pub enum ServerFrame {
         /// of it): keep it with the reply to `restore` the conversation elsewhere.
         #[serde(skip_serializing_if = "Option::is_none")]
         seal: Option<String>,
+    },
+    /// Reply `id` calls a function of the widget's: the client runs it and answers with a
+    /// `tool_result` for `call_id`; the reply then goes on (the same `id`: `started`, deltas from
+    /// index 0, `done`).
+    ToolCall {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: serde_json::Value,
     },
     /// A `restore` rebuilt the conversation: `messages` messages.
     Restored { messages: usize },

@@ -2,6 +2,7 @@
 //! and the rules every dialect shares: `request::stream`) and the deltas sent, what the user
 //! heard, and a paced reply's window.
 
+use crate::server::request::tools::{CallParser, Piece};
 use crate::server::ws::session::*;
 
 /// The request in flight.
@@ -29,6 +30,51 @@ pub(super) struct Current {
     pub(super) window: Option<usize>,
     pub(super) acked: Option<usize>,
     pub(super) allowed: usize,
+    /// A reply that may call the widget's functions (`session::tools`).
+    pub(super) calling: Option<Calling>,
+}
+
+/// A reply that may call the widget's functions: its text split into text and a call as it
+/// streams, and what the turn goes on with.
+pub(super) struct Calling {
+    pub(super) parser: CallParser,
+    /// The call so far: its function's name and arguments (JSON text).
+    pub(super) call: Option<(String, String)>,
+    pub(super) chat: Box<ValidRequest>,
+    /// Calls the turn made before this reply.
+    pub(super) made: usize,
+}
+
+impl Calling {
+    /// For `chat`, whose reply may call its tools (`None` when it may not).
+    pub(super) fn new(chat: &ValidRequest, made: usize) -> Option<Calling> {
+        let tools = chat.tools.as_ref()?;
+        Some(Calling {
+            parser: CallParser::new(tools),
+            call: None,
+            chat: Box::new(chat.clone()),
+            made,
+        })
+    }
+
+    /// The text of `text` (the next part of the reply) to send as a delta; a call's is kept.
+    pub(super) fn text(&mut self, text: &str) -> String {
+        let mut plain = String::new();
+        for piece in self.parser.feed(text) {
+            match piece {
+                Piece::Text(t) => plain.push_str(&t),
+                // One call per reply (the widget's tools are not parallel).
+                Piece::CallStart { index: 0, name } => self.call = Some((name, String::new())),
+                Piece::Arguments { index: 0, text } => {
+                    if let Some(c) = &mut self.call {
+                        c.1.push_str(&text);
+                    }
+                }
+                Piece::CallStart { .. } | Piece::Arguments { .. } => {}
+            }
+        }
+        plain
+    }
 }
 
 impl Current {
@@ -53,6 +99,7 @@ impl Current {
             window: None,
             acked: None,
             allowed: 0,
+            calling: None,
         }
     }
 

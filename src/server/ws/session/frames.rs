@@ -2,6 +2,7 @@
 //! starts: a turn is validated by the request seam, its prompt built on the blocking pool, then
 //! submitted; a draft is prefilled the same way.
 
+use crate::engine::constraint::ResponseFormat;
 use crate::server::ws::session::*;
 
 impl Session {
@@ -29,13 +30,20 @@ impl Session {
             roles: self.identity.roles,
             seal_verifies: &seal_verifies,
             conversation: &self.conversation,
-            running: self.current.as_ref().map(|c| dispatch::Running {
+            // A reply waiting for its call's result is still the reply in flight.
+            running: (self.current.as_ref().map(|c| dispatch::Running {
                 id: &c.client_id,
                 deltas: c.delta_ends.len(),
                 paced: c.window.is_some(),
-            }),
+            }))
+            .or(self.tool_wait.as_ref().map(|w| dispatch::Running {
+                id: &w.client_id,
+                deltas: 0,
+                paced: false,
+            })),
             last_reply: self.last.as_ref().map(|l| l.client_id.as_str()),
             preparing: self.preparing.is_some(),
+            tool_call: self.tool_wait.as_ref().map(|w| w.call_id.as_str()),
         };
         let action = match dispatch::handle(frame, &view) {
             Ok(a) => a,
@@ -66,11 +74,20 @@ impl Session {
                 if ends_draft {
                     self.pending_draft = None;
                 }
+                self.turn_calls = 0;
                 self.validated_turn(id, messages, *params, None, replace_from, ctx);
             }
             Action::Cancel { heard } => {
                 if let Some(cancel) = self.current.as_mut().and_then(|c| c.cancel(heard)) {
                     self.ready.batcher.do_send(cancel);
+                }
+                if self.current.is_none() {
+                    self.cancel_call(ctx);
+                }
+            }
+            Action::ToolResult(content) => {
+                if let Some(call_id) = self.tool_wait.as_ref().map(|w| w.call_id.clone()) {
+                    self.tool_answered(&call_id, content, ctx);
                 }
             }
             Action::Restore(messages) => {
@@ -153,7 +170,14 @@ impl Session {
         ) {
             Ok(mut chat) => {
                 if let Some(t) = tools {
-                    t.apply(&mut chat);
+                    std::sync::Arc::new(t).apply(&mut chat);
+                }
+                // A widget's functions (described in its operator text) may be called, unless
+                // the client asked for another format.
+                if let Some(t) = &self.identity.tools {
+                    if chat.format == ResponseFormat::Text && self.realtime.is_none() {
+                        t.constrain(&mut chat);
+                    }
                 }
                 self.start_chat(chat, replace_from, ctx)
             }
@@ -167,8 +191,10 @@ impl Session {
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
-        if let Some(c) = &self.current {
-            let busy = RequestError::Busy(c.client_id.clone());
+        let running = (self.current.as_ref().map(|c| &c.client_id))
+            .or(self.tool_wait.as_ref().map(|w| &w.client_id));
+        if let Some(id) = running {
+            let busy = RequestError::Busy(id.clone());
             return self.error(ctx, Some(chat.id), busy);
         }
         let mut chat = chat;
@@ -237,16 +263,19 @@ impl Session {
                 self.reply_to(ctx),
             )
         };
-        self.current = Some(
-            Current::new(
-                chat.id.clone(),
-                request,
-                replace_from,
-                chat.messages,
-                chat.stop,
-            )
-            .paced(chat.window),
-        );
+        let mut current = Current::new(
+            chat.id.clone(),
+            request,
+            replace_from,
+            chat.messages.clone(),
+            chat.stop.clone(),
+        )
+        .paced(chat.window);
+        // The Realtime dialect splits calls out of the text itself.
+        if self.realtime.is_none() {
+            current.calling = current::Calling::new(&chat, self.turn_calls);
+        }
+        self.current = Some(current);
         let id = chat.id;
         self.ready
             .batcher
@@ -303,6 +332,11 @@ impl Session {
     /// Sends `text` as the next delta.
     pub(super) fn forward(&mut self, ctx: &mut ws::WebsocketContext<Self>, text: String) {
         let Some(c) = &mut self.current else { return };
+        // A call of the widget's functions is no delta: it goes out as `tool_call`.
+        let text = match &mut c.calling {
+            Some(k) => k.text(&text),
+            None => text,
+        };
         if !text.is_empty() {
             let index = c.delta_ends.len();
             let frame = ServerFrame::Delta {

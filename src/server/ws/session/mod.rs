@@ -47,6 +47,7 @@ mod current;
 mod frames;
 mod realtime_socket;
 mod resume;
+mod tools;
 
 use current::Current;
 
@@ -92,6 +93,10 @@ pub struct Session {
     /// A `/v1/realtime` connection: the Realtime API's events instead of this protocol's frames
     /// (`realtime`). A cell because frames are sent through `&self`.
     realtime: Option<std::cell::RefCell<crate::server::realtime::Realtime>>,
+    /// A reply that called one of the widget's functions, waiting for its result (`tools`).
+    tool_wait: Option<crate::server::ws::parked::ToolWait>,
+    /// Function calls the turn being answered has made.
+    turn_calls: usize,
 }
 
 impl Session {
@@ -143,6 +148,8 @@ impl Session {
             pending_draft: None,
             conversation_id: None,
             realtime: None,
+            tool_wait: None,
+            turn_calls: 0,
         };
         match place {
             Place::Permit(p) => session.permit = Some(p),
@@ -421,6 +428,7 @@ impl Session {
         if !self.state.draining()
             || self.current.is_some()
             || self.preparing.is_some()
+            || self.tool_wait.is_some()
             || self.closed_for_policy
         {
             return;
@@ -501,13 +509,20 @@ impl Session {
                     ttft_ms = timings.ttft_ms, decode_tok_s = timings.decode_tokens_per_s, "request done"
                 );
                 let reply = Message::new("assistant", c.recorded_text());
-                let seal = (self.state.sealer).seal(&self.identity.seal_scope(), &reply.content);
-                let done = ServerFrame::Done {
-                    id: c.client_id.clone(),
-                    finish_reason: reason,
-                    usage,
-                    timings,
-                    seal: Some(seal),
+                // A call of the widget's functions: the reply waits for its result.
+                let done = match self.on_call(&c, reason, ctx) {
+                    Some(call) => call,
+                    None => {
+                        let seal =
+                            (self.state.sealer).seal(&self.identity.seal_scope(), &reply.content);
+                        ServerFrame::Done {
+                            id: c.client_id.clone(),
+                            finish_reason: reason,
+                            usage,
+                            timings,
+                            seal: Some(seal),
+                        }
+                    }
                 };
                 self.send(ctx, &done);
                 self.last = Some(LastReply {

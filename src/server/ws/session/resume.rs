@@ -29,6 +29,7 @@ impl Session {
             window: c.window,
             cancelled_at: c.cancelled_at,
             heard: c.heard,
+            calling: c.calling.map(|k| (k.chat, k.made)),
         });
         let request = reply.as_ref().map(|r| r.request);
         // A running reply keeps its place under the connection caps while parked (one client
@@ -48,6 +49,7 @@ impl Session {
             preparing: self.preparing.take(),
             permit,
             expires: now + grace,
+            tool_wait: self.tool_wait.take(),
         };
         if !self.state.parked.park(self.token.clone(), parked, now) {
             tracing::info!(session = %self.id, "too many parked sessions; this one ends");
@@ -196,6 +198,13 @@ impl Session {
         self.id = p.id;
         self.conversation = p.conversation;
         self.last = p.last;
+        // A call still waiting: its timeout runs on this connection.
+        if let Some(w) = p.tool_wait {
+            let left = w.deadline.saturating_duration_since(Instant::now());
+            self.time_out_call(w.call_id.clone(), left, ctx);
+            self.turn_calls = w.made;
+            self.tool_wait = Some(w);
+        }
         let reply = p.reply;
         let preparing = p.preparing;
         let resume = Resume {
@@ -256,6 +265,10 @@ impl Session {
             r.stop,
         )
         .paced(r.window);
+        if let Some((chat, made)) = &r.calling {
+            c.calling = current::Calling::new(chat, *made);
+            self.turn_calls = *made;
+        }
         c.skip = if id.as_deref() == Some(c.client_id.as_str()) {
             after_index
         } else {
