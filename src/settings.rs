@@ -504,8 +504,9 @@ pub struct WidgetSettings {
     /// (docs/widget.md): described after `system_prompt`, called with `tool_call` frames.
     #[serde(default)]
     pub tools: Vec<ToolSettings>,
-    /// `auto` (the model calls when it needs to, the default) or `required` (every reply starts
-    /// with a call, up to `limits.max_tool_calls` a turn).
+    /// `auto` (the model calls when it needs to, the default) or `required` (a turn's first
+    /// reply is a call; after its result the model may answer). A turn makes at most
+    /// `limits.max_tool_calls` calls; the reply after the last must be text.
     #[serde(default)]
     pub tool_choice: Option<String>,
 }

@@ -22,6 +22,17 @@
   // `draft` (type-ahead prefill: the reply to it starts sooner).
   var DRAFT_MS = 500;
 
+  /** The host page's handlers of the widget's functions (`LlamaRelay.onToolCall`), by name. */
+  var toolHandlers = {};
+
+  /** Registers the host page's handler of function `name`: called with the call's arguments (an
+   * object), it returns (or resolves to) the result the model reads: a string, or anything
+   * JSON can write. A handler that throws gives the model "error: <message>". */
+  function onToolCall(name, handler) {
+    if (typeof handler !== "function") { throw new TypeError("onToolCall(name, handler): handler must be a function"); }
+    toolHandlers[String(name)] = handler;
+  }
+
   /** The one rendering function for user and model text: inert text, never markup. */
   function renderText(el, text) {
     el.textContent = text;
@@ -276,6 +287,8 @@
         this.pendingResume = null;
         break;
       case "restored":
+        // The restored conversation holds the turns' questions and replies only.
+        for (var r = 0; r < this.transcript.length; r++) { this.transcript[r].calls = 0; }
         if (this.carry) {
           var again = this.carry.reask;
           this.carry = null;
@@ -305,6 +318,9 @@
           this.els.log.scrollTop = this.els.log.scrollHeight;
         }
         break;
+      case "tool_call":
+        if (mine) { this.runTool(c, f); }
+        break;
       case "done":
         if (mine) { this.finish(f); }
         break;
@@ -319,6 +335,34 @@
         this.bubble("error", (f.error_type || "error") + ": " + (f.message || ""));
         break;
     }
+  };
+
+  /** The reply calls a function of the host page's: its handler runs, its result goes back as a
+   * `tool_result`, and the reply goes on (deltas from index 0 again). */
+  Conversation.prototype.runTool = function (c, f) {
+    var self = this;
+    c.called = c.called || {};
+    if (c.called[f.call_id]) { return; }  // replayed after a resume: already answered
+    c.called[f.call_id] = true;
+    c.calls = (c.calls || []).concat([f.name]);
+    c.lastIndex = -1;
+    renderText(c.stats, "calling " + f.name + "…");
+    var handler = toolHandlers[f.name];
+    var run = handler
+      ? new Promise(function (resolve) { resolve(handler(f.arguments || {})); })
+      : Promise.reject(new Error("this page has no handler for " + f.name));
+    run.then(function (result) {
+      if (typeof result === "string") { return result; }
+      return JSON.stringify(result === undefined ? null : result);
+    }).catch(function (err) {
+      return "error: " + (err && err.message ? err.message : String(err));
+    }).then(function (content) {
+      var max = self.limits.max_message_chars || 32768;
+      if (content.length > max) { content = content.slice(0, max); }
+      if (self.current === c && self.isOpen()) {
+        self.ws.send(JSON.stringify({ type: "tool_result", call_id: f.call_id, content: content }));
+      }
+    });
   };
 
   Conversation.prototype.finish = function (done, reason) {
@@ -336,6 +380,7 @@
     var t = done.timings || {}, u = done.usage || {};
     var parts = ["TTFT " + Math.round(t.ttft_ms || 0) + " ms", (t.decode_tokens_per_s || 0).toFixed(1) + " tok/s",
       (u.cached_tokens || 0) + " cached tokens"];
+    if (c.calls && c.calls.length) { parts.push("called " + c.calls.join(", ")); }
     if (done.finish_reason !== "stop") { parts.push("finished: " + done.finish_reason); }
     renderText(c.stats, parts.join(" · "));
     this.els.log.scrollTop = this.els.log.scrollHeight;
@@ -373,7 +418,7 @@
       userDiv: u.div, userText: text, kind: edit ? "edit" : "chat", turn: edit ? edit.turn : this.turns.length,
       removed: removed, lastIndex: -1 };
     var frame = { type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] };
-    if (edit) { frame.type = "edit"; frame.turn = edit.turn; }
+    if (edit) { frame.type = "edit"; frame.turn = this.serverTurn(edit.turn); }
     clearTimeout(this.draftTimer);
     this.draftTimer = null;
     this.draftSent = "";
@@ -425,7 +470,9 @@
   Conversation.prototype.recordTurn = function (c, done) {
     var self = this;
     // What the server recorded: the text shown (after Stop, the deltas through heard_index).
-    var turn = { user: c.userText, reply: c.text, seal: done.seal };
+    // `calls`: the function results the server's conversation holds for this turn (each a
+    // user message there, which an edit's turn number counts).
+    var turn = { user: c.userText, reply: c.text, seal: done.seal, calls: (c.calls || []).length };
     if (c.kind === "regenerate") {
       if (this.transcript.length) {
         turn.user = this.transcript[this.transcript.length - 1].user;
@@ -459,6 +506,14 @@
     b.addEventListener("click", function () { self.regenerate(); });
     r.actions.appendChild(b);
     r.div.appendChild(r.actions);
+  };
+
+  /** The server's number of user turn `t` of the page: function results count as user turns
+   * there. */
+  Conversation.prototype.serverTurn = function (t) {
+    var n = t;
+    for (var i = 0; i < t && i < this.transcript.length; i++) { n += this.transcript[i].calls || 0; }
+    return n;
   };
 
   /** Puts a past user message in the input; sending replaces it and everything after it. */
@@ -671,6 +726,7 @@
     renderText: renderText,
     Conversation: Conversation,
     mountWidget: mountWidget,
+    onToolCall: onToolCall,
     widgets: widgets
   };
 

@@ -492,6 +492,42 @@ test("widget on an allowed origin opens, streams a reply, survives hostile host 
   await kvIdle();
 });
 
+test("a widget's function runs in the host page and its result reaches the reply", async () => {
+  const { page, context, errors } = await newPage();
+  await captureSockets(page);
+  await page.goto(ALLOWED + "tools");
+  await page.locator("llama-relay-widget .launcher").click();
+  await page.locator("llama-relay-widget .conn", { hasText: "connected" }).waitFor({ timeout: REPLY_MS });
+  await page.locator("llama-relay-widget textarea").fill("Where is my order A-1234?");
+  await page.locator("llama-relay-widget textarea").press("Enter");
+  const reply = await watchReply(page, "llama-relay-widget");
+  assert.match(reply.stats, /^TTFT \d+ ms.*called order_status/, reply.stats);
+  assert.ok(reply.text.trim().length > 0, "the reply goes on after the call");
+  assert.ok(!reply.text.includes('"arguments"'), `the call's JSON is not shown: ${reply.text}`);
+  // The handler ran with arguments valid for the schema.
+  const calls = await page.evaluate(() => window.__toolCalls);
+  assert.equal(calls.length, 1);
+  assert.equal(typeof calls[0].order, "string");
+  assert.ok(calls[0].order.length <= 12);
+  assert.deepEqual(Object.keys(calls[0]), ["order"]);
+  // Its result went back, and the reply went on with it in its prompt (and the rest cached).
+  const out = await page.evaluate(() => window.__out);
+  const result = out.find((f) => f.type === "tool_result");
+  assert.ok(result && /Parcelwise/.test(result.content), JSON.stringify(out));
+  const frames = await page.evaluate(() => window.__in);
+  const call = frames.find((f) => f.type === "tool_call");
+  assert.equal(call.name, "order_status");
+  assert.equal(call.call_id, result.call_id);
+  const started = frames.filter((f) => f.type === "started" && f.id === call.id);
+  assert.equal(started.length, 2, JSON.stringify(frames.map((f) => f.type)));
+  assert.ok(started[1].prompt_tokens > started[0].prompt_tokens + 10, JSON.stringify(started));
+  assert.ok(started[1].cached_tokens >= started[0].prompt_tokens, JSON.stringify(started));
+  await page.screenshot({ path: path.join(ARTIFACTS, "widget-tool-call.png") });
+  assert.deepEqual(errors, []);
+  await context.close();
+  await kvIdle();
+});
+
 test("widget on an origin it does not allow cannot connect, and says so", async () => {
   const { page, context } = await newPage();
   await page.goto(BLOCKED);

@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 
 use actix_web::{web, App, HttpResponse, HttpServer};
 use llama_relay::server::gate::tenants::{TenantSettings, WidgetSettings};
+use llama_relay::settings::ToolSettings;
 
 use crate::common::model_lock;
 use crate::common::*;
@@ -21,17 +22,16 @@ const WIDGET_PROMPT: &str = "You are the support assistant of Acme, a shop that 
     tools. Answer customers briefly and politely. If you do not know an order's status, ask for \
     the order number.";
 
-/// Serves host.html on 127.0.0.1:0 with `{{RELAY}}` filled in once the relay is up.
+/// Serves host.html at `/` and host-tools.html at `/tools` on 127.0.0.1:0, with `{{RELAY}}`
+/// filled in once the relay is up.
 fn spawn_host_page(relay: Arc<OnceLock<String>>) -> u16 {
     let page = std::fs::read_to_string(root().join("tests/browser/host.html")).unwrap();
+    let tools = std::fs::read_to_string(root().join("tests/browser/host-tools.html")).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         actix_web::rt::System::new().block_on(async move {
             let server = HttpServer::new(move || {
-                let page = page.clone();
-                let relay = relay.clone();
-                App::new().route(
-                    "/",
+                let serve = |page: String, relay: Arc<OnceLock<String>>| {
                     web::get().to(move || {
                         let body = page.replace("{{RELAY}}", relay.get().expect("relay started"));
                         async move {
@@ -39,8 +39,11 @@ fn spawn_host_page(relay: Arc<OnceLock<String>>) -> u16 {
                                 .content_type("text/html; charset=utf-8")
                                 .body(body)
                         }
-                    }),
-                )
+                    })
+                };
+                App::new()
+                    .route("/", serve(page.clone(), relay.clone()))
+                    .route("/tools", serve(tools.clone(), relay.clone()))
             })
             .workers(1)
             .bind(("127.0.0.1", 0))
@@ -105,16 +108,36 @@ fn chat_page_and_widget_in_chromium() {
             s.tenants = vec![TenantSettings {
                 name: "acme".into(),
                 api_keys: vec![],
-                widgets: vec![WidgetSettings {
-                    id: "acme-help".into(),
-                    origins: vec![format!("http://allowed.test:{host_port}")],
-                    system_prompt: WIDGET_PROMPT.into(),
-                    ..Default::default()
-                }],
+                widgets: vec![
+                    WidgetSettings {
+                        id: "acme-help".into(),
+                        origins: vec![format!("http://allowed.test:{host_port}")],
+                        system_prompt: WIDGET_PROMPT.into(),
+                        ..Default::default()
+                    },
+                    // Its page runs `order_status`; every first reply of a turn calls it.
+                    WidgetSettings {
+                        id: "acme-orders".into(),
+                        origins: vec![format!("http://allowed.test:{host_port}")],
+                        system_prompt: WIDGET_PROMPT.into(),
+                        tools: vec![ToolSettings {
+                            name: "order_status".into(),
+                            description: "Looks up the status of an order by its number.".into(),
+                            parameters: Some(serde_json::json!({
+                                "type": "object",
+                                "properties": {"order": {"type": "string", "maxLength": 12}},
+                                "required": ["order"],
+                                "additionalProperties": false,
+                            })),
+                        }],
+                        tool_choice: Some("required".into()),
+                    },
+                ],
                 ..Default::default()
             }];
             // The chat page itself is served to keyless visitors beside the widget.
             s.server.allow_anonymous = Some(true);
+            s.limits.max_tool_calls = 1;
         },
     );
     relay.set(format!("http://{}", app.addr)).unwrap();
@@ -146,6 +169,7 @@ fn chat_page_and_widget_in_chromium() {
         "chat-midstream.png",
         "widget-open.png",
         "widget-midstream.png",
+        "widget-tool-call.png",
     ] {
         assert!(artifacts.join(shot).exists(), "missing screenshot {shot}");
     }

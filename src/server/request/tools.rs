@@ -306,6 +306,26 @@ impl Tools {
         }
     }
 
+    /// The grammar of a reply that may not call (a turn out of calls, whose model was told how
+    /// to write one): text that does not start with `{`, as `auto`'s text.
+    pub fn text_only() -> ResponseFormat {
+        ResponseFormat::Lark {
+            lark: "start: TEXT\nTEXT: /[^{](.|\\n)*/\n".into(),
+        }
+    }
+
+    /// The choice a reply takes after a call's result: a turn that had to call (`required`)
+    /// has, and may go on in text.
+    pub fn after_call(self: &Arc<Self>) -> Arc<Tools> {
+        match self.choice {
+            ToolChoice::Required => Arc::new(Tools {
+                choice: ToolChoice::Auto,
+                ..(**self).clone()
+            }),
+            _ => self.clone(),
+        }
+    }
+
     /// The text a call takes in the reply (what the model writes, so that a conversation that
     /// sends it back finds it cached).
     pub fn call_text(name: &str, arguments: &Value) -> String {

@@ -4,7 +4,6 @@
 //! turn of the conversation, so the KV of everything before it is reused. A turn makes at most
 //! `limits.max_tool_calls` calls; after them its reply must be text.
 
-use crate::engine::constraint::ResponseFormat;
 use crate::server::request::reply::FinishReason;
 use crate::server::request::tools::Tools;
 use crate::server::ws::parked::ToolWait;
@@ -74,9 +73,13 @@ impl Session {
         };
         let mut chat = *w.chat;
         chat.messages = vec![Tools::result_message(&w.name, &content)];
-        if w.made >= self.state.session.limits.max_tool_calls {
-            chat.format = ResponseFormat::Text;
-            chat.tools = None;
+        match chat.tools.take() {
+            // Out of calls: text (the model was told how to write a call; it may not now).
+            Some(_) if w.made >= self.state.session.limits.max_tool_calls => {
+                chat.format = Tools::text_only();
+            }
+            Some(t) => t.after_call().constrain(&mut chat),
+            None => {}
         }
         self.turn_calls = w.made;
         let from = self.conversation.len();
