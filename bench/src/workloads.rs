@@ -247,7 +247,8 @@ pub struct StructuredArgs {
     /// Concurrent users, one set of pairs each.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     pub users: Vec<usize>,
-    /// Runs with and without the schema per user count, alternating which goes first.
+    /// Rounds of runs per user count: free text, with the schema and with tools, each going first
+    /// in turn.
     #[arg(long, default_value_t = 2)]
     pub pairs: usize,
     /// Requests per run; 0 = 4 per user.
@@ -765,6 +766,37 @@ fn bench_schema() -> serde_json::Value {
     }}})
 }
 
+/// The tools of the structured workload, as the grammar a reply that must call one is held to
+/// (what `tools` with `tool_choice: "required"` makes of a request): two functions, one of them
+/// with a long text argument so that every call runs to `--max-tokens` as the free replies do.
+fn bench_tools() -> serde_json::Value {
+    use llama_relay::server::request::tools::{Tool, ToolChoice, Tools};
+    let tools = Tools {
+        tools: vec![
+            Tool {
+                name: "order_status".into(),
+                description: "Looks up an order by its number.".into(),
+                parameters: serde_json::json!({"type": "object",
+                    "properties": {"order": {"type": "string", "maxLength": 12}},
+                    "required": ["order"], "additionalProperties": false}),
+            },
+            Tool {
+                name: "open_ticket".into(),
+                description: "Opens a support ticket for a human.".into(),
+                parameters: serde_json::json!({"type": "object",
+                    "properties": {
+                        "category": {"enum": ["billing", "shipping", "returns", "other"]},
+                        "summary": {"type": "string", "minLength": 400},
+                    },
+                    "required": ["category", "summary"], "additionalProperties": false}),
+            },
+        ],
+        choice: ToolChoice::Required,
+        parallel: false,
+    };
+    serde_json::to_value(tools.format()).expect("a format serializes")
+}
+
 fn structured(
     mut settings: Settings,
     opts: EngineOptions,
@@ -778,19 +810,15 @@ fn structured(
         let metrics_url = load::completions_url(&url).replace("/v1/chat/completions", "/metrics");
         for &users in &a.users {
             for pair in 0..a.pairs {
-                let mut order = [None, Some(bench_schema())];
-                if pair % 2 == 1 {
-                    order.reverse();
-                }
-                for format in order {
-                    print!(
-                        "{:<10} ",
-                        if format.is_some() {
-                            "schema"
-                        } else {
-                            "free text"
-                        }
-                    );
+                // Each variant goes first in turn.
+                let mut order = [
+                    ("free text", None),
+                    ("schema", Some(bench_schema())),
+                    ("tools", Some(bench_tools())),
+                ];
+                order.rotate_left(pair % 3);
+                for (name, format) in order {
+                    print!("{name:<10} ");
                     let cfg = load::BenchConfig {
                         api: load::Api::WebSocket,
                         api_key: None,

@@ -487,6 +487,113 @@ mod tests {
         assert_eq!(row[EOT as usize], 1.0);
     }
 
+    /// The reference a mask is checked against, for a finite language (`words`): after `text`,
+    /// a token is allowed iff `text` and its bytes begin some word, and an end-of-turn id iff
+    /// `text` is a word; a control token never. Seeded walks compare every mask over the whole
+    /// vocabulary with it (equal where the model has a choice; where the grammar forces the next
+    /// text, llguidance allows only its canonical token, so there a subset), then take a random
+    /// allowed token.
+    #[test]
+    fn masks_match_a_reference_walk_of_finite_languages() {
+        use rand::{Rng, SeedableRng};
+        let (tok, g) = grammars();
+        let env = g.factory.as_ref().unwrap().tok_env().clone();
+        let trie = env.tok_trie();
+        let vocab = tok.vocab_size() as u32;
+        let mut ids = Vec::new();
+        for kind in ["order", "refund", "ticket"] {
+            for n in 0..100 {
+                ids.push(format!("{kind}-{n:02}"));
+            }
+        }
+        let enums = ["open", "pending", "closed", "on hold"];
+        let schema = ResponseFormat::JsonSchema {
+            json_schema: serde_json::from_value(
+                serde_json::json!({"name": "s", "schema": {"enum": enums}}),
+            )
+            .unwrap(),
+        };
+        let cases: Vec<(ResponseFormat, Vec<String>)> = vec![
+            (regex("(order|refund|ticket)-[0-9]{2}"), ids),
+            (schema, enums.iter().map(|e| format!("\"{e}\"")).collect()),
+            (
+                regex("a{1,3}b?"),
+                ["a", "aa", "aaa", "ab", "aab", "aaab"]
+                    .map(String::from)
+                    .to_vec(),
+            ),
+        ];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(35);
+        let (mut forced_states, mut free_states) = (0, 0);
+        for (format, words) in &cases {
+            let mut starts = std::collections::HashSet::new();
+            for w in words {
+                for i in 1..=w.len() {
+                    starts.insert(w.as_bytes()[..i].to_vec());
+                }
+            }
+            for walk in 0..4 {
+                let mut c = g.compile(format, walk).unwrap().unwrap();
+                let mut text = Vec::<u8>::new();
+                loop {
+                    let m = c.mask().unwrap();
+                    let done = words.iter().any(|w| w.as_bytes() == &text[..]);
+                    // The next byte is forced: every word that goes on from here has it.
+                    let next: std::collections::HashSet<u8> = (words.iter())
+                        .filter(|w| w.len() > text.len() && w.as_bytes().starts_with(&text))
+                        .map(|w| w.as_bytes()[text.len()])
+                        .collect();
+                    let forced = !done && next.len() == 1;
+                    forced_states += usize::from(forced);
+                    let mut allowed = Vec::new();
+                    for id in 0..vocab {
+                        let bytes = trie.token(id);
+                        let want = if id == EOT || id == END {
+                            done
+                        } else if bytes.first() == Some(&TokTrie::SPECIAL_TOKEN_MARKER)
+                            || bytes.is_empty()
+                        {
+                            false
+                        } else {
+                            starts.contains(&[&text[..], bytes].concat())
+                        };
+                        // Where the grammar forces text, llguidance allows only that text's
+                        // own first token (its fast-forward): a subset of the reference.
+                        let ok = if forced {
+                            !m.allows(id) || want
+                        } else {
+                            m.allows(id) == want
+                        };
+                        assert!(
+                            ok,
+                            "{format:?} after {:?}: token {id} {:?} allowed {}, reference {want}",
+                            String::from_utf8_lossy(&text),
+                            String::from_utf8_lossy(bytes),
+                            m.allows(id)
+                        );
+                        if m.allows(id) {
+                            allowed.push(id);
+                        }
+                    }
+                    assert!(!allowed.is_empty());
+                    free_states += usize::from(!forced);
+                    let t = allowed[rng.random_range(0..allowed.len())];
+                    if t == EOT || t == END {
+                        break;
+                    }
+                    c.accept(t).unwrap();
+                    text.extend_from_slice(trie.token(t));
+                }
+                assert!(words.iter().any(|w| w.as_bytes() == &text[..]));
+            }
+        }
+        // Both kinds of state were compared.
+        assert!(
+            forced_states > 0 && free_states > 10,
+            "{forced_states} {free_states}"
+        );
+    }
+
     #[test]
     fn json_schema_output_is_compact_and_valid() {
         let (tok, g) = grammars();
