@@ -531,6 +531,13 @@ pub struct ToolSettings {
 pub struct PrefixSettings {
     pub name: String,
     pub system_prompt: String,
+    /// Functions the `/ws` client that selects this prefix runs for the model (`tool_call`
+    /// frames), described after `system_prompt`, as a widget's `tools`.
+    #[serde(default)]
+    pub tools: Vec<ToolSettings>,
+    /// `auto` (the default) or `required`, as a widget's.
+    #[serde(default)]
+    pub tool_choice: Option<String>,
 }
 
 /// Which message roles each kind of client of a tenant may send.

@@ -83,6 +83,7 @@ fn a_shared_system_prompt_is_computed_once() {
                 prefixes: vec![PrefixSettings {
                     name: "support".into(),
                     system_prompt: sys,
+                    ..Default::default()
                 }],
                 ..Default::default()
             }];

@@ -33,6 +33,7 @@ fn tenants(s: &mut Settings) {
             prefixes: vec![PrefixSettings {
                 name: "support".into(),
                 system_prompt: "You answer Acme support questions.".into(),
+                ..Default::default()
             }],
             ..Default::default()
         },

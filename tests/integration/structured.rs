@@ -484,3 +484,65 @@ fn a_widget_calls_a_function_of_its_page_and_goes_on_from_the_result() {
         );
     });
 }
+
+/// A tenant's named prefix with functions: the API-key client that selects it (`/ws?prefix=`)
+/// gets `tool_call` frames and goes on from its `tool_result`, as a widget does.
+#[test]
+fn a_prefix_gives_its_api_key_clients_the_same_tools() {
+    use llama_relay::server::gate::tenants::{PrefixSettings, TenantSettings, ToolSettings};
+    let _g = model_lock();
+    let key = "acme-key-0123456789";
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.tenants = vec![TenantSettings {
+            name: "acme".into(),
+            api_keys: vec![key.into()],
+            prefixes: vec![PrefixSettings {
+                name: "orders".into(),
+                system_prompt: "You answer order questions.".into(),
+                tools: vec![ToolSettings {
+                    name: "order_status".into(),
+                    description: "Looks up an order.".into(),
+                    parameters: Some(json!({"type": "object",
+                        "properties": {"order": {"type": "string", "maxLength": 8}},
+                        "required": ["order"], "additionalProperties": false})),
+                }],
+                tool_choice: Some("required".into()),
+            }],
+            ..Default::default()
+        }];
+        s.limits.max_tool_calls = 1;
+    });
+    run(async {
+        let auth = format!("Bearer {key}");
+        let mut c = app
+            .connect_with("/ws?prefix=orders", &[("Authorization", auth.as_str())])
+            .await
+            .expect("the key connects");
+        c.chat(
+            "q1",
+            "Where is A-1?",
+            json!({"temperature": 0, "max_tokens": 48}),
+        )
+        .await;
+        let call = until_tool_call(&mut c, "q1").await;
+        assert_eq!(call["name"], "order_status");
+        c.send(json!({"type": "tool_result", "call_id": call["call_id"], "content": "shipped"}))
+            .await;
+        let r = c.reply("q1").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+        // Without the prefix, no tools: the reply is text.
+        let mut plain = app
+            .connect_with("/ws", &[("Authorization", auth.as_str())])
+            .await
+            .expect("the key connects");
+        plain
+            .chat(
+                "p1",
+                "Where is A-1?",
+                json!({"temperature": 0, "max_tokens": 8}),
+            )
+            .await;
+        let r = plain.reply("p1").await;
+        assert_eq!(r.done["type"], "done", "{:?}", r.done);
+    });
+}

@@ -27,7 +27,9 @@ use crate::server::gate::credentials::Refusal;
 use crate::server::gate::credentials::{bearer, normalize_origin, sha256};
 use crate::server::request::error::{Field, RequestError};
 use crate::server::request::tools::{Shape, Tools};
-pub use crate::settings::{ClientRoles, PrefixSettings, TenantSettings, WidgetSettings};
+pub use crate::settings::{
+    ClientRoles, PrefixSettings, TenantSettings, ToolSettings, WidgetSettings,
+};
 
 /// What kind of client a connection is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +138,9 @@ struct Tenant {
     name: String,
     salt: Salt,
     quota: Quota,
-    prefixes: HashMap<String, Arc<str>>,
+    /// Each prefix's operator text (its functions described after its system prompt) and its
+    /// functions.
+    prefixes: HashMap<String, (Arc<str>, Option<Arc<Tools>>)>,
     widget_roles: Roles,
     key_roles: Roles,
 }
@@ -279,7 +283,13 @@ impl Tenants {
                         "the operator's text the prefix holds",
                     ));
                 }
-                prefixes.insert(p.name.clone(), Arc::from(p.system_prompt.as_str()));
+                let tools = declared_tools(&p.tools, &p.tool_choice)
+                    .map_err(|(k, e)| bad(format!("tenants[{i}].prefixes[{j}].{k}"), "", &e))?;
+                let text = described(&p.system_prompt, tools.as_ref());
+                prefixes.insert(
+                    p.name.clone(),
+                    (Arc::from(text.as_str()), tools.map(Arc::new)),
+                );
             }
             for (j, w) in ten.widgets.iter().enumerate() {
                 if !valid_id(&w.id) {
@@ -292,15 +302,9 @@ impl Tenants {
                 if let Some(o) = w.origins.iter().find(|o| !valid_origin(o)) {
                     return Err(bad(format!("tenants[{i}].widgets[{j}].origins"), o, "origins like \"https://shop.example.com\" (scheme, host, optional port; no path)"));
                 }
-                let tools = widget_tools(w)
+                let tools = declared_tools(&w.tools, &w.tool_choice)
                     .map_err(|(k, e)| bad(format!("tenants[{i}].widgets[{j}].{k}"), "", &e))?;
-                // The functions' description is operator text: it follows the widget's system
-                // prompt, and is shared and cached with it.
-                let prompt = match &tools {
-                    Some(t) if w.system_prompt.is_empty() => t.system_text(),
-                    Some(t) => format!("{}\n\n{}", w.system_prompt, t.system_text()),
-                    None => w.system_prompt.clone(),
-                };
+                let prompt = described(&w.system_prompt, tools.as_ref());
                 let widget = Widget {
                     tenant: i,
                     origins: w
@@ -406,7 +410,7 @@ impl Tenants {
         let prefixes = self
             .tenants
             .iter()
-            .flat_map(|t| t.prefixes.values().map(|p| (t.salt, p.clone())));
+            .flat_map(|t| t.prefixes.values().map(|p| (t.salt, p.0.clone())));
         for (salt, text) in widgets.chain(prefixes) {
             if !out.iter().any(|(s, t)| *s == salt && *t == text) {
                 out.push((salt, text));
@@ -470,14 +474,17 @@ impl Tenants {
             return Err(Refusal::Unauthorized("unknown API key".into()));
         };
         let t = &self.tenants[tenant];
-        let system_prompt = match prefix {
-            None => None,
-            Some(p) => Some(t.prefixes.get(p).cloned().ok_or_else(|| {
-                Refusal::BadRequest(format!(
-                    "`prefix` {p:?} is not one of tenant `{}`'s prefixes",
-                    t.name
-                ))
-            })?),
+        let (system_prompt, tools) = match prefix {
+            None => (None, None),
+            Some(p) => {
+                let (text, tools) = t.prefixes.get(p).cloned().ok_or_else(|| {
+                    Refusal::BadRequest(format!(
+                        "`prefix` {p:?} is not one of tenant `{}`'s prefixes",
+                        t.name
+                    ))
+                })?;
+                (Some(text), tools)
+            }
         };
         Ok(Identity {
             tenant: t.name.clone(),
@@ -487,7 +494,7 @@ impl Tenants {
             key_salt: Some(salt),
             system_prompt,
             roles: t.key_roles,
-            tools: None,
+            tools,
         })
     }
 
@@ -517,22 +524,35 @@ impl Tenants {
 /// grammar: llguidance's fuel bounds the rest).
 const MAX_WIDGET_TOOLS_BYTES: usize = 65536;
 
-/// A widget's declared tools, checked as a client's would be (`Tools::parse`), one call per
-/// reply; the failing key and why.
-fn widget_tools(w: &WidgetSettings) -> std::result::Result<Option<Tools>, (String, String)> {
-    if w.tools.is_empty() {
-        return match &w.tool_choice {
+/// Operator text with the functions' description after it: operator text too, shared and
+/// cached with it.
+fn described(system_prompt: &str, tools: Option<&Tools>) -> String {
+    match tools {
+        Some(t) if system_prompt.is_empty() => t.system_text(),
+        Some(t) => format!("{system_prompt}\n\n{}", t.system_text()),
+        None => system_prompt.to_string(),
+    }
+}
+
+/// A widget's or a prefix's declared tools, checked as a client's would be (`Tools::parse`),
+/// one call per reply; the failing key and why.
+fn declared_tools(
+    tools: &[ToolSettings],
+    tool_choice: &Option<String>,
+) -> std::result::Result<Option<Tools>, (String, String)> {
+    if tools.is_empty() {
+        return match tool_choice {
             None => Ok(None),
             Some(_) => Err(("tool_choice".into(), "needs `tools`".into())),
         };
     }
-    let list: Vec<serde_json::Value> = (w.tools.iter())
+    let list: Vec<serde_json::Value> = (tools.iter())
         .map(|t| {
             serde_json::json!({"type": "function", "name": t.name, "description": t.description,
                 "parameters": t.parameters})
         })
         .collect();
-    let choice = match w.tool_choice.as_deref() {
+    let choice = match tool_choice.as_deref() {
         None | Some("auto") => None,
         Some("required") => Some(serde_json::json!("required")),
         Some(other) => {
@@ -583,6 +603,7 @@ mod tests {
             prefixes: vec![PrefixSettings {
                 name: "support".into(),
                 system_prompt: "You answer support questions.".into(),
+                ..Default::default()
             }],
             cache_scope: cache_scope.map(String::from),
             client_roles: ClientRoles::default(),
@@ -699,6 +720,35 @@ mod tests {
         assert!(s.contains("tenants[0].widgets[0].tool_choice"), "{s}");
         let s = e(tenant(vec![], Some("required")));
         assert!(s.contains("needs `tools`"), "{s}");
+        // A named prefix's tools: for the API-key clients that select it.
+        let t = Tenants::new(&[TenantSettings {
+            name: "acme".into(),
+            api_keys: vec!["acme-key-0123456789".into()],
+            prefixes: vec![PrefixSettings {
+                name: "orders".into(),
+                system_prompt: "You answer order questions.".into(),
+                tools: vec![tool("order_status")],
+                tool_choice: Some("required".into()),
+            }],
+            ..Default::default()
+        }])
+        .unwrap();
+        let k = t
+            .api_key("Bearer acme-key-0123456789", Some("orders"))
+            .unwrap();
+        let tools = k.tools.as_ref().expect("the prefix's tools");
+        assert_eq!(
+            tools.choice,
+            crate::server::request::tools::ToolChoice::Required
+        );
+        assert!(k.system_prompt.as_deref().unwrap().contains("order_status"));
+        let plain = t.api_key("Bearer acme-key-0123456789", None).unwrap();
+        assert!(plain.tools.is_none());
+        // What is pinned at start is the text with the description.
+        assert!(t
+            .operator_prompts()
+            .iter()
+            .any(|(_, p)| p.contains("order_status")));
     }
 
     #[test]
