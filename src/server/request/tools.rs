@@ -1,4 +1,6 @@
-//! Function tools, as every dialect shares them: the validated declarations and choice (`Tools`),
+//! Function tools, as every dialect shares them (chat completions, Realtime, and the functions an
+//! operator declares for a widget or a named prefix): each dialect's shape read by one parser
+//! (`Tools::parse`), the validated declarations and choice (`Tools`),
 //! the generic format a model without a tool-calling template is told to use (a system turn that
 //! describes the functions; each call a JSON object `{"name": ..., "arguments": {...}}` on its own
 //! line), the grammar that makes every call valid (a Lark grammar over llguidance's `%json`, so
