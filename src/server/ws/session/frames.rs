@@ -30,17 +30,7 @@ impl Session {
             roles: self.identity.roles,
             seal_verifies: &seal_verifies,
             conversation: &self.conversation,
-            // A reply waiting for its call's result is still the reply in flight.
-            running: (self.current.as_ref().map(|c| dispatch::Running {
-                id: &c.client_id,
-                deltas: c.delta_ends.len(),
-                paced: c.window.is_some(),
-            }))
-            .or(self.tool_wait.as_ref().map(|w| dispatch::Running {
-                id: &w.client_id,
-                deltas: 0,
-                paced: false,
-            })),
+            running: self.running(),
             last_reply: self.last.as_ref().map(|l| l.client_id.as_str()),
             preparing: self.preparing.is_some(),
             tool_call: self.tool_wait.as_ref().map(|w| w.call_id.as_str()),
@@ -149,6 +139,20 @@ impl Session {
         .wait(ctx);
     }
 
+    /// The reply in flight: the one generating, or one waiting for its call's result.
+    fn running(&self) -> Option<dispatch::Running<'_>> {
+        let generating = self.current.as_ref().map(|c| dispatch::Running {
+            id: &c.client_id,
+            deltas: c.delta_ends.len(),
+            paced: c.window.is_some(),
+        });
+        generating.or(self.tool_wait.as_ref().map(|w| dispatch::Running {
+            id: &w.client_id,
+            deltas: 0,
+            paced: false,
+        }))
+    }
+
     /// Validates a turn's messages and parameters and starts it, offering it `tools`: its reply
     /// replaces the conversation from `replace_from` on.
     pub(super) fn validated_turn(
@@ -191,10 +195,8 @@ impl Session {
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
-        let running = (self.current.as_ref().map(|c| &c.client_id))
-            .or(self.tool_wait.as_ref().map(|w| &w.client_id));
-        if let Some(id) = running {
-            let busy = RequestError::Busy(id.clone());
+        if let Some(r) = self.running() {
+            let busy = RequestError::Busy(r.id.to_string());
             return self.error(ctx, Some(chat.id), busy);
         }
         let mut chat = chat;
