@@ -656,6 +656,43 @@ mod tests {
     }
 
     #[test]
+    fn declarations_are_bounded_and_named_in_each_dialects_shape() {
+        let f = |name: &str| json!({"type": "function", "name": name});
+        let field = |r: Result<Option<Tools>, RequestError>| match r {
+            Err(RequestError::InvalidParam { field, reason }) => {
+                (field.name(crate::server::request::Dialect::OpenAi), reason)
+            }
+            other => panic!("refused: {other:?}"),
+        };
+        // More functions, or more bytes, than the limits: refused before any grammar is built.
+        let many: Vec<Value> = (0..=MAX_TOOLS).map(|i| f(&format!("f{i}"))).collect();
+        let (k, why) = field(Tools::parse(Some(&many), None, None, 1 << 20, Shape::Flat));
+        assert_eq!(k, "tools");
+        assert!(why.contains("at most 64"), "{why}");
+        let big = vec![json!({"type": "function", "name": "f",
+            "description": "x".repeat(600)})];
+        let (k, why) = field(Tools::parse(Some(&big), None, None, 512, Shape::Flat));
+        assert_eq!(k, "tools");
+        assert!(why.contains("limits.max_schema_bytes"), "{why}");
+        // The same mistake, named as each shape writes it.
+        let flat = vec![f("ok"), f("bad name")];
+        let (k, _) = field(Tools::parse(Some(&flat), None, None, 4096, Shape::Flat));
+        assert_eq!(k, "tools[1].name");
+        let nested = vec![json!({"type": "function", "function": {"name": "bad name"}})];
+        let (k, _) = field(Tools::parse(Some(&nested), None, None, 4096, Shape::Nested));
+        assert_eq!(k, "tools[0].function.name");
+        let choice = json!({"type": "function", "name": "nope"});
+        let (k, _) = field(Tools::parse(
+            Some(&flat[..1]),
+            Some(&choice),
+            None,
+            4096,
+            Shape::Flat,
+        ));
+        assert_eq!(k, "tool_choice.name");
+    }
+
+    #[test]
     fn the_grammar_offers_only_the_chosen_functions() {
         let named = tools(ToolChoice::Named("handover".into()), false);
         let ResponseFormat::Lark { lark } = named.format() else {
