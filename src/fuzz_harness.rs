@@ -26,7 +26,7 @@ use crate::server::openai::wire::{ChatRequest, CompletionRequest};
 use crate::server::realtime::{Action, Realtime, Rules};
 use crate::server::request::reply::ReplyText;
 use crate::server::request::reply::{FinishReason, Usage};
-use crate::server::request::tools::{parse_reply, Tools, MAX_TOOLS};
+use crate::server::request::tools::{parse_reply, MAX_TOOLS};
 use crate::server::request::GenerateParams;
 use crate::server::ws::protocol::{ClientFrame, ServerFrame};
 use crate::server::SessionConfig;
@@ -60,17 +60,36 @@ pub fn client_frame(data: &[u8]) {
         }
     }
     if let Ok(r) = serde_json::from_str::<ChatRequest>(text) {
-        if let Ok(v) = r.validate("x".into(), limits, sampling, *max_tokens) {
+        // Half the inputs as for a model whose template takes tools (Llama 3.1's call format).
+        let native = crate::tokenizer::CallSyntax {
+            prefix: "{\"name\": \"".into(),
+            middle: "\", \"parameters\": ".into(),
+            suffix: "}".into(),
+            separator: None,
+        };
+        let syntax = (text.len() % 2 == 1).then_some(&native);
+        if let Ok(v) = r.validate("x".into(), limits, sampling, *max_tokens, syntax) {
             assert!(v.chat.max_tokens >= 1 && v.chat.max_tokens <= limits.max_tokens);
-            // Callable tools: described in a leading system turn, the reply held to a grammar,
-            // and a call the model writes parses back into the same call.
+            // Callable tools: described to the model (in a leading system turn, or given to
+            // the template), the reply held to a grammar, and a call the model writes parses
+            // back into the same call.
             if let Some(t) = &v.chat.tools {
                 assert!(t.active() && t.tools.len() <= MAX_TOOLS);
-                assert_eq!(v.chat.messages[0].role, "system");
-                assert!(v.chat.messages[0].content.ends_with(&t.system_text()));
+                assert_eq!(t.native, syntax.is_some());
+                let mut lowered = v.chat.messages.clone();
+                let described = v.chat.described.as_deref();
+                let given = crate::server::request::tools::lower(&mut lowered, 0, described);
+                assert!(lowered.iter().all(|m| m.calls.is_empty()));
+                if t.native {
+                    assert!(given.is_some() && !t.parallel);
+                } else {
+                    assert!(given.is_none());
+                    assert_eq!(lowered[0].role, "system");
+                    assert!(lowered[0].content.ends_with(&t.system_text()));
+                }
                 assert!(matches!(v.chat.format, ResponseFormat::Lark { .. }));
                 let args = serde_json::json!({"k": "v\"}{"});
-                let call = Tools::call_text(&t.tools[0].name, &args);
+                let call = t.call_text(&t.tools[0].name, &args);
                 let (text, calls) = parse_reply(t, &call);
                 assert!(text.is_empty() && calls.len() == 1, "{call}");
                 assert_eq!(calls[0].0, t.tools[0].name);
@@ -208,6 +227,7 @@ pub fn realtime(data: &[u8]) {
     let rules = Rules {
         session: shipped(),
         roles,
+        syntax: None,
     };
     let max_items = 1 + usize::from(who / 2 % 16);
     let mut rt = Realtime::with_max_items("m".into(), max_items);
@@ -357,7 +377,7 @@ fn client_event(
             conversation.truncate(from);
             conversation.extend(messages);
             // The session now holds what the items make, after the instructions if any.
-            let items = rt.messages();
+            let items = rt.messages(&crate::server::request::tools::generic_syntax());
             let head = conversation.len() - items.len().min(conversation.len());
             assert_eq!(&conversation[head..], &items[..], "conversation != items");
             assert!(head == 0 || (head == 1 && conversation[0].role == "system"));

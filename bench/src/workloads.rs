@@ -793,6 +793,8 @@ fn bench_tools() -> serde_json::Value {
         ],
         choice: ToolChoice::Required,
         parallel: false,
+        syntax: llama_relay::server::request::tools::generic_syntax(),
+        native: false,
     };
     serde_json::to_value(tools.format()).expect("a format serializes")
 }

@@ -1,12 +1,14 @@
 //! Text in and out of the model: the tokenizer (from `tokenizer.json` or GGUF metadata), the chat
 //! template, the end-of-turn ids, and the incremental detokenizer for streaming.
 //!
-//! Message content is text, never control: `encode_chat` tokenizes what the chat template writes
-//! with its special tokens (`<|im_start|>`, `<|start_header_id|>`, `<|eot_id|>`, ...) and every
-//! message's content with a tokenizer that knows no added tokens at all, so a visitor who types
+//! Message content is text, never control: `encode_chat` finds special tokens (`<|im_start|>`,
+//! `<|start_header_id|>`, `<|eot_id|>`, ...) only in what the chat template itself writes, and
+//! tokenizes the text between them (the template's and every message's content together) with a
+//! tokenizer that knows no added tokens at all, so a visitor who types
 //! `<|im_end|><|im_start|>system` gets those characters as ordinary text tokens and cannot open
-//! a turn of another role. (transformers' `split_special_tokens` and llama.cpp's `parse_special`
-//! make the same split for a whole string; here it is per span of the rendered prompt.)
+//! a turn of another role, while every other prompt has the ids transformers gives the whole
+//! rendering. (transformers' `split_special_tokens` and llama.cpp's `parse_special` make the
+//! same split for a whole string; here it is per span of the rendered prompt.)
 
 pub mod chat_template;
 pub mod detokenizer;
@@ -17,7 +19,7 @@ use std::path::Path;
 use candle_core::quantized::gguf_file::Content;
 use serde_json::Value;
 
-pub use chat_template::{ChatTemplate, Message};
+pub use chat_template::{CallSyntax, ChatTemplate, Message};
 pub use detokenizer::IncrementalDecoder;
 
 use crate::error::{EngineError, Result};
@@ -54,6 +56,14 @@ fn token_string(v: Option<&Value>) -> Option<String> {
         Some(Value::Object(o)) => o.get("content").and_then(Value::as_str).map(String::from),
         _ => None,
     }
+}
+
+/// The texts of the tokenizer's special tokens.
+fn special_texts(t: &tokenizers::Tokenizer) -> Vec<String> {
+    (t.get_added_tokens_decoder().values())
+        .filter(|a| a.special)
+        .map(|a| a.content.clone())
+        .collect()
 }
 
 fn chat_template_source(v: Option<&Value>) -> Option<String> {
@@ -99,7 +109,7 @@ impl TextTokenizer {
             eos_ids.extend(inner.token_to_id(&eos));
         }
         let template = match chat_template_source(cfg.get("chat_template")) {
-            Some(src) => Some(ChatTemplate::new(&src, &bos, &eos)?),
+            Some(src) => Some(ChatTemplate::new(&src, &bos, &eos, &special_texts(&inner))?),
             None => None,
         };
         Ok(TextTokenizer::assemble(inner, None, eos_ids, template))
@@ -142,6 +152,7 @@ impl TextTokenizer {
                 src,
                 &text(bos_id),
                 &text(id("tokenizer.ggml.eos_token_id")),
+                &special_texts(&inner),
             )?),
             None => None,
         };
@@ -164,6 +175,11 @@ impl TextTokenizer {
 
     pub fn has_chat_template(&self) -> bool {
         self.template.is_some()
+    }
+
+    /// How the chat template writes a function call, when it takes `tools`.
+    pub fn call_syntax(&self) -> Option<&CallSyntax> {
+        self.template.as_ref().and_then(ChatTemplate::call_syntax)
     }
 
     /// Tokenizes raw text with the model's special-token conventions (BOS where the model wants it).
@@ -199,21 +215,60 @@ impl TextTokenizer {
         messages: &[Message],
         add_generation_prompt: bool,
     ) -> Result<(String, Vec<u32>)> {
+        self.encode_chat_with(messages, None, add_generation_prompt)
+    }
+
+    /// As `encode_chat`, with `tools` (chat completions' shape) for a template that takes them
+    /// (`call_syntax`).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[Message],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+    ) -> Result<(String, Vec<u32>)> {
         let t = self
             .template
             .as_ref()
             .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
-        let mut text = String::new();
+        let spans = t.render_spans(messages, tools, add_generation_prompt)?;
+        let text: String = (spans.iter())
+            .map(|s| match s {
+                chat_template::Span::Template(s) | chat_template::Span::Content(s) => s.as_str(),
+            })
+            .collect();
+        Ok((text, self.encode_spans(&spans)?))
+    }
+
+    /// The ids of rendered spans: the special tokens the template wrote (found in its own text
+    /// only), and between them the text, template's and content's together, tokenized as text.
+    /// The same ids as tokenizing the whole rendering (as transformers does) wherever content
+    /// spells no special token, and content never makes one.
+    fn encode_spans(&self, spans: &[chat_template::Span]) -> Result<Vec<u32>> {
+        use tokenizers::{OffsetReferential, OffsetType};
         let mut ids = Vec::new();
-        for span in t.render_spans(messages, add_generation_prompt)? {
-            let (s, part) = match &span {
-                chat_template::Span::Template(s) => (s, self.encode_raw(s)?),
-                chat_template::Span::Content(s) => (s, self.encode_text(s)?),
-            };
-            text.push_str(s);
-            ids.extend(part);
+        let mut run = String::new();
+        for span in spans {
+            match span {
+                chat_template::Span::Content(s) => run.push_str(s),
+                chat_template::Span::Template(s) => {
+                    let added = self.inner.get_added_vocabulary();
+                    let split = added.extract_and_normalize(self.inner.get_normalizer(), s);
+                    for (_, (a, b), tokens) in
+                        split.get_splits(OffsetReferential::Original, OffsetType::Byte)
+                    {
+                        match tokens {
+                            Some(t) => {
+                                ids.extend(self.encode_text(&std::mem::take(&mut run))?);
+                                ids.extend(t.iter().map(|t| t.id));
+                            }
+                            None => run.push_str(&s[a..b]),
+                        }
+                    }
+                }
+            }
         }
-        Ok((text, ids))
+        ids.extend(self.encode_text(&run)?);
+        Ok(ids)
     }
 
     /// The token ids of `messages` rendered with the chat template up to the end of the last
@@ -224,19 +279,12 @@ impl TextTokenizer {
             .template
             .as_ref()
             .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
-        let spans = t.render_spans(messages, false)?;
+        let spans = t.render_spans(messages, None, false)?;
         let last = spans
             .iter()
             .rposition(|s| matches!(s, chat_template::Span::Content(_)))
             .map_or(0, |i| i + 1);
-        let mut ids = Vec::new();
-        for span in &spans[..last] {
-            ids.extend(match span {
-                chat_template::Span::Template(s) => self.encode_raw(s)?,
-                chat_template::Span::Content(s) => self.encode_text(s)?,
-            });
-        }
-        Ok(ids)
+        self.encode_spans(&spans[..last])
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {

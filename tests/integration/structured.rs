@@ -546,3 +546,143 @@ fn a_prefix_gives_its_api_key_clients_the_same_tools() {
         assert_eq!(r.done["type"], "done", "{:?}", r.done);
     });
 }
+
+/// The tiny model with Llama 3.1's chat template, which takes `tools`: unpacked once.
+fn llama31_tools_model() -> &'static std::path::Path {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| {
+        let from = Tiny::Tied.dir();
+        let dir = from.with_file_name("llama31-tools");
+        std::fs::create_dir_all(&dir).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+        }
+        let template = fixtures().join("llama31-tools/chat_template.jinja");
+        let mut cfg = read_json(&dir.join("tokenizer_config.json"));
+        cfg["chat_template"] = Value::String(std::fs::read_to_string(template).unwrap());
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+        dir
+    })
+}
+
+/// A case of `llama31-tools/conversations.json` as the gateway holds it (calls on their
+/// assistant message, results as `tool` messages), its functions for the model's template, and
+/// the text transformers renders for it (`expected.json`).
+fn llama31_case(
+    tok: &llama_relay::tokenizer::TextTokenizer,
+    i: usize,
+) -> (Value, Vec<llama_relay::tokenizer::Message>, String) {
+    use llama_relay::server::request::tools::{lower, spaced, Shape, Tools};
+    use llama_relay::tokenizer::Message;
+    let cases = read_json(&fixtures().join("llama31-tools/conversations.json"));
+    let expected = read_json(&fixtures().join("llama31-tools/expected.json"));
+    let case = &cases[i];
+    let mut messages: Vec<Message> = (case["messages"].as_array().unwrap().iter())
+        .map(|m| {
+            let (role, content) = (m["role"].as_str().unwrap(), m["content"].as_str().unwrap());
+            match (role, m.get("tool_calls")) {
+                ("tool", _) => Tools::result_message(m["name"].as_str().unwrap(), content),
+                (_, Some(calls)) => Message {
+                    calls: (calls.as_array().unwrap().iter())
+                        .map(|c| {
+                            let f = &c["function"];
+                            (f["name"].as_str().unwrap().into(), spaced(&f["arguments"]))
+                        })
+                        .collect(),
+                    ..Message::new(role, content)
+                },
+                _ => Message::new(role, content),
+            }
+        })
+        .collect();
+    let tools = Tools::parse(
+        case["tools"].as_array().map(Vec::as_slice),
+        None,
+        None,
+        1 << 20,
+        Shape::Nested,
+    )
+    .unwrap()
+    .unwrap()
+    .for_template(tok.call_syntax());
+    assert!(tools.native && !tools.parallel);
+    let given = lower(&mut messages, 0, Some(&tools)).expect("the template's tools");
+    let text = expected[i]["text"].as_str().unwrap().to_string();
+    (given, messages, text)
+}
+
+/// A model whose chat template takes `tools` (Llama 3.1's) is given them through it: the
+/// conversation, calls and results included, renders as transformers renders it, and the
+/// special tokens are only those the template writes.
+#[test]
+fn a_template_that_takes_tools_renders_them_as_transformers_does() {
+    let tok =
+        llama_relay::tokenizer::TextTokenizer::from_hf_dir(llama31_tools_model(), &[]).unwrap();
+    let syntax = tok.call_syntax().expect("Llama 3.1's template takes tools");
+    assert_eq!(syntax.middle, "\", \"parameters\": ");
+    for i in 0..2 {
+        let (given, messages, expected) = llama31_case(&tok, i);
+        let (text, ids) = tok.encode_chat_with(&messages, Some(&given), true).unwrap();
+        assert_eq!(text, expected, "case {i}");
+        assert_eq!(tok.decode(&ids, false).unwrap(), expected, "case {i}");
+        assert_eq!(ids, tok.encode_raw(&expected).unwrap(), "case {i}");
+    }
+}
+
+/// The same over OpenAI's HTTP API: the prompt is the one transformers renders (its token count
+/// in `usage`), a forced call comes back in the template's format as a valid `tool_calls` entry,
+/// and the conversation that sends it back with its result is the reference's too.
+#[test]
+fn an_openai_client_calls_functions_in_the_templates_own_format() {
+    let _g = model_lock();
+    let dir = llama31_tools_model();
+    let tok = llama_relay::tokenizer::TextTokenizer::from_hf_dir(dir, &[]).unwrap();
+    let app = spawn_app(dir, |_| {});
+    let model = model_id(&app);
+    let cases = read_json(&fixtures().join("llama31-tools/conversations.json"));
+    for seed in 0..3 {
+        let (given, messages, _) = llama31_case(&tok, 1);
+        let want = tok
+            .encode_chat_with(&messages, Some(&given), true)
+            .unwrap()
+            .1;
+        let body = json!({"model": model, "messages": cases[1]["messages"],
+            "tools": cases[1]["tools"], "tool_choice": "required", "max_tokens": 40,
+            "temperature": 1.0, "seed": seed});
+        let (status, _, r) = post(&app, "/v1/chat/completions", body, &[]);
+        assert_eq!(status, 200, "{r}");
+        assert_eq!(r["usage"]["prompt_tokens"], want.len(), "{r}");
+        let choice = &r["choices"][0];
+        assert_eq!(choice["finish_reason"], "tool_calls", "{r}");
+        let calls = choice["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_eq!(calls[0]["function"]["name"], "handover", "{r}");
+        let args: Value =
+            serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({}), "{r}");
+    }
+    // A conversation with a call and its result: arguments as OpenAI sends them (JSON text).
+    let (given, messages, _) = llama31_case(&tok, 0);
+    let want = tok
+        .encode_chat_with(&messages, Some(&given), true)
+        .unwrap()
+        .1;
+    let mut sent = cases[0]["messages"].clone();
+    for m in sent.as_array_mut().unwrap() {
+        if let Some(calls) = m.get_mut("tool_calls") {
+            for c in calls.as_array_mut().unwrap() {
+                let args = c["function"]["arguments"].to_string();
+                c["function"]["arguments"] = Value::String(args);
+            }
+        }
+        if m["role"] == "tool" {
+            m.as_object_mut().unwrap().remove("name");
+        }
+    }
+    let body = json!({"model": model, "messages": sent, "tools": cases[0]["tools"],
+        "max_tokens": 8, "temperature": 0});
+    let (status, _, r) = post(&app, "/v1/chat/completions", body, &[]);
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["usage"]["prompt_tokens"], want.len(), "{r}");
+}

@@ -369,7 +369,14 @@ fn chat_job(
     check_model(r.common.model.as_deref(), &ready)?;
     let cfg = &state.session;
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-    let api = r.validate(id, &cfg.limits, &cfg.sampling, cfg.default_max_tokens)?;
+    let syntax = ready.tokenizer.call_syntax();
+    let api = r.validate(
+        id,
+        &cfg.limits,
+        &cfg.sampling,
+        cfg.default_max_tokens,
+        syntax,
+    )?;
     let api = partitioned(api, &identity)?;
     let prompt = chat_prompt(
         &ready,
@@ -377,9 +384,7 @@ fn chat_job(
         &identity,
         &uuid::Uuid::new_v4(),
         &[],
-        &api.chat.messages,
-        api.chat.cache_key.as_deref(),
-        &api.chat.format,
+        &api.chat,
     )?;
     Ok(Job {
         api,

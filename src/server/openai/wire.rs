@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::sampler::{SamplingOverrides, SamplingParams, MAX_TOP_LOGPROBS};
-use crate::server::request::tools::{valid_name, Shape, Tools};
+use crate::server::request::tools::{spaced, valid_name, Shape, Tools};
 use crate::server::request::{Field, GenerateParams, Limits, RequestError, ValidRequest};
 use crate::tokenizer::Message;
 
@@ -242,13 +242,15 @@ impl CommonFields {
 }
 
 impl ChatRequest {
-    /// Checks the request; `id` becomes the response's id.
+    /// Checks the request; `id` becomes the response's id, `syntax` how the model's template
+    /// writes a function call (`None`: the generic format).
     pub fn validate(
         self,
         id: String,
         limits: &Limits,
         defaults: &SamplingParams,
         default_max_tokens: usize,
+        syntax: Option<&crate::tokenizer::CallSyntax>,
     ) -> Result<ValidApi, RequestError> {
         refuse_unsupported(
             &self.other,
@@ -273,7 +275,8 @@ impl ChatRequest {
             self.parallel_tool_calls,
             limits.max_schema_bytes,
             Shape::Nested,
-        )?;
+        )?
+        .map(|t| t.for_template(syntax));
         if tools.as_ref().is_some_and(Tools::active)
             && (response_format.as_ref())
                 .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
@@ -320,9 +323,9 @@ impl ApiMessage {
     /// One of OpenAI's message forms as a chat template message: `developer` is the system role
     /// by its newer name; content is a string or text parts, joined.
     ///
-    /// Tools in the generic format: an assistant message's `tool_calls` become the text the
-    /// model writes for them (`calls` keeps each call's id and name), a `tool` message a user
-    /// turn that gives the named function's result (text, as any content is).
+    /// An assistant message's `tool_calls` become its calls (`Message::calls`, written as the
+    /// model writes them where the prompt is built; `calls` keeps each call's id and name), a
+    /// `tool` message the named function's result (`Tools::result_message`).
     fn into_message(
         self,
         i: usize,
@@ -347,7 +350,7 @@ impl ApiMessage {
             }
         };
         if !tool_calls.is_empty() {
-            let mut text = Vec::new();
+            let mut written = Vec::new();
             for (j, c) in tool_calls.iter().enumerate() {
                 let at = |f: &str| format!("messages[{i}].tool_calls[{j}].{f}");
                 let id = c
@@ -363,13 +366,19 @@ impl ApiMessage {
                 let args = f.and_then(|f| f.get("arguments")).and_then(Value::as_str);
                 let args: Value = args
                     .and_then(|a| serde_json::from_str(a).ok())
-                    .ok_or_else(|| bad(&at("function.arguments"), "must be a JSON string"))?;
+                    .filter(Value::is_object)
+                    .ok_or_else(|| {
+                        bad(
+                            &at("function.arguments"),
+                            "must be a JSON object, as a string",
+                        )
+                    })?;
                 calls.insert(id.to_string(), name.to_string());
-                text.push(Tools::call_text(name, &args));
+                written.push((name.to_string(), spaced(&args)));
             }
             return Ok(Message {
-                role,
-                content: text.join("\n"),
+                calls: written,
+                ..Message::new(&role, "")
             });
         }
         let content = match self.content {
@@ -409,7 +418,7 @@ impl ApiMessage {
             })?;
             return Ok(Tools::result_message(name, &content));
         }
-        Ok(Message { role, content })
+        Ok(Message::new(&role, &content))
     }
 }
 
@@ -562,6 +571,7 @@ mod tests {
             &limits(),
             &SamplingParams::default(),
             64,
+            None,
         )
     }
 

@@ -24,10 +24,10 @@ use serde_json::{json, Map, Value};
 use crate::sampler::SamplingOverrides;
 use crate::server::gate::tenants::Roles;
 use crate::server::request::reply::Usage;
-use crate::server::request::tools::{CallParser, Shape, Tools};
+use crate::server::request::tools::{write_call, CallParser, Shape, Tools};
 use crate::server::request::{Dialect, Field, GenerateParams, RequestError};
 use crate::server::state::SessionConfig;
-use crate::tokenizer::Message;
+use crate::tokenizer::{CallSyntax, Message};
 
 mod events;
 mod response;
@@ -45,13 +45,13 @@ pub struct Item {
 }
 
 impl Item {
-    /// The item as a chat message: a call as the text the model writes for it, an output as
-    /// the turn that gives the model a function's result (`Tools::result_message`).
-    pub fn message(&self) -> Message {
+    /// The item as a chat message: a call as the text a model that writes calls as `syntax`
+    /// writes it, an output as the function's result (`Tools::result_message`).
+    pub fn message(&self, syntax: &CallSyntax) -> Message {
         match &self.function {
             None => Message::new(&self.role, &self.text),
             Some(Function::Call { name, .. }) => {
-                Message::new("assistant", &Tools::call_text_raw(name, &self.text))
+                Message::new("assistant", &write_call(syntax, name, &self.text))
             }
             Some(Function::Output { name, .. }) => Tools::result_message(name, &self.text),
         }
@@ -102,6 +102,8 @@ struct InFlight {
 pub struct Rules<'a> {
     pub session: &'a SessionConfig,
     pub roles: Roles,
+    /// How the model's template writes a function call (`None`: the generic format).
+    pub syntax: Option<&'a crate::tokenizer::CallSyntax>,
 }
 
 impl Rules<'_> {
@@ -171,6 +173,7 @@ impl Rules<'_> {
             self.session.limits.max_schema_bytes,
             Shape::Flat,
         )
+        .map(|t| t.map(|t| t.for_template(self.syntax)))
         .map_err(|e| {
             let param = match &e {
                 RequestError::InvalidParam { field, .. } => {
@@ -196,7 +199,7 @@ pub enum Action {
         from: usize,
         messages: Vec<Message>,
         params: Box<GenerateParams>,
-        tools: Option<Tools>,
+        tools: Option<std::sync::Arc<Tools>>,
         created: Value,
     },
     /// Cancel the response in flight, this one (`response.done` follows when its reply ends).
@@ -331,7 +334,7 @@ impl Realtime {
                     from,
                     messages,
                     params: Box::new(params),
-                    tools,
+                    tools: tools.map(std::sync::Arc::new),
                     created,
                 })
             }
@@ -555,16 +558,17 @@ impl Realtime {
     }
 
     /// The chat messages the items make: each item a message, but calls in a row one assistant
-    /// message (one call per line, as a model that calls several functions writes them).
-    pub fn messages(&self) -> Vec<Message> {
+    /// message (joined as a model that writes calls as `syntax` writes several).
+    pub fn messages(&self, syntax: &CallSyntax) -> Vec<Message> {
         let mut out: Vec<Message> = Vec::new();
         let mut calls = false;
         for i in &self.items {
-            let m = i.message();
+            let m = i.message(syntax);
             let call = matches!(i.function, Some(Function::Call { .. }));
             match out.last_mut() {
                 Some(last) if call && calls => {
-                    last.content.push('\n');
+                    last.content
+                        .push_str(syntax.separator.as_deref().unwrap_or("\n"));
                     last.content.push_str(&m.content);
                 }
                 _ => out.push(m),
@@ -973,6 +977,7 @@ mod tests {
         let rules = Rules {
             session: &session,
             roles: Roles::ALL,
+            syntax: None,
         };
         let mut rt = Realtime::new("m".into());
         let mut conversation: Vec<Message> = Vec::new();
@@ -1097,6 +1102,7 @@ mod tests {
         let rules = Rules {
             session: &session,
             roles: Roles::ALL,
+            syntax: None,
         };
         let mut rt = Realtime::new("m".into());
         let mut refused = |event: &str| rt.handle(event, &rules, &[], false).unwrap_err();

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use crate::server::realtime::*;
 use crate::server::request::reply::{FinishReason, Usage};
-use crate::server::request::tools::{CallParser, Piece, Tools};
+use crate::server::request::tools::{generic_syntax, CallParser, Piece, Tools};
 use crate::server::ws::protocol::ServerFrame;
 use crate::tokenizer::Message;
 
@@ -33,7 +33,8 @@ impl Realtime {
         if let Some(i) = settings.instructions.as_deref().filter(|i| !i.is_empty()) {
             want.push(Message::new("system", i));
         }
-        want.extend(self.messages());
+        let generic = generic_syntax();
+        want.extend(self.messages(tools.map_or(&generic, |t| &t.syntax)));
         let same = want
             .iter()
             .zip(conversation)

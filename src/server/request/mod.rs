@@ -118,6 +118,9 @@ pub struct ValidRequest {
     /// Functions the reply may call (`format` is then their grammar): the reply's text is
     /// parsed into calls as it streams (`tools::CallParser`).
     pub tools: Option<std::sync::Arc<tools::Tools>>,
+    /// The request's own functions, described to the model where the prompt is built
+    /// (`tools::lower`), whatever the choice.
+    pub described: Option<std::sync::Arc<tools::Tools>>,
 }
 
 /// The token ids to run, the blocks they may share, and the compiled grammar of the request's
@@ -196,6 +199,7 @@ impl Limits {
             priority,
             window: p.window,
             tools: None,
+            described: None,
         })
     }
 
@@ -277,7 +281,9 @@ impl Limits {
             ));
         }
         for (i, m) in messages.iter().enumerate() {
-            if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+            // A `tool` message is a function's result, which only a dialect's parser makes.
+            let result = m.role == "tool" && m.name.is_some();
+            if !result && !matches!(m.role.as_str(), "system" | "user" | "assistant") {
                 return Err(RequestError::invalid(
                     Field::Role(i),
                     format!("must be system, user or assistant. Given: {:?}", m.role),

@@ -3,35 +3,41 @@
 //! template, and how many leading tokens are that operator text (shared within the tenant; the
 //! rest is the principal's). The WebSocket session and the OpenAI API both build prompts here.
 
-use crate::engine::constraint::ResponseFormat;
 use crate::server::gate::tenants::{Identity, Tenants};
+use crate::server::request::tools::{lower, Tools};
 use crate::server::request::Prompt;
-use crate::server::request::{Field, RequestError};
+use crate::server::request::{Field, RequestError, ValidRequest};
 use crate::server::state::Ready;
 use crate::tokenizer::Message;
 
-/// Checks that `identity` may send the roles of `new`, renders operator text, `history` and
-/// `new` with the chat template (generation prompt added), derives the cache scope and compiles
-/// the response format's grammar:
+/// Checks that `identity` may send the roles of the request's messages, renders operator text,
+/// `history` and the request's messages with the chat template (generation prompt added, the
+/// request's functions described: `tools::lower`), derives the cache scope and compiles the
+/// response format's grammar:
 /// `principal` names the principal for clients without an API key (a session's id, or a fresh
-/// id per HTTP request), `cache_key` a partition inside an API key's principal.
-#[allow(clippy::too_many_arguments)]
+/// id per HTTP request); the request's `cache_key` is a partition inside an API key's principal.
 pub fn chat_prompt(
     ready: &Ready,
     tenants: &Tenants,
     identity: &Identity,
     principal: &uuid::Uuid,
     history: &[Message],
-    new: &[Message],
-    cache_key: Option<&str>,
-    format: &ResponseFormat,
+    chat: &ValidRequest,
 ) -> Result<Prompt, RequestError> {
     let mut prompt = build(
-        ready, tenants, identity, principal, history, new, cache_key, false,
+        ready,
+        tenants,
+        identity,
+        principal,
+        history,
+        &chat.messages,
+        chat.cache_key.as_deref(),
+        chat.described.as_deref(),
+        false,
     )?;
     // Compiled within the request's principal: a grammar cached for another is never found.
     prompt.constraint = (ready.grammars)
-        .compile(format, prompt.scope.principal.0)
+        .compile(&chat.format, prompt.scope.principal.0)
         .map_err(|e| RequestError::invalid(Field::ResponseFormat, e))?;
     Ok(prompt)
 }
@@ -49,7 +55,7 @@ pub fn draft_prompt(
 ) -> Result<Prompt, RequestError> {
     let new = [Message::new("user", text)];
     build(
-        ready, tenants, identity, principal, history, &new, None, true,
+        ready, tenants, identity, principal, history, &new, None, None, true,
     )
 }
 
@@ -62,17 +68,22 @@ fn build(
     history: &[Message],
     new: &[Message],
     cache_key: Option<&str>,
+    described: Option<&Tools>,
     open: bool,
 ) -> Result<Prompt, RequestError> {
     for (i, m) in new.iter().enumerate() {
-        identity.roles.check(i, &m.role)?;
+        // A function's result is the client's turn, as a user message is.
+        let role = if m.role == "tool" { "user" } else { &m.role };
+        identity.roles.check(i, role)?;
     }
-    let mut all = Vec::with_capacity(history.len() + new.len() + 1);
+    let mut all = Vec::with_capacity(history.len() + new.len() + 2);
     if let Some(sys) = &identity.system_prompt {
         all.push(Message::new("system", sys));
     }
+    let lead = all.len();
     all.extend(history.iter().cloned());
     all.extend(new.iter().cloned());
+    let tools = lower(&mut all, lead, described);
     // What cannot fit is refused by its length, before the work of rendering and tokenizing.
     let tok = &ready.tokenizer;
     let least: Option<usize> = (all.iter())
@@ -92,7 +103,7 @@ fn build(
     } else {
         ready
             .tokenizer
-            .encode_chat(&all, true)
+            .encode_chat_with(&all, tools.as_ref(), true)
             .map_err(|e| RequestError::InvalidRequest(e.to_string()))?
             .1
     };

@@ -1,16 +1,24 @@
 //! Function tools, as every dialect shares them (chat completions, Realtime, and the functions an
 //! operator declares for a widget or a named prefix): each dialect's shape read by one parser
-//! (`Tools::parse`), the validated declarations and choice (`Tools`),
-//! the generic format a model without a tool-calling template is told to use (a system turn that
-//! describes the functions; each call a JSON object `{"name": ..., "arguments": {...}}` on its own
-//! line), the grammar that makes every call valid (a Lark grammar over llguidance's `%json`, so
-//! the arguments follow the function's JSON Schema), and `CallParser`, which turns the reply's
-//! text, as it streams, into calls (name first, then argument fragments).
+//! (`Tools::parse`), the validated declarations and choice (`Tools`), how a call is written
+//! (`CallSyntax`), the grammar that makes every call valid (a Lark grammar over llguidance's
+//! `%json`, so the arguments follow the function's JSON Schema), how a conversation holding
+//! calls and results is given to the template (`lower`), and `CallParser`, which turns the
+//! reply's text, as it streams, into calls (name first, then argument fragments).
 //!
-//! Written here because the format is ours: llguidance constrains, but which text is a call and
-//! how it streams as OpenAI's `tool_calls` deltas is the gateway's contract. With `auto` the
-//! grammar lets the reply be either text that does not start with `{` or calls (the pattern of
-//! llguidance's own tool-calling example), so a plain answer stays free.
+//! Two formats. A model whose chat template takes `tools` (Llama 3.1 and later) is given them
+//! through its template, and calls as the template writes them (probed at load:
+//! `ChatTemplate::call_syntax`, for Llama 3.1 `{"name": "f", "parameters": {...}}`, one call a
+//! message), results as `tool` messages. Any other model (the default SmolLM2) gets the generic
+//! format: the functions described in the system turn, each call a JSON object
+//! `{"name": ..., "arguments": {...}}` on its own line, results as user turns. Operators'
+//! widget and prefix functions always use the generic format, since their description is the
+//! operator's pinned text, shared by every visitor.
+//!
+//! Written here because the format is the gateway's contract: llguidance constrains, but which
+//! text is a call and how it streams as OpenAI's `tool_calls` deltas is ours. With `auto` the
+//! grammar lets the reply be either text that does not start as a call does or calls (the
+//! pattern of llguidance's own tool-calling example), so a plain answer stays free.
 
 use std::sync::Arc;
 
@@ -18,7 +26,7 @@ use serde_json::{json, Value};
 
 use crate::engine::constraint::ResponseFormat;
 use crate::server::request::{Field, RequestError, ValidRequest};
-use crate::tokenizer::Message;
+use crate::tokenizer::{CallSyntax, Message};
 
 /// Most functions one request may declare.
 pub const MAX_TOOLS: usize = 64;
@@ -55,6 +63,28 @@ pub struct Tools {
     pub choice: ToolChoice,
     /// Several calls in one reply (one per line), but for a named function (one call).
     pub parallel: bool,
+    /// How a call is written: the generic format, or the model's template's (`native`).
+    pub syntax: CallSyntax,
+    /// The functions go to the template (`syntax` is its own), not into the system turn.
+    pub native: bool,
+}
+
+/// The generic call format: `{"name": "f", "arguments": {...}}`, one call a line.
+pub fn generic_syntax() -> CallSyntax {
+    CallSyntax {
+        prefix: "{\"name\": \"".into(),
+        middle: "\", \"arguments\": ".into(),
+        suffix: "}".into(),
+        separator: Some("\n".into()),
+    }
+}
+
+/// A call as `syntax` writes it, its arguments JSON text.
+pub fn write_call(syntax: &CallSyntax, name: &str, arguments: &str) -> String {
+    format!(
+        "{}{name}{}{arguments}{}",
+        syntax.prefix, syntax.middle, syntax.suffix
+    )
 }
 
 /// Whether `name` is a valid function name.
@@ -205,25 +235,35 @@ impl Tools {
             tools: out,
             choice,
             parallel,
+            syntax: generic_syntax(),
+            native: false,
         }))
     }
 
-    /// Offers the functions to a validated request: their description and the format in its
-    /// system turn (after the checks of what the client wrote: this text is the server's), and
-    /// when the reply may call them (`active`), the grammar that makes every call valid. With
-    /// `none` the functions are still described, so the conversation's prefix stays the one
-    /// its other turns cached.
+    /// The functions for a model whose template writes calls as `syntax` (`None`: it takes no
+    /// tools, and they keep the generic format). A template without a separator takes one call
+    /// a message.
+    pub fn for_template(self, syntax: Option<&CallSyntax>) -> Tools {
+        match syntax {
+            Some(s) => Tools {
+                parallel: self.parallel && s.separator.is_some(),
+                syntax: s.clone(),
+                native: true,
+                ..self
+            },
+            None => self,
+        }
+    }
+
+    /// Offers the functions to a validated request: described to the model where its prompt is
+    /// built (`lower`), and when the reply may call them (`active`), the grammar that makes
+    /// every call valid. With `none` the functions are still described, so the conversation's
+    /// prefix stays the one its other turns cached.
     pub fn apply(self: &Arc<Self>, chat: &mut ValidRequest) {
         if self.tools.is_empty() {
             return;
         }
-        let text = self.system_text();
-        match chat.messages.first_mut() {
-            Some(m) if m.role == "system" => {
-                m.content = format!("{}\n\n{text}", m.content);
-            }
-            _ => chat.messages.insert(0, Message::new("system", &text)),
-        }
+        chat.described = Some(self.clone());
         self.constrain(chat);
     }
 
@@ -237,10 +277,32 @@ impl Tools {
         }
     }
 
-    /// The turn that gives a function's result to the model: a user message (text, as any
-    /// content is, so a result can never forge the template's special tokens).
+    /// The message that gives a function's result to the model (a `tool` message; `lower`
+    /// writes it for the template). Its content is text, as any content is, so a result can
+    /// never forge the template's special tokens.
     pub fn result_message(name: &str, content: &str) -> Message {
-        Message::new("user", &format!("The function {name} returned:\n{content}"))
+        Message {
+            name: Some(name.into()),
+            ..Message::new("tool", content)
+        }
+    }
+
+    /// The functions as a template takes them (chat completions' shape; an empty description
+    /// left out, as a client that sends none writes it).
+    pub fn template_json(&self) -> Value {
+        Value::Array(
+            (self.tools.iter())
+                .map(|t| {
+                    let mut f = serde_json::Map::new();
+                    f.insert("name".into(), json!(t.name));
+                    if !t.description.is_empty() {
+                        f.insert("description".into(), json!(t.description));
+                    }
+                    f.insert("parameters".into(), t.parameters.clone());
+                    json!({"type": "function", "function": f})
+                })
+                .collect(),
+        )
     }
 
     /// Whether the reply may call anything.
@@ -278,41 +340,51 @@ impl Tools {
     }
 
     /// The grammar of the reply (a Lark grammar over `%json`): only calls, or with `auto` also
-    /// text that does not start with `{`.
+    /// text that does not start as a call does.
     pub fn format(&self) -> ResponseFormat {
-        let calls: Vec<Value> = self
-            .callable()
-            .map(|t| {
-                json!({
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                    "required": ["name", "arguments"],
-                    "additionalProperties": false,
-                })
-            })
-            .collect();
-        let schema = json!({"anyOf": calls, "x-guidance": {
-            "whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}});
-        let call = format!("call: %json {schema}");
-        let calls = if self.parallel && !matches!(self.choice, ToolChoice::Named(_)) {
-            "calls: call (\"\\n\" call)*"
-        } else {
-            "calls: call"
+        let lit = |s: &str| Value::String(s.into()).to_string();
+        let mut rules = Vec::new();
+        for (i, t) in self.callable().enumerate() {
+            let mut args = t.parameters.clone();
+            if let Some(o) = args.as_object_mut() {
+                o.insert(
+                    "x-guidance".into(),
+                    json!({"whitespace_flexible": false, "item_separator": ", ",
+                        "key_separator": ": "}),
+                );
+            }
+            let name = format!("{}{}{}", self.syntax.prefix, t.name, self.syntax.middle);
+            let suffix = match self.syntax.suffix.as_str() {
+                "" => String::new(),
+                s => format!(" {}", lit(s)),
+            };
+            rules.push(format!("call_{i}: {} %json {args}{suffix}", lit(&name)));
+        }
+        let alts: Vec<String> = (0..rules.len()).map(|i| format!("call_{i}")).collect();
+        let calls = match (&self.syntax.separator, &self.choice) {
+            (Some(sep), c) if self.parallel && !matches!(c, ToolChoice::Named(_)) => {
+                format!("calls: call ({} call)*", lit(sep))
+            }
+            _ => "calls: call".into(),
         };
         let start = match self.choice {
-            ToolChoice::Auto => "start: TEXT | calls\nTEXT: /[^{](.|\\n)*/",
-            _ => "start: calls",
+            ToolChoice::Auto => format!("start: TEXT | calls\n{}", text_rule(&self.syntax)),
+            _ => "start: calls".into(),
         };
         ResponseFormat::Lark {
-            lark: format!("{start}\n{calls}\n{call}\n"),
+            lark: format!(
+                "{start}\n{calls}\ncall: {}\n{}\n",
+                alts.join(" | "),
+                rules.join("\n")
+            ),
         }
     }
 
     /// The grammar of a reply that may not call (a turn out of calls, whose model was told how
-    /// to write one): text that does not start with `{`, as `auto`'s text.
-    pub fn text_only() -> ResponseFormat {
+    /// to write one): text that does not start as a call does, as `auto`'s text.
+    pub fn text_only(&self) -> ResponseFormat {
         ResponseFormat::Lark {
-            lark: "start: TEXT\nTEXT: /[^{](.|\\n)*/\n".into(),
+            lark: format!("start: TEXT\n{}\n", text_rule(&self.syntax)),
         }
     }
 
@@ -330,14 +402,58 @@ impl Tools {
 
     /// The text a call takes in the reply (what the model writes, so that a conversation that
     /// sends it back finds it cached).
-    pub fn call_text(name: &str, arguments: &Value) -> String {
-        spaced(&json!({"name": name, "arguments": arguments}))
+    pub fn call_text(&self, name: &str, arguments: &Value) -> String {
+        write_call(&self.syntax, name, &spaced(arguments))
     }
+}
 
-    /// The text of a call whose arguments are JSON text (as a Realtime item holds them): the
-    /// model's own text when they are what it wrote.
-    pub fn call_text_raw(name: &str, arguments: &str) -> String {
-        format!("{{\"name\": {}, \"arguments\": {arguments}}}", json!(name))
+/// The rule of text that is not a call: its first character is not the one calls start with.
+fn text_rule(syntax: &CallSyntax) -> String {
+    let first = syntax.prefix.chars().next().unwrap_or('{');
+    let esc = match first {
+        '\\' | ']' | '^' | '-' | '/' => format!("\\{first}"),
+        '\n' => "\\n".into(),
+        c => c.to_string(),
+    };
+    format!("TEXT: /[^{esc}](.|\\n)*/")
+}
+
+/// Writes a conversation for the template, as `described` (the request's functions) tells:
+/// calls (`Message::calls`) as the model writes them, and with native tools results stay `tool`
+/// messages and the functions are returned for the template; otherwise results become user
+/// turns and the functions are described in the conversation's system turn (the first message,
+/// added where the conversation has none). `lead` messages (the operator's) are left as they are.
+pub fn lower(messages: &mut Vec<Message>, lead: usize, described: Option<&Tools>) -> Option<Value> {
+    let native = described.filter(|t| t.native);
+    let generic = generic_syntax();
+    let syntax = native.map_or(&generic, |t| &t.syntax);
+    for m in messages.iter_mut() {
+        if !m.calls.is_empty() {
+            let sep = syntax.separator.as_deref().unwrap_or("\n");
+            let calls: Vec<String> = (m.calls.drain(..))
+                .map(|(name, args)| write_call(syntax, &name, &args))
+                .collect();
+            m.content = calls.join(sep);
+        }
+        if m.role == "tool" && native.is_none() {
+            let name = m.name.take().unwrap_or_default();
+            *m = Message::new(
+                "user",
+                &format!("The function {name} returned:\n{}", m.content),
+            );
+        }
+    }
+    match (native, described) {
+        (Some(t), _) => Some(t.template_json()),
+        (None, Some(t)) if !t.tools.is_empty() => {
+            let text = t.system_text();
+            match messages.get_mut(lead) {
+                Some(m) if m.role == "system" => m.content = format!("{}\n\n{text}", m.content),
+                _ => messages.insert(lead.min(messages.len()), Message::new("system", &text)),
+            }
+            None
+        }
+        _ => None,
     }
 }
 
@@ -392,10 +508,10 @@ pub enum Piece {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Nothing yet: the first character decides (a call starts with `{`).
+    /// Nothing yet: the first character decides (a call starts as the syntax's prefix does).
     Start,
     Text,
-    /// Inside a call's head, before its arguments.
+    /// Inside a call's head (prefix, name, middle), before its arguments.
     Head,
     /// Inside the arguments: JSON nesting depth, in a string, after a backslash.
     Arguments {
@@ -403,8 +519,9 @@ enum State {
         string: bool,
         escape: bool,
     },
-    /// After the arguments, before the call's closing `}`, then between calls.
-    Tail,
+    /// After the arguments: this many characters of the suffix still to come.
+    Tail(usize),
+    /// Between calls (the separator), until the next call's first character.
     Between,
 }
 
@@ -417,6 +534,7 @@ pub struct CallParser {
     calls: usize,
     /// Whether the reply can only be calls (`required` or a named function).
     forced: bool,
+    syntax: CallSyntax,
 }
 
 impl CallParser {
@@ -426,12 +544,17 @@ impl CallParser {
             head: String::new(),
             calls: 0,
             forced: tools.choice != ToolChoice::Auto,
+            syntax: tools.syntax.clone(),
         }
     }
 
     /// Calls begun so far.
     pub fn calls(&self) -> usize {
         self.calls
+    }
+
+    fn starts_call(&self, c: char) -> bool {
+        self.syntax.prefix.starts_with(c)
     }
 
     /// The pieces `text` (the next part of the reply) makes.
@@ -447,10 +570,10 @@ impl CallParser {
         };
         for c in text.chars() {
             match self.state {
-                State::Start if c == '{' || (self.forced && c.is_whitespace()) => {
-                    if c == '{' {
+                State::Start if self.starts_call(c) || (self.forced && c.is_whitespace()) => {
+                    if self.starts_call(c) {
                         self.state = State::Head;
-                        self.head = "{".into();
+                        self.head = c.to_string();
                     }
                 }
                 State::Start | State::Text => {
@@ -458,37 +581,35 @@ impl CallParser {
                     push(&mut out, Piece::Text(c.to_string()));
                 }
                 State::Head => {
-                    if !c.is_whitespace() {
-                        if let Some(name) = head_name(&self.head) {
-                            push(
-                                &mut out,
-                                Piece::CallStart {
-                                    index: self.calls,
-                                    name,
-                                },
-                            );
-                            self.calls += 1;
-                            self.state = State::Arguments {
-                                depth: 0,
-                                string: false,
-                                escape: false,
-                            };
-                            self.arguments_char(c, &mut out, push);
-                            continue;
-                        }
-                    }
                     self.head.push(c);
+                    if let Some(name) = head_name(&self.head, &self.syntax) {
+                        push(
+                            &mut out,
+                            Piece::CallStart {
+                                index: self.calls,
+                                name,
+                            },
+                        );
+                        self.calls += 1;
+                        self.state = State::Arguments {
+                            depth: 0,
+                            string: false,
+                            escape: false,
+                        };
+                    }
                 }
                 State::Arguments { .. } => self.arguments_char(c, &mut out, push),
-                State::Tail => {
-                    if c == '}' {
-                        self.state = State::Between;
-                    }
+                State::Tail(n) => {
+                    self.state = if n > 1 {
+                        State::Tail(n - 1)
+                    } else {
+                        State::Between
+                    };
                 }
                 State::Between => {
-                    if c == '{' {
+                    if self.starts_call(c) {
                         self.state = State::Head;
-                        self.head = "{".into();
+                        self.head = c.to_string();
                     }
                 }
             }
@@ -529,7 +650,10 @@ impl CallParser {
             },
         );
         self.state = if depth == 0 && !string && !c.is_whitespace() {
-            State::Tail
+            match self.syntax.suffix.chars().count() {
+                0 => State::Between,
+                n => State::Tail(n),
+            }
         } else {
             State::Arguments {
                 depth,
@@ -540,20 +664,13 @@ impl CallParser {
     }
 }
 
-/// The function name of a complete call head (`{"name": "f", "arguments": `), or `None` while
-/// it is not complete.
-fn head_name(head: &str) -> Option<String> {
-    let rest = head.strip_prefix('{')?.trim_start();
-    let rest = rest.strip_prefix("\"name\"")?.trim_start();
-    let rest = rest.strip_prefix(':')?.trim_start();
-    let rest = rest.strip_prefix('"')?;
-    let (name, rest) = rest.split_once('"')?;
-    let rest = rest.trim_start().strip_prefix(',')?.trim_start();
-    let rest = rest.strip_prefix("\"arguments\"")?.trim_start();
-    rest.strip_prefix(':')?
-        .trim()
-        .is_empty()
-        .then(|| name.to_string())
+/// The function name of a complete call head (prefix, name, middle), or `None` while it is not
+/// complete.
+fn head_name(head: &str, syntax: &CallSyntax) -> Option<String> {
+    let name = head
+        .strip_prefix(syntax.prefix.as_str())?
+        .strip_suffix(syntax.middle.as_str())?;
+    valid_name(name).then(|| name.to_string())
 }
 
 /// A whole reply's calls: (name, arguments as JSON text), and its text outside calls.
@@ -590,6 +707,8 @@ mod tests {
             ],
             choice,
             parallel,
+            syntax: generic_syntax(),
+            native: false,
         }
     }
 
@@ -647,11 +766,11 @@ mod tests {
     fn a_call_written_back_is_the_text_the_model_wrote() {
         let args = json!({"order": "A-1", "items": [1, 2]});
         assert_eq!(
-            Tools::call_text("order_status", &args),
+            tools(ToolChoice::Required, false).call_text("order_status", &args),
             "{\"name\": \"order_status\", \"arguments\": {\"order\": \"A-1\", \"items\": [1, 2]}}"
         );
         let t = tools(ToolChoice::Required, false);
-        let (_, calls) = parse_reply(&t, &Tools::call_text("order_status", &args));
+        let (_, calls) = parse_reply(&t, &t.call_text("order_status", &args));
         assert_eq!(serde_json::from_str::<Value>(&calls[0].1).unwrap(), args);
     }
 
@@ -698,8 +817,8 @@ mod tests {
         let ResponseFormat::Lark { lark } = named.format() else {
             panic!("a Lark grammar")
         };
-        assert!(lark.contains("\"handover\"") && !lark.contains("order_status"));
-        assert!(lark.starts_with("start: calls\ncalls: call\n"));
+        assert!(lark.contains("\\\"handover\\\"") && !lark.contains("order_status"));
+        assert!(lark.starts_with("start: calls\ncalls: call\ncall: call_0\n"));
         let auto = tools(ToolChoice::Auto, true);
         let ResponseFormat::Lark { lark } = auto.format() else {
             panic!("a Lark grammar")
@@ -713,5 +832,141 @@ mod tests {
         );
         assert_eq!(none.system_text(), auto.system_text());
         assert!(named.system_text().contains("order_status"));
+    }
+
+    /// Llama 3.1's call format, as `ChatTemplate::call_syntax` finds it.
+    fn llama31() -> CallSyntax {
+        CallSyntax {
+            prefix: "{\"name\": \"".into(),
+            middle: "\", \"parameters\": ".into(),
+            suffix: "}".into(),
+            separator: None,
+        }
+    }
+
+    #[test]
+    fn a_templates_own_call_format_is_the_grammar_and_the_parse() {
+        let t = tools(ToolChoice::Auto, true).for_template(Some(&llama31()));
+        assert!(t.native && !t.parallel, "one call a message");
+        let ResponseFormat::Lark { lark } = t.format() else {
+            panic!("a Lark grammar")
+        };
+        assert!(lark.contains("\\\"parameters\\\": ") && !lark.contains("arguments"));
+        assert!(lark.contains("calls: call\n") && lark.contains("TEXT: /[^{]"));
+        let call = t.call_text("order_status", &json!({"order": "A-1"}));
+        assert_eq!(
+            call,
+            "{\"name\": \"order_status\", \"parameters\": {\"order\": \"A-1\"}}"
+        );
+        assert_eq!(
+            parse_reply(&t, &call),
+            (
+                String::new(),
+                vec![("order_status".into(), "{\"order\": \"A-1\"}".into())]
+            )
+        );
+        assert_eq!(parse_reply(&t, "Soon {maybe}.").0, "Soon {maybe}.");
+        // Without a template that takes tools, the generic format stays.
+        assert_eq!(
+            tools(ToolChoice::Auto, true).for_template(None).syntax,
+            generic_syntax()
+        );
+    }
+
+    #[test]
+    fn calls_wrapped_in_markup_stream_name_first_whatever_the_syntax() {
+        // A Hermes-style template: markup around each call, calls a line apart.
+        let hermes = CallSyntax {
+            prefix: "<tool_call>\n{\"name\": \"".into(),
+            middle: "\", \"arguments\": ".into(),
+            suffix: "}\n</tool_call>".into(),
+            separator: Some("\n".into()),
+        };
+        let t = tools(ToolChoice::Required, true).for_template(Some(&hermes));
+        assert!(t.parallel);
+        let reply = format!(
+            "{}\n{}",
+            t.call_text("order_status", &json!({"order": "}</tool_call>"})),
+            t.call_text("handover", &json!({}))
+        );
+        let mut p = CallParser::new(&t);
+        let mut pieces = Vec::new();
+        for c in reply.chars() {
+            pieces.extend(p.feed(&c.to_string()));
+        }
+        assert_eq!(
+            pieces[0],
+            Piece::CallStart {
+                index: 0,
+                name: "order_status".into()
+            }
+        );
+        assert_eq!(
+            parse_reply(&t, &reply).1,
+            vec![
+                (
+                    "order_status".to_string(),
+                    "{\"order\": \"}</tool_call>\"}".to_string()
+                ),
+                ("handover".to_string(), "{}".to_string()),
+            ]
+        );
+        let ResponseFormat::Lark { lark } = t.format() else {
+            panic!("a Lark grammar")
+        };
+        assert!(lark.contains("calls: call (\"\\n\" call)*"), "{lark}");
+    }
+
+    #[test]
+    fn a_conversation_is_written_for_the_format_its_functions_take() {
+        let conversation = || {
+            vec![
+                Message::new("system", "Operator text."),
+                Message::new("user", "Where is A-1?"),
+                Message {
+                    calls: vec![("order_status".into(), "{\"order\": \"A-1\"}".into())],
+                    ..Message::new("assistant", "")
+                },
+                Tools::result_message("order_status", "shipped"),
+            ]
+        };
+        // Generic: the functions in the conversation's system turn (after the operator's lead
+        // message), the call as the model writes it, the result a user turn.
+        let generic = tools(ToolChoice::Auto, true);
+        let mut m = conversation();
+        assert_eq!(lower(&mut m, 1, Some(&generic)), None);
+        assert_eq!((m[1].role.as_str(), m.len()), ("system", 5));
+        assert_eq!(m[1].content, generic.system_text());
+        assert_eq!(
+            m[3].content,
+            "{\"name\": \"order_status\", \"arguments\": {\"order\": \"A-1\"}}"
+        );
+        assert_eq!(
+            (m[4].role.as_str(), m[4].content.as_str()),
+            ("user", "The function order_status returned:\nshipped")
+        );
+        assert!(m.iter().all(|m| m.calls.is_empty()));
+        // Native: the functions go to the template, the result stays a `tool` message.
+        let native = tools(ToolChoice::Auto, true).for_template(Some(&llama31()));
+        let mut m = conversation();
+        let given = lower(&mut m, 1, Some(&native)).expect("the template's tools");
+        assert_eq!(given[0]["function"]["name"], "order_status");
+        assert_eq!(
+            given[1]["function"]["description"],
+            "Hands the chat to a human."
+        );
+        assert_eq!(m.len(), 4);
+        assert_eq!(
+            m[2].content,
+            "{\"name\": \"order_status\", \"parameters\": {\"order\": \"A-1\"}}"
+        );
+        assert_eq!(
+            (m[3].role.as_str(), m[3].name.as_deref()),
+            ("tool", Some("order_status"))
+        );
+        // No functions this turn: calls and results in the history still read as text.
+        let mut m = conversation();
+        assert_eq!(lower(&mut m, 1, None), None);
+        assert_eq!((m.len(), m[3].role.as_str()), (4, "user"));
     }
 }

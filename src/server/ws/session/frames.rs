@@ -160,7 +160,7 @@ impl Session {
         id: String,
         messages: Vec<Message>,
         params: crate::server::request::GenerateParams,
-        tools: Option<crate::server::request::tools::Tools>,
+        tools: Option<std::sync::Arc<crate::server::request::tools::Tools>>,
         replace_from: usize,
         ctx: &mut ws::WebsocketContext<Self>,
     ) {
@@ -174,7 +174,7 @@ impl Session {
         ) {
             Ok(mut chat) => {
                 if let Some(t) = tools {
-                    std::sync::Arc::new(t).apply(&mut chat);
+                    t.apply(&mut chat);
                 }
                 // A widget's functions (described in its operator text) may be called, unless
                 // the client asked for another format.
@@ -212,25 +212,11 @@ impl Session {
             self.identity.clone(),
             self.id,
         );
-        let (history, messages, key, format) = (
-            self.conversation[..replace_from].to_vec(),
-            chat.messages.clone(),
-            chat.cache_key.clone(),
-            chat.format.clone(),
-        );
+        let (history, request) = (self.conversation[..replace_from].to_vec(), chat.clone());
         // Until it is submitted, a parked session keeps it to start on resume.
         self.preparing = Some((chat.clone(), replace_from));
         actix_web::rt::task::spawn_blocking(move || {
-            chat_prompt(
-                &ready,
-                &state.tenants,
-                &identity,
-                &id,
-                &history,
-                &messages,
-                key.as_deref(),
-                &format,
-            )
+            chat_prompt(&ready, &state.tenants, &identity, &id, &history, &request)
         })
         .into_actor(self)
         .map(move |res, act, ctx| {

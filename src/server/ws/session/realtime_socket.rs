@@ -16,6 +16,7 @@ impl Session {
         let rules = Rules {
             session: &self.state.session,
             roles: self.identity.roles,
+            syntax: self.ready.tokenizer.call_syntax(),
         };
         let busy = self.current.is_some() || self.preparing.is_some();
         let action = rt

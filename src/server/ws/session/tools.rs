@@ -75,8 +75,8 @@ impl Session {
         chat.messages = vec![Tools::result_message(&w.name, &content)];
         match chat.tools.take() {
             // Out of calls: text (the model was told how to write a call; it may not now).
-            Some(_) if w.made >= self.state.session.limits.max_tool_calls => {
-                chat.format = Tools::text_only();
+            Some(t) if w.made >= self.state.session.limits.max_tool_calls => {
+                chat.format = t.text_only();
             }
             Some(t) => t.after_call().constrain(&mut chat),
             None => {}
