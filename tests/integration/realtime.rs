@@ -134,8 +134,33 @@ fn the_sdk_realtime_client_converses_cancels_and_is_told_audio_is_not_served() {
 #[test]
 fn the_sdk_realtime_client_calls_a_function_and_continues_from_its_output() {
     let _g = model_lock();
-    let app = spawn_app(Tiny::Tied.dir(), keyed());
-    let got = sdk(&app, KEY, "tools");
+    function_round_trip(&spawn_app(Tiny::Tied.dir(), keyed()));
+}
+
+/// The same with a model whose chat template takes `tools` (Llama 3.1's): the call is written
+/// in the template's format and its output goes back as the template's `tool` message, the
+/// events and the cached continuation the same.
+#[test]
+fn the_sdk_realtime_client_calls_a_function_of_a_template_that_takes_tools() {
+    let _g = model_lock();
+    let dir = crate::structured::llama31_tools_model();
+    let got = function_round_trip(&spawn_app(dir, keyed()));
+    // The first response's prompt is the template's rendering with the function (as
+    // realtime_client.py declares it), which a generic system turn would not be.
+    let tok = llama_relay::tokenizer::TextTokenizer::from_hf_dir(dir, &[]).unwrap();
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "order_status",
+        "description": "Looks up an order by its number.", "parameters": {"type": "object",
+        "properties": {"order": {"type": "string", "maxLength": 12}}, "required": ["order"],
+        "additionalProperties": false}}}]);
+    let user = [llama_relay::tokenizer::Message::new("user", QUESTION)];
+    let (text, ids) = tok.encode_chat_with(&user, Some(&tools), true).unwrap();
+    assert!(text.contains("\"parameters\": dictionary"), "{text}");
+    assert_eq!(got["call"]["input_tokens"], ids.len());
+}
+
+/// The SDK's function-call round trip (`realtime_client.py tools`), checked; what it reported.
+fn function_round_trip(app: &App) -> Value {
+    let got = sdk(app, KEY, "tools");
     assert_eq!(got["session_tools"], serde_json::json!(["order_status"]));
     let call = &got["call"];
     assert_eq!(call["item_type"], "function_call");
@@ -187,6 +212,7 @@ fn the_sdk_realtime_client_calls_a_function_and_continues_from_its_output() {
     assert_eq!(got["undeclared"]["type"], "error");
     assert_eq!(got["undeclared"]["param"], "response.tool_choice.name");
     assert_eq!(got["undeclared"]["event_id"], "ev9");
+    got
 }
 
 /// A wrong key is refused at the upgrade (401), with the SDK and in the browser form; a right

@@ -548,7 +548,7 @@ fn a_prefix_gives_its_api_key_clients_the_same_tools() {
 }
 
 /// The tiny model with Llama 3.1's chat template, which takes `tools`: unpacked once.
-fn llama31_tools_model() -> &'static std::path::Path {
+pub(crate) fn llama31_tools_model() -> &'static std::path::Path {
     static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     DIR.get_or_init(|| {
         let from = Tiny::Tied.dir();
