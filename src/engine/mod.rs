@@ -8,6 +8,7 @@ pub mod core;
 pub mod cost;
 pub mod loaded;
 pub mod scheduler;
+pub mod speculate;
 
 pub use crate::model::batch::{Logits, SeqChunk, StepBatch};
 pub use loaded::{Engine, EngineOptions};

@@ -17,6 +17,9 @@
 //!   last block included. A request whose cached run ends where a pin's full blocks end, and whose
 //!   next tokens are the pin's partial block, gets a fresh block with a copy of that block's slots
 //!   (vLLM v0's copy-on-write `blocks_to_copy`), so no principal recomputes the operator's text.
+//! - **Truncation** (`truncate`): a request cut back to the tokens it keeps (speculative drafts
+//!   the target rejected) frees the blocks past them; a kept partial block that is registered is
+//!   copied rather than written again, so a block another request shares never changes.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -405,6 +408,33 @@ impl KvManager {
         })
     }
 
+    /// Drops a request's positions from `tokens` on (the K/V of drafts the target rejected): the
+    /// blocks past them are freed, with any copy pending into them. A kept partial block that
+    /// was registered for the prefix cache (its K/V are valid for the tokens it was registered
+    /// with, and others may share it) is not written again: the request gets a fresh block with
+    /// a copy of its kept slots. When no block is free for that copy the request keeps only its
+    /// full blocks. The tokens kept (`tokens`, or fewer in that case).
+    pub fn truncate(&mut self, blocks: &mut SeqBlocks, tokens: usize) -> usize {
+        let bs = self.cfg.block_size;
+        let keep = blocks_for(tokens, bs).min(blocks.table.len());
+        let tail = blocks.table.split_off(keep);
+        self.copies.retain(|c| !tail.contains(&c.dst));
+        self.pool.release_table(&tail);
+        let (full, partial) = (tokens / bs, tokens % bs);
+        if blocks.hashes.len() <= full || partial == 0 {
+            blocks.hashes.truncate(full.min(keep));
+            return tokens.min(keep * bs);
+        }
+        // The kept partial block is registered: copy its kept slots to a block of its own.
+        blocks.hashes.truncate(full);
+        let shared = blocks.table[full];
+        blocks.table.truncate(full);
+        self.make_room(1);
+        let gained = self.copy_into_fresh_block(shared, partial, blocks);
+        self.pool.release_table(&[shared]);
+        full * bs + gained
+    }
+
     /// Frees a request's blocks, tail first (so its tail is evicted before its head), with any
     /// copy still pending into them.
     pub fn free(&mut self, blocks: SeqBlocks) {
@@ -656,6 +686,88 @@ mod tests {
         assert!(kv.allocate_slots(&mut b, tokens.len()));
         kv.cache_full_blocks(&mut b, tokens, tokens.len());
         b
+    }
+
+    #[test]
+    fn a_truncated_request_frees_its_tail_and_never_rewrites_a_registered_block() {
+        let mut kv = manager(8, 0);
+        let scope = CacheScope::private(Salt(1));
+        let tokens: Vec<u32> = (0..14).collect();
+        // 8 tokens accepted (two full blocks, registered), then 6 drafts run.
+        let mut b = computed(&mut kv, &tokens[..8], scope);
+        assert!(kv.allocate_slots(&mut b, 14));
+        assert_eq!((b.table().len(), kv.pool().free_count()), (4, 4));
+        // One draft kept: the fourth block goes; the third (tokens 8..12) was never registered
+        // (the core registers accepted tokens only), so it is kept as it is.
+        let third = b.table()[2];
+        assert_eq!(kv.truncate(&mut b, 9), 9);
+        assert_eq!(b.table().len(), 3);
+        assert_eq!(b.table()[2], third);
+        assert_eq!(kv.pool().free_count(), 5);
+        assert!(kv.take_copies().is_empty());
+        // Into a registered full block: a copy of its kept slots in a fresh block; the
+        // registered one is left to whoever shares it.
+        let second = b.table()[1];
+        assert_eq!(kv.truncate(&mut b, 6), 6);
+        assert_ne!(b.table()[1], second);
+        assert_eq!(
+            kv.take_copies(),
+            vec![BlockCopy {
+                src: second,
+                dst: b.table()[1],
+                slots: 2
+            }]
+        );
+        kv.check().unwrap();
+        kv.free(b);
+        kv.check().unwrap();
+        assert_eq!(kv.pool().free_count(), 8);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 128, rng_seed: proptest::test_runner::RngSeed::Fixed(39), ..Default::default() })]
+
+        /// Requests that grow by drafts and are cut back to what was kept, again and again,
+        /// beside a request that shares their prefix: the invariants hold after every step, the
+        /// kept blocks hold exactly the kept tokens, and everything comes back when they end.
+        #[test]
+        fn drafts_grown_and_cut_back_keep_the_invariants(
+            steps in proptest::collection::vec((1usize..7, 0usize..7), 1..40),
+            blocks in 6usize..24,
+        ) {
+            let mut kv = manager(blocks, 0);
+            let scope = CacheScope::private(Salt(1));
+            let tokens: Vec<u32> = (0..400).map(|i| i % 7).collect();
+            let mut b = SeqBlocks::new(scope);
+            let mut len = 0;
+            let mut sharer: Option<SeqBlocks> = None;
+            for (drafted, kept) in steps {
+                let grown = len + drafted;
+                if !kv.allocate_slots(&mut b, grown) {
+                    break;
+                }
+                let kept = len + kept.min(drafted);
+                let got = kv.truncate(&mut b, kept);
+                // Registered blocks hold accepted tokens only: a cut never reaches them.
+                proptest::prop_assert_eq!(got, kept);
+                proptest::prop_assert_eq!(b.table().len(), got.div_ceil(4));
+                kv.cache_full_blocks(&mut b, &tokens, got);
+                len = got;
+                kv.take_copies();
+                if sharer.is_none() && len >= 8 {
+                    let c = kv.computed_blocks(&tokens[..len + 1], scope, None);
+                    proptest::prop_assert!(c.tokens >= 4);
+                    sharer = Some(c.blocks);
+                }
+                kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
+            }
+            kv.free(b);
+            if let Some(s) = sharer {
+                kv.free(s);
+            }
+            kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
+            proptest::prop_assert_eq!(kv.pool().free_count(), blocks);
+        }
     }
 
     #[test]
