@@ -401,6 +401,7 @@ const EMBEDDED: &[(&str, &str)] = &[
     ("chat.js", include_str!("../../static/chat.js")),
     ("chat.css", include_str!("../../static/chat.css")),
     ("widget.js", include_str!("../../static/widget.js")),
+    ("favicon.svg", include_str!("../../static/favicon.svg")),
 ];
 
 fn mime_guess_from(name: &str) -> &'static str {

@@ -447,6 +447,59 @@ test("chat page fits a phone-sized screen", async () => {
   await context.close();
 });
 
+/** WCAG contrast ratio of two computed `rgb(...)` colours. */
+function contrast(a, b) {
+  const lum = (c) => {
+    const [r, g, bl] = c.match(/\d+(\.\d+)?/g).slice(0, 3).map((v) => {
+      const s = Number(v) / 255;
+      return s <= 0.03928 ? s / 12.92 : ((s + 0.055) / 1.055) ** 2.4;
+    });
+    return 0.2126 * r + 0.7152 * g + 0.0722 * bl;
+  };
+  const [hi, lo] = [lum(a), lum(b)].sort((x, y) => y - x);
+  return (hi + 0.05) / (lo + 0.05);
+}
+
+test("the chat page follows the system's light or dark theme, readable in both, with its favicon and no failed request", async () => {
+  for (const colorScheme of ["light", "dark"]) {
+    const context = await browser.newContext({ viewport: { width: 1100, height: 760 }, colorScheme });
+    const page = await context.newPage();
+    const errors = [];
+    const failed = [];
+    page.on("pageerror", (e) => errors.push(e.message));
+    page.on("response", (r) => { if (r.status() >= 400) failed.push(`${r.status()} ${r.url()}`); });
+    page.on("requestfailed", (r) => failed.push(`failed ${r.url()}`));
+    await page.goto(RELAY + "/");
+    await page.locator("#conn", { hasText: "connected" }).waitFor();
+    const icon = await page.evaluate(async () => {
+      const r = await fetch(document.querySelector("link[rel=icon]").href);
+      return { status: r.status, type: r.headers.get("content-type") };
+    });
+    assert.deepEqual(icon, { status: 200, type: "image/svg+xml" });
+    await page.locator("#input").fill("Say hello.");
+    await page.locator("#input").press("Enter");
+    await watchReply(page, "#log");
+    const c = await page.evaluate(() => {
+      const s = (sel, p = "color") => getComputedStyle(document.querySelector(sel))[p];
+      const bg = (sel) => s(sel, "backgroundColor");
+      return {
+        body: [s("body"), bg("body")], reply: [s("#log .assistant"), bg("#log .assistant")],
+        question: [s("#log .user"), bg("#log .user")], stats: [s("#log .assistant .stats"), bg("#log .assistant")],
+        input: [s("#input"), bg("#input")],
+      };
+    });
+    const dark = contrast(c.body[1], "rgb(0, 0, 0)") < 2;
+    assert.equal(dark, colorScheme === "dark", `${colorScheme}: body background ${c.body[1]}`);
+    for (const [what, [fg, bg]] of Object.entries(c)) {
+      assert.ok(contrast(fg, bg) >= 4.5, `${colorScheme} ${what}: ${fg} on ${bg} is ${contrast(fg, bg).toFixed(2)}:1`);
+    }
+    await page.screenshot({ path: path.join(ARTIFACTS, `chat-${colorScheme}.png`) });
+    assert.deepEqual(failed, []);
+    assert.deepEqual(errors, []);
+    await context.close();
+  }
+});
+
 // ---- The widget on a second origin -----------------------------------------------------------
 
 test("widget on an allowed origin opens, streams a reply, survives hostile host CSS and scripts", async () => {

@@ -167,6 +167,8 @@ fn chat_page_and_widget_in_chromium() {
     for shot in [
         "chat.png",
         "chat-midstream.png",
+        "chat-light.png",
+        "chat-dark.png",
         "widget-open.png",
         "widget-midstream.png",
         "widget-tool-call.png",
