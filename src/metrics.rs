@@ -21,6 +21,8 @@ pub struct Metrics {
     pub itl_target_misses: IntCounter,
     pub fairness_holds: IntCounter,
     pub ttft_deadline_steps: IntCounter,
+    pub spec_draft_tokens: IntCounter,
+    pub spec_accepted_tokens: IntCounter,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
@@ -155,6 +157,14 @@ impl Metrics {
             ttft_deadline_steps: counter(
                 "llama_relay_ttft_deadline_steps_total",
                 "Steps that ran past scheduler.itl_target_ms so that queued turns meet scheduler.ttft_target_ms",
+            ),
+            spec_draft_tokens: counter(
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Speculative draft tokens run (scheduler.speculate_tokens)",
+            ),
+            spec_accepted_tokens: counter(
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Speculative draft tokens the model's own choices agreed with (each a token gained)",
             ),
             kv_blocks_used: gauge("llama_relay_kv_blocks_used", "KV cache blocks in use"),
             kv_blocks_total: gauge("llama_relay_kv_blocks_total", "KV cache blocks in all"),

@@ -11,6 +11,7 @@ use std::collections::HashMap;
 
 use super::constraint::{Constraint, Mask};
 use super::scheduler::{AddError, Priority, Quota, RequestId, Scheduler, SchedulerConfig};
+use super::speculate::{DraftLength, NgramDrafter};
 use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
@@ -99,6 +100,19 @@ struct Decoding {
     /// Choices still to fork from this request's first sampled step.
     forks: Vec<(RequestId, Sampler)>,
     constraint: Option<Constraint>,
+    /// Its drafts' source and length, when it speculates.
+    spec: Option<(NgramDrafter, DraftLength)>,
+}
+
+/// Speculative decoding with n-gram drafts (`speculate`): how many drafts a decode may run, the
+/// n-gram lengths matched, and the most decoding requests a step may hold for drafts to run
+/// (past it a step is closer to compute-bound and drafts would cost throughput).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculation {
+    pub max_drafts: usize,
+    pub min_ngram: usize,
+    pub max_ngram: usize,
+    pub max_batch: usize,
 }
 
 impl Decoding {
@@ -131,6 +145,7 @@ pub struct Core<E: BorrowMut<Engine> = Engine> {
     eos: Vec<u32>,
     /// How long each grammar mask took, since `take_mask_seconds` last emptied it.
     mask_seconds: Vec<f64>,
+    speculation: Option<Speculation>,
 }
 
 impl<E: BorrowMut<Engine>> Core<E> {
@@ -146,7 +161,16 @@ impl<E: BorrowMut<Engine>> Core<E> {
             max_context,
             eos,
             mask_seconds: Vec::new(),
+            speculation: None,
         }
+    }
+
+    /// Speculates (`Some`) or not for requests added from now on. Greedy and sampled replies
+    /// alike: each row's token is sampled as it would be without drafts and a draft is kept
+    /// while it equals that token, so a reply is the one it would be without speculation (the
+    /// same seed gives the same tokens). A reply held to a grammar does not speculate.
+    pub fn set_speculation(&mut self, s: Option<Speculation>) {
+        self.speculation = s.filter(|s| s.max_drafts > 0);
     }
 
     pub fn engine(&self) -> &Engine {
@@ -205,6 +229,14 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 lease: r.lease,
                 logprobs: r.logprobs,
                 forks,
+                spec: (self.speculation)
+                    .filter(|_| r.constraint.is_none())
+                    .map(|s| {
+                        (
+                            NgramDrafter::new(s.min_ngram, s.max_ngram),
+                            DraftLength::new(s.max_drafts),
+                        )
+                    }),
                 constraint: r.constraint,
             },
         );
@@ -272,6 +304,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             lease: None,
             logprobs: p.logprobs,
             forks: Vec::new(),
+            spec: (p.spec.as_ref()).map(|(d, l)| (d.clone(), l.clone())),
             constraint,
         };
         events.push(Event::Started {
@@ -304,8 +337,87 @@ impl<E: BorrowMut<Engine>> Core<E> {
         events.push(Event::Failed { id, error });
     }
 
+    /// Sets the drafts of each speculating request that decodes next: none while more requests
+    /// run than `max_batch`, and never past its `max_tokens` or the context.
+    fn plan_drafts(&mut self) {
+        let Some(cfg) = self.speculation else {
+            return;
+        };
+        let busy = self.sched.running_len() > cfg.max_batch;
+        for (id, d) in self.live.iter_mut() {
+            let Some((drafter, length)) = d.spec.as_mut() else {
+                continue;
+            };
+            let Some(s) = self.sched.get(*id) else {
+                continue;
+            };
+            if s.computed == 0 || s.computed + 1 != s.tokens.len() {
+                continue;
+            }
+            let room = (d.max_tokens.saturating_sub(d.generated))
+                .min(self.max_context.saturating_sub(s.tokens.len()))
+                .saturating_sub(1);
+            let k = if busy {
+                0
+            } else {
+                length.this_step().min(room)
+            };
+            let drafts = if k > 0 {
+                drafter.draft(&s.tokens, k)
+            } else {
+                Vec::new()
+            };
+            self.sched.set_drafts(*id, drafts);
+        }
+    }
+
+    /// Samples the rows of a request that ran `drafts` after its last token: each row's token
+    /// as a step without drafts would sample it, kept while it equals the draft before it; the
+    /// first that differs (or the row after the last draft) is the step's last token.
+    fn verify(
+        &mut self,
+        id: RequestId,
+        drafts: &[u32],
+        rows: Vec<Vec<f32>>,
+        events: &mut Vec<Event>,
+    ) {
+        let Some(d) = self.live.get_mut(&id) else {
+            return;
+        };
+        for (i, mut row) in rows.into_iter().enumerate() {
+            let raw = d.logprobs.is_some().then(|| row.clone());
+            let token = d.sampler.sample(&mut row);
+            d.sampler.observe(token);
+            d.generated += 1;
+            let logprobs =
+                (d.logprobs.zip(raw.as_deref())).map(|(k, raw)| log_probs(raw, token, k));
+            events.push(Event::Token {
+                id,
+                token,
+                logprobs,
+            });
+            let kept = drafts.get(i) == Some(&token);
+            let finish = d.finish_reason(token, &self.eos, self.max_context);
+            if finish.is_some() || !kept {
+                if let Some((_, length)) = d.spec.as_mut() {
+                    length.record(drafts.len(), i);
+                }
+                self.sched.resolve_drafts(id, i);
+                match finish {
+                    Some(reason) => {
+                        self.finish(id);
+                        events.push(Event::Finished { id, reason });
+                    }
+                    None => self.sched.append(id, token),
+                }
+                return;
+            }
+        }
+    }
+
     /// Runs one step: `Ok(None)` when there is nothing to run.
     pub fn step(&mut self) -> Result<Option<Vec<Event>>, StepFailed> {
+        self.plan_drafts();
         let Some(sch) = self.sched.schedule() else {
             return Ok(None);
         };
@@ -392,8 +504,19 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 reason: Finish::Prefilled,
             });
         }
+        let mut drafted: HashMap<RequestId, Vec<u32>> = sch.drafted.into_iter().collect();
+        let mut rows = rows.into_iter();
         let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
-        for (id, mut row) in sampled.zip(rows) {
+        for id in sampled {
+            let drafts = drafted.remove(&id).unwrap_or_default();
+            if !drafts.is_empty() {
+                let own: Vec<Vec<f32>> = rows.by_ref().take(drafts.len() + 1).collect();
+                self.verify(id, &drafts, own, &mut events);
+                continue;
+            }
+            let Some(mut row) = rows.next() else {
+                break;
+            };
             let Some(d) = self.live.get_mut(&id) else {
                 continue;
             };

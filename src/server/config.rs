@@ -124,6 +124,27 @@ impl Settings {
                 "0 (off) to 60000",
             ));
         }
+        if c.speculate_tokens > 16 {
+            return Err(invalid(
+                "scheduler.speculate_tokens",
+                c.speculate_tokens,
+                "0 (off) to 16",
+            ));
+        }
+        if c.speculate_min_ngram == 0 || c.speculate_min_ngram > c.speculate_max_ngram {
+            return Err(invalid(
+                "scheduler.speculate_min_ngram",
+                c.speculate_min_ngram,
+                "1 to scheduler.speculate_max_ngram",
+            ));
+        }
+        if c.speculate_max_ngram > 16 {
+            return Err(invalid(
+                "scheduler.speculate_max_ngram",
+                c.speculate_max_ngram,
+                "scheduler.speculate_min_ngram to 16",
+            ));
+        }
         if c.ttft_target_ms > 60_000 {
             return Err(invalid(
                 "scheduler.ttft_target_ms",
@@ -232,6 +253,14 @@ impl Settings {
                 lease_tokens_total: self.cache.lease_tokens_total,
             },
             lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
+            speculation: (self.scheduler.speculate_tokens > 0).then_some(
+                crate::engine::core::Speculation {
+                    max_drafts: self.scheduler.speculate_tokens,
+                    min_ngram: self.scheduler.speculate_min_ngram,
+                    max_ngram: self.scheduler.speculate_max_ngram,
+                    max_batch: self.scheduler.speculate_max_batch,
+                },
+            ),
             max_context: self.engine.max_context,
             max_queued_frames: self.server.max_queued_frames,
             on_failure: None,

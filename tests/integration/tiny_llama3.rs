@@ -416,3 +416,124 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
     core.scheduler().kv().check().unwrap();
     assert_eq!(core.scheduler().kv().pool().used_count(), 0);
 }
+
+/// Speculative decoding changes no reply: several requests at once (greedy, sampled with a seed,
+/// with penalties, with logprobs), run with and without n-gram drafts, give the same tokens and
+/// log-probabilities; drafts ran and some were kept (the random model repeats itself, which is
+/// what n-gram drafts find); the KV manager's invariants hold and every block comes back.
+#[test]
+fn speculation_leaves_every_reply_as_it_was() {
+    use llama_relay::engine::core::{Core, Event, Request, Speculation};
+    use llama_relay::engine::scheduler::{RequestId, SchedulerConfig};
+    use llama_relay::kv_cache::manager::KvConfig;
+    use llama_relay::kv_cache::{CacheScope, Salt};
+    use llama_relay::sampler::SamplingParams;
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load(16);
+    let greedy = SamplingParams::default();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        seed: Some(39),
+        ..Default::default()
+    };
+    let penalized = SamplingParams {
+        repetition_penalty: 1.3,
+        frequency_penalty: 0.2,
+        ..Default::default()
+    };
+    // Prompts that quote themselves, so drafts have something to find.
+    let quote: Vec<u32> = (0..24).map(|i| 300 + (i % 8) * 11).collect();
+    let prompts: Vec<(Vec<u32>, SamplingParams, usize, Option<usize>)> = vec![
+        (quote.clone(), greedy.clone(), 40, None),
+        ([&quote[..], &[7, 8, 9][..]].concat(), sampled, 33, None),
+        ((1000..1030).collect(), penalized, 29, None),
+        ([&quote[4..], &quote[..9]].concat(), greedy, 37, Some(3)),
+    ];
+    let run = |e: &mut llama_relay::engine::Engine, spec: Option<Speculation>| {
+        let sched = SchedulerConfig {
+            max_running: 8,
+            max_waiting: 8,
+            step_tokens: 512,
+            itl_target: None,
+            ttft_target: None,
+        };
+        let kv = KvConfig {
+            block_size: 16,
+            prefix_caching: true,
+            lease_tokens_per_session: 0,
+            lease_tokens_total: 0,
+        };
+        let mut core = Core::new(&mut *e, sched, kv, 2048);
+        core.set_speculation(spec);
+        for (i, (prompt, sampling, max_tokens, logprobs)) in prompts.iter().enumerate() {
+            core.add(Request {
+                id: RequestId(i as u64),
+                prompt: prompt.clone(),
+                sampling: sampling.clone(),
+                max_tokens: *max_tokens,
+                ignore_eos: true,
+                priority: Default::default(),
+                scope: CacheScope::private(Salt(i as u64)),
+                lease: None,
+                logprobs: *logprobs,
+                forks: Vec::new(),
+                quota: Default::default(),
+                constraint: None,
+            })
+            .unwrap();
+        }
+        let mut out: std::collections::BTreeMap<u64, Vec<(u32, Option<f32>)>> = Default::default();
+        let mut steps = 0;
+        while let Some(events) = core.step().unwrap() {
+            steps += 1;
+            core.scheduler().kv().check().unwrap();
+            for ev in events {
+                if let Event::Token {
+                    id,
+                    token,
+                    logprobs,
+                } = ev
+                {
+                    out.entry(id.0)
+                        .or_default()
+                        .push((token, logprobs.map(|l| l.logprob)));
+                }
+            }
+        }
+        let stats = core.scheduler().stats();
+        assert_eq!(core.scheduler().kv().pool().used_count(), 0);
+        core.into_engine();
+        (out, steps, stats.drafted_tokens, stats.accepted_tokens)
+    };
+    let (plain, plain_steps, drafted, _) = run(&mut e, None);
+    assert_eq!(drafted, 0);
+    let spec = Speculation {
+        max_drafts: 4,
+        min_ngram: 1,
+        max_ngram: 3,
+        max_batch: 8,
+    };
+    let (fast, fast_steps, drafted, accepted) = run(&mut e, Some(spec));
+    for (id, want) in &plain {
+        let got = &fast[id];
+        assert_eq!(got.len(), want.len(), "request {id}");
+        for (j, ((t, l), (wt, wl))) in got.iter().zip(want).enumerate() {
+            assert_eq!(t, wt, "request {id}, token {j}");
+            if let (Some(l), Some(wl)) = (l, wl) {
+                assert!(
+                    (l - wl).abs() < 1e-3,
+                    "request {id}, token {j}: {l} vs {wl}"
+                );
+            }
+        }
+    }
+    assert!(
+        drafted > 0 && accepted > 0,
+        "drafted {drafted}, kept {accepted}"
+    );
+    assert!(
+        fast_steps < plain_steps,
+        "kept drafts save steps: {fast_steps} vs {plain_steps}"
+    );
+}

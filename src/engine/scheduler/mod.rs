@@ -74,6 +74,10 @@ pub struct SchedulerStats {
     /// Steps that ran past the step-time target so that queued turns meet their first-token
     /// target (`deadline`).
     pub deadline_steps: u64,
+    /// Speculative drafts run, and those kept (vLLM's `spec_decode_num_draft_tokens` and
+    /// `spec_decode_num_accepted_tokens`).
+    pub drafted_tokens: u64,
+    pub accepted_tokens: u64,
 }
 
 impl SchedulerStats {
@@ -88,6 +92,8 @@ impl SchedulerStats {
             prefill_tokens: self.prefill_tokens.saturating_sub(earlier.prefill_tokens),
             holds: self.holds.saturating_sub(earlier.holds),
             deadline_steps: self.deadline_steps.saturating_sub(earlier.deadline_steps),
+            drafted_tokens: self.drafted_tokens.saturating_sub(earlier.drafted_tokens),
+            accepted_tokens: self.accepted_tokens.saturating_sub(earlier.accepted_tokens),
         }
     }
 }
@@ -134,6 +140,9 @@ pub struct Scheduler {
     holds: u64,
     /// Steps stretched for first-token deadlines, in all.
     deadline_steps: u64,
+    /// Speculative drafts run and kept, in all.
+    drafted_tokens: u64,
+    accepted_tokens: u64,
 }
 
 impl Scheduler {
@@ -159,6 +168,8 @@ impl Scheduler {
             held_last: false,
             holds: 0,
             deadline_steps: 0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         }
     }
 
@@ -221,6 +232,8 @@ impl Scheduler {
             prefill_tokens: self.prefill_tokens,
             holds: self.holds,
             deadline_steps: self.deadline_steps,
+            drafted_tokens: self.drafted_tokens,
+            accepted_tokens: self.accepted_tokens,
         }
     }
 
@@ -248,6 +261,7 @@ impl Scheduler {
         let mut s = self.running.remove(i);
         self.kv.free(s.blocks.take());
         s.computed = 0;
+        s.drafts.clear();
         self.preemptions += 1;
         let id = s.id;
         self.waiting.push_front(s);
@@ -290,19 +304,31 @@ impl Scheduler {
                 .iter_mut()
                 .find(|s| s.id == *id)
                 .expect("a decode id is running");
+            let mut tokens = vec![*s.tokens.last().expect("a decoding request has tokens")];
+            tokens.extend_from_slice(&s.drafts);
+            let n = tokens.len();
             out.batch.seqs.push(SeqChunk {
-                tokens: vec![*s.tokens.last().expect("a decoding request has tokens")],
+                tokens,
                 start_pos: s.computed,
                 block_table: s.blocks.table().to_vec(),
-                logits: Logits::Last,
+                logits: if n > 1 { Logits::All } else { Logits::Last },
             });
             out.entries.push(Entry {
                 id: s.id,
                 sample: true,
             });
-            b.shape.add_run(s.computed, 1);
-            s.computed += 1;
-            b.tokens = b.tokens.saturating_sub(1);
+            if n > 1 {
+                out.drafted.push((s.id, s.drafts.clone()));
+            }
+            b.shape.add_run(s.computed, n);
+            s.computed += n;
+            b.tokens = b.tokens.saturating_sub(n);
+        }
+        // Drafts of requests that do not decode this step are dropped.
+        for s in &mut self.running {
+            if !s.drafts.is_empty() && !decoding.contains(&s.id) {
+                s.drafts.clear();
+            }
         }
         if !decoding.is_empty() {
             let safety = self.safety();
@@ -328,7 +354,8 @@ impl Scheduler {
         if itl_limit.is_some_and(|l| self.cost.predict(&b.shape) > l) {
             self.itl_misses += 1;
         }
-        self.prefill_tokens += (out.batch.num_tokens() - decoding.len()) as u64;
+        let drafted: usize = out.drafted.iter().map(|(_, d)| d.len()).sum();
+        self.prefill_tokens += (out.batch.num_tokens() - decoding.len() - drafted) as u64;
         out.shape = b.shape;
         out.copies = self.kv.take_copies();
         out
@@ -377,7 +404,10 @@ impl Scheduler {
                 continue;
             };
             let s = &mut self.running[pos];
-            if self.kv.allocate_slots(&mut s.blocks, s.tokens.len()) {
+            if self
+                .kv
+                .allocate_slots(&mut s.blocks, s.tokens.len() + s.drafts.len())
+            {
                 i += 1;
                 continue;
             }

@@ -78,6 +78,8 @@ pub struct Sequence {
     pub(super) arrived: std::time::Instant,
     /// Its prompt's length: the tokens after it are its reply.
     pub(super) prompt_len: usize,
+    /// Speculative drafts to run after its last token in its next decode (`set_drafts`).
+    pub(super) drafts: Vec<u32>,
     /// Prompt tokens the prefix cache held when the plan last looked, before admission
     /// (`KvManager::cached_len`): how much prefill it will need.
     pub(super) cached_estimate: Option<usize>,
@@ -108,6 +110,7 @@ impl Sequence {
             paused: false,
             arrived,
             cached_estimate: None,
+            drafts: Vec::new(),
         }
     }
 
@@ -171,6 +174,9 @@ pub struct Scheduled {
     pub shape: StepShape,
     /// The step runs past the step-time target for queued turns' first tokens (`deadline`).
     pub stretched: bool,
+    /// Decodes that run speculative drafts after their last token, with those drafts: such an
+    /// entry has a row of logits for its last token and one for each draft.
+    pub drafted: Vec<(RequestId, Vec<u32>)>,
 }
 
 /// Prompt tokens looked up in the prefix cache at first admission, and found.
@@ -315,6 +321,31 @@ impl Scheduler {
         if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
             s.tokens.push(token);
         }
+    }
+
+    /// Speculative drafts for running request `id`'s next decode: run after its last token in
+    /// the same chunk, each with its logits. They are not its tokens until `resolve_drafts`
+    /// keeps them. Cleared if the request does not decode in the next step.
+    pub fn set_drafts(&mut self, id: RequestId, drafts: Vec<u32>) {
+        if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
+            s.drafts = drafts;
+        }
+    }
+
+    /// After the step that ran request `id`'s drafts: the first `accepted` become its tokens,
+    /// and the K/V of the rest are dropped (`KvManager::truncate`). Call before `append`,
+    /// `finish` or anything else of the request's.
+    pub fn resolve_drafts(&mut self, id: RequestId, accepted: usize) {
+        let Some(s) = self.running.iter_mut().find(|s| s.id == id) else {
+            return;
+        };
+        let drafts = std::mem::take(&mut s.drafts);
+        let accepted = accepted.min(drafts.len());
+        s.tokens.extend_from_slice(&drafts[..accepted]);
+        s.computed -= drafts.len() - accepted;
+        s.computed = self.kv.truncate(&mut s.blocks, s.computed);
+        self.drafted_tokens += drafts.len() as u64;
+        self.accepted_tokens += accepted as u64;
     }
 
     /// Adds `child`, another choice of running request `parent`'s prompt, in the step that

@@ -87,6 +87,8 @@ pub struct BatcherConfig {
     pub max_context: usize,
     /// How long a session's lease outlives its connection.
     pub lease_grace: Duration,
+    /// Speculative decoding (`None`: off).
+    pub speculation: Option<crate::engine::core::Speculation>,
     /// Events a client may leave untaken before its reply is cancelled (`slow_reader`).
     pub max_queued_frames: usize,
     /// Called once, on the batcher's thread, when the engine fails for good (a panic, or
@@ -165,8 +167,10 @@ pub struct Batcher {
 impl Batcher {
     pub fn new(engine: Engine, cfg: BatcherConfig, metrics: Arc<Metrics>) -> Self {
         metrics.kv_blocks_total.set(engine.pool.total() as i64);
+        let mut core = Core::new(engine, cfg.scheduler, cfg.kv, cfg.max_context);
+        core.set_speculation(cfg.speculation);
         Batcher {
-            core: Core::new(engine, cfg.scheduler, cfg.kv, cfg.max_context),
+            core,
             active: HashMap::new(),
             stepping: false,
             drain_deadline: None,
@@ -219,6 +223,8 @@ impl Batcher {
         m.prefill_tokens.inc_by(d.prefill_tokens);
         m.fairness_holds.inc_by(d.holds);
         m.ttft_deadline_steps.inc_by(d.deadline_steps);
+        m.spec_draft_tokens.inc_by(d.drafted_tokens);
+        m.spec_accepted_tokens.inc_by(d.accepted_tokens);
     }
 
     /// Ends `lease`'s draft, if one runs: the lease keeps what it computed.

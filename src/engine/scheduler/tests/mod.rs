@@ -108,6 +108,44 @@ fn decodes_first_then_prefill_chunks_within_budget() {
 }
 
 #[test]
+fn drafts_run_after_the_last_token_and_only_the_kept_ones_stay() {
+    let mut s = caching(16, 0, 0);
+    s.add(id(1), vec![1, 2, 3, 4, 5], 40, scope(0)).unwrap();
+    s.add(id(2), vec![9; 3], 40, scope(0)).unwrap();
+    step(&mut s); // both prefill and sample a token: 6 and 4 tokens, 5 and 3 computed
+    s.set_drafts(id(1), vec![20, 21, 22]);
+    // Drafts for a request that does not decode this step are dropped with it.
+    s.set_paused(id(2), true);
+    s.set_drafts(id(2), vec![30]);
+    let out = s.schedule().expect("work");
+    assert_eq!(entries(&out), vec![(1, true)]);
+    assert_eq!(out.batch.seqs[0].tokens, vec![7, 20, 21, 22]);
+    assert_eq!(out.batch.seqs[0].start_pos, 5);
+    assert_eq!(out.batch.seqs[0].logits, Logits::All);
+    assert_eq!(out.drafted, vec![(id(1), vec![20, 21, 22])]);
+    assert_eq!(
+        s.kv().pool().used_count(),
+        3 + 1,
+        "9 slots: 3 blocks, and request 2's"
+    );
+    // The model kept one draft: its tokens gain it, the rest of the K/V is dropped.
+    s.resolve_drafts(id(1), 1);
+    let r = s.get(id(1)).unwrap();
+    assert_eq!((r.tokens.len(), r.computed), (7, 7));
+    assert_eq!(&r.tokens[5..], &[7, 20]);
+    assert_eq!(s.kv().pool().used_count(), 2 + 1);
+    s.append(id(1), 40);
+    s.set_paused(id(2), false);
+    let next = s.schedule().expect("work");
+    assert_eq!(next.batch.seqs[0].tokens, vec![40]);
+    assert_eq!(next.batch.seqs[0].start_pos, 7);
+    assert!(next.drafted.is_empty());
+    let stats = s.stats();
+    assert_eq!((stats.drafted_tokens, stats.accepted_tokens), (3, 1));
+    s.kv().check().unwrap();
+}
+
+#[test]
 fn queue_bound_and_size_bound() {
     let mut s = sched(4, 1, 8);
     assert_eq!(
