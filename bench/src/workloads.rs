@@ -40,6 +40,10 @@ pub enum Workload {
     /// alternating): TTFT, gaps and aggregate each way, then the grammar's mask and compile times
     /// from the server's metrics.
     Structured(StructuredArgs),
+    /// Speculative decoding: `--users` users whose replies quote their prompt's policy text,
+    /// against two servers started here (n-gram drafts off and on), `--pairs` pairs with the
+    /// order alternating; aggregate tok/s and gaps each way and their ratio.
+    Quote(QuoteArgs),
     /// Through a load balancer (`--url`): conversations of `--turns` turns, a new connection
     /// each turn with `?conversation=ID`, resuming or restoring where it lands
     /// (deploy/local-cluster.sh).
@@ -63,6 +67,7 @@ impl Workload {
             Workload::Typeahead(a) => a.server.url.is_none(),
             Workload::Paced(a) => a.server.url.is_none(),
             Workload::Structured(a) => a.server.url.is_none(),
+            Workload::Quote(_) => true,
             Workload::Cluster(_) | Workload::Soak(_) => false,
         }
     }
@@ -78,6 +83,7 @@ impl Workload {
             Workload::Typeahead(a) => typeahead(settings, opts, a),
             Workload::Paced(a) => paced(settings, opts, a),
             Workload::Structured(a) => structured(settings, opts, a),
+            Workload::Quote(a) => quote(settings, opts, a),
             Workload::Cluster(a) => cluster(a),
             Workload::Soak(a) => crate::soak::main(a),
         }
@@ -262,6 +268,77 @@ pub struct StructuredArgs {
 }
 
 #[derive(Args)]
+pub struct QuoteArgs {
+    /// Concurrent users, each user count a set of pairs.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub users: Vec<usize>,
+    /// Rounds per user count: speculation off and on, each going first in turn.
+    #[arg(long, default_value_t = 3)]
+    pub pairs: usize,
+    /// Requests per run; 0 = 2 per user.
+    #[arg(long, default_value_t = 0)]
+    pub requests: usize,
+    /// New tokens per request (greedy, end-of-turn ignored; the quotation is about 80).
+    #[arg(long, default_value_t = 80)]
+    pub max_tokens: usize,
+    /// Drafts a decode may run (`scheduler.speculate_tokens` of the second server).
+    #[arg(long, default_value_t = 4)]
+    pub drafts: usize,
+}
+
+/// Two servers in this process, n-gram speculation off and on (everything else the same), the
+/// same quoting users against each, alternating.
+fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::Result<()> {
+    let max_users = a.users.iter().copied().max().unwrap_or(1);
+    settings.server.port = 0;
+    settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
+    actix_web::rt::System::new().block_on(async move {
+        let mut urls = Vec::new();
+        for drafts in [0, a.drafts] {
+            settings.scheduler.speculate_tokens = drafts;
+            urls.push(start_in_process(&settings, opts.clone()).await?);
+        }
+        for &users in &a.users {
+            let mut aggregate: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+            let mut itl: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+            for pair in 0..a.pairs {
+                let order: [usize; 2] = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
+                for which in order {
+                    print!("{:<15} ", ["speculation off", "speculation on"][which]);
+                    let cfg = load::BenchConfig {
+                        api: load::Api::WebSocket,
+                        api_key: None,
+                        run: rand::random(),
+                        url: urls[which].clone(),
+                        users,
+                        requests: if a.requests == 0 { 2 * users } else { a.requests },
+                        prompt_words: 0,
+                        max_tokens: a.max_tokens,
+                        response_format: None,
+                        quote: true,
+                    };
+                    let r = load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
+                    itl[which].push(r[2] * 1e3);
+                    aggregate[which].push(r[4]);
+                }
+            }
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (off, on) = (median(&mut aggregate[0]), median(&mut aggregate[1]));
+            let (g_off, g_on) = (median(&mut itl[0]), median(&mut itl[1]));
+            println!(
+                "quote | users {users:>3} | medians of {} pairs: {off:.1} -> {on:.1} tok/s aggregate ({:.2}x), ITL p50 {g_off:.1} -> {g_on:.1} ms",
+                a.pairs,
+                on / off
+            );
+        }
+        Ok(())
+    })
+}
+
+#[derive(Args)]
 pub struct PacedArgs {
     #[command(flatten)]
     pub server: Server,
@@ -387,6 +464,7 @@ fn throughput(
                     prompt_words: a.prompt_words,
                     max_tokens: a.max_tokens,
                     response_format: None,
+                    quote: false,
                 };
                 load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
             }
@@ -516,6 +594,7 @@ fn overhead(mut settings: Settings, opts: EngineOptions, a: OverheadArgs) -> any
             prompt_words: a.prompt_words,
             max_tokens: a.max_tokens,
             response_format: None,
+            quote: false,
         };
         // The server's first stream, unmeasured.
         load::run(cfg.clone())
@@ -835,6 +914,7 @@ fn structured(
                         prompt_words: a.prompt_words,
                         max_tokens: a.max_tokens,
                         response_format: format,
+                        quote: false,
                     };
                     load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
                 }

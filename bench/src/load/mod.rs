@@ -79,6 +79,8 @@ pub struct BenchConfig {
     pub max_tokens: usize,
     /// Each request's `response_format` (none: free text).
     pub response_format: Option<Value>,
+    /// Prompts that ask for a quotation of text they hold (`quote_prompt`) instead of filler.
+    pub quote: bool,
 }
 
 /// Percentile of sorted values (nearest rank).
@@ -104,6 +106,20 @@ pub fn prompt(user: usize, req: usize, words: usize) -> String {
     s
 }
 
+/// A support question whose answer quotes its context: a policy (its opening unique to (user,
+/// request)) and the request to repeat it word for word, as a support reply quotes what it was
+/// given.
+pub fn quote_prompt(user: usize, req: usize) -> String {
+    format!(
+        "Copy the following text exactly, word for word:\n\nPolicy {req}-{user}. Returns: \
+         unused items may be returned within 30 days of delivery with the original receipt for a \
+         full refund to the original payment method. Opened items may be exchanged for store \
+         credit within 14 days. Shipping costs are refunded only when the item arrived damaged or \
+         was not what was ordered. Refunds are issued within five business days after the \
+         returned item reaches our warehouse in Portland, Oregon."
+    )
+}
+
 async fn user(
     cfg: BenchConfig,
     user: usize,
@@ -117,7 +133,12 @@ async fn user(
             break;
         }
         let id = format!("u{user}r{n}");
-        let mut frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": prompt(user, n, cfg.prompt_words)}],
+        let content = if cfg.quote {
+            quote_prompt(user, n)
+        } else {
+            prompt(user, n, cfg.prompt_words)
+        };
+        let mut frame = json!({"type": "chat", "id": id, "messages": [{"role": "user", "content": content}],
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
         if let Some(f) = &cfg.response_format {
             frame["params"]["response_format"] = f.clone();
