@@ -5,6 +5,12 @@
 //! the tests all run the same scheduling, block bookkeeping and sampling (vLLM v1's `EngineCore`
 //! in shape). No actors: the batcher adds messages, request timings and metrics; the core times
 //! each forward pass only to teach the scheduler's cost model.
+//!
+//! With speculation on (`set_speculation`), a decoding reply's n-gram drafts (`speculate`) run
+//! after its last token in the same chunk; its rows are sampled in order exactly as single
+//! decodes would sample them, and drafts count only while they equal what was sampled, so a
+//! reply is the same with speculation as without; the scheduler then drops the rest of the
+//! chunk's K/V (`Scheduler::resolve_drafts`).
 
 use std::borrow::BorrowMut;
 use std::collections::HashMap;

@@ -646,3 +646,43 @@ fn a_stream_keeps_receiving_deltas_while_a_long_prompt_prefills() {
         app.wait_idle().await;
     });
 }
+
+/// Speculative decoding through the server on the default model: a reply that copies its
+/// prompt's text is the same with n-gram drafts as without (greedy, stop strings honoured the
+/// same), most drafts are kept (SmolLM2 copies nearly word for word), and the counters say so.
+#[test]
+fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
+    use crate::openai::metric;
+    let _g = model_lock();
+    let model = llama_relay::default_model::ensure_default_model().unwrap();
+    let text = "Copy the following text exactly, word for word:\n\nReturns: unused items may be \
+        returned within 30 days of delivery with the original receipt for a full refund. Opened \
+        items may be exchanged for store credit within 14 days.";
+    let reply = |speculate: usize| {
+        let app = spawn_app(&model, |s| s.scheduler.speculate_tokens = speculate);
+        let mut out = (String::new(), String::new());
+        run(async {
+            let mut c = app.connect().await;
+            c.chat("q", text, greedy(60)).await;
+            let full = c.reply("q").await;
+            c.send(json!({"type": "reset"})).await;
+            let params = json!({"temperature": 0, "max_tokens": 60, "stop": ["store credit"]});
+            c.chat("cut", text, params).await;
+            out = (full.text, c.reply("cut").await.text);
+            app.wait_idle().await;
+        });
+        let drafted = metric(&app, "vllm:spec_decode_num_draft_tokens_total");
+        let kept = metric(&app, "vllm:spec_decode_num_accepted_tokens_total");
+        (out, drafted, kept)
+    };
+    let (plain, drafted, _) = reply(0);
+    assert_eq!(drafted, 0.0);
+    let (fast, drafted, kept) = reply(4);
+    assert_eq!(fast, plain);
+    assert!(plain.0.contains("30 days of delivery"), "{}", plain.0);
+    assert!(!plain.1.contains("store credit"), "{}", plain.1);
+    assert!(
+        drafted > 0.0 && kept > drafted / 2.0,
+        "{kept} of {drafted} drafts kept"
+    );
+}
