@@ -71,6 +71,17 @@ fn build(
     described: Option<&Tools>,
     open: bool,
 ) -> Result<Prompt, RequestError> {
+    // Functions' descriptions are written where a system prompt is (the system turn, or the
+    // template's place for tools): only a client that may send system text may declare them.
+    if described.is_some_and(|t| !t.tools.is_empty()) && !identity.roles.allows("system") {
+        return Err(RequestError::invalid(
+            Field::Wire("tools".into()),
+            format!(
+                "declares functions, whose descriptions are system text: this client may send only {} messages",
+                identity.roles.names()
+            ),
+        ));
+    }
     for (i, m) in new.iter().enumerate() {
         // A function's result is the client's turn, as a user message is.
         let role = if m.role == "tool" { "user" } else { &m.role };
