@@ -111,10 +111,8 @@ fn strftime_now(fmt: String) -> String {
 }
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=indent)`: `", "` and `": "` on one
-/// line, `","` and newlines with an indent. Where the text of a special token (`specials`)
-/// appears (only inside strings: JSON's own characters spell none), its first character is
-/// written as a `\uXXXX` escape: the same JSON, tokenized as text.
-pub fn python_json(v: &Value, indent: Option<usize>, specials: &[String]) -> String {
+/// line, `","` and newlines with an indent.
+pub fn python_json(v: &Value, indent: Option<usize>) -> String {
     let mut out = Vec::new();
     match indent {
         Some(n) => {
@@ -128,22 +126,21 @@ pub fn python_json(v: &Value, indent: Option<usize>, specials: &[String]) -> Str
             v.serialize(&mut ser).expect("a JSON value serializes");
         }
     }
-    let mut s = String::from_utf8(out).expect("JSON is UTF-8");
-    for t in specials {
-        let Some(c) = t.chars().next() else { continue };
-        if s.contains(t.as_str()) {
-            let mut units = [0u16; 2];
-            let esc: String = (c.encode_utf16(&mut units).iter())
-                .map(|u| format!("\\u{u:04x}"))
-                .collect();
-            s = s.replace(t.as_str(), &format!("{esc}{}", &t[c.len_utf8()..]));
-        }
-    }
-    s
+    String::from_utf8(out).expect("JSON is UTF-8")
 }
 
 /// serde_json's compact form with Python's default separators.
 struct PythonCompact;
+
+impl PythonCompact {
+    fn comma<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
+        if first {
+            Ok(())
+        } else {
+            w.write_all(b", ")
+        }
+    }
+}
 
 impl serde_json::ser::Formatter for PythonCompact {
     fn begin_array_value<W: ?Sized + std::io::Write>(
@@ -151,25 +148,56 @@ impl serde_json::ser::Formatter for PythonCompact {
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        Self::comma(w, first)
     }
     fn begin_object_key<W: ?Sized + std::io::Write>(
         &mut self,
         w: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
+        Self::comma(w, first)
     }
     fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
         w.write_all(b": ")
+    }
+}
+
+/// Writes the texts of special tokens found in JSON with their first character as a `\uXXXX`
+/// escape: the same JSON, tokenized as text. (In JSON they can only be inside strings: JSON's
+/// own characters spell none.) One pass over the text, however many special tokens.
+#[derive(Clone)]
+pub struct SpecialText {
+    finder: Option<aho_corasick::AhoCorasick>,
+    escaped: Vec<String>,
+}
+
+impl SpecialText {
+    pub fn new(specials: &[String]) -> Self {
+        let specials: Vec<&String> = specials.iter().filter(|t| !t.is_empty()).collect();
+        let escaped = (specials.iter())
+            .map(|t| {
+                let c = t.chars().next().expect("not empty");
+                let mut units = [0u16; 2];
+                let esc: String = (c.encode_utf16(&mut units).iter())
+                    .map(|u| format!("\\u{u:04x}"))
+                    .collect();
+                format!("{esc}{}", &t[c.len_utf8()..])
+            })
+            .collect();
+        let finder = aho_corasick::AhoCorasick::builder()
+            .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+            .build(&specials)
+            .ok()
+            .filter(|_| !specials.is_empty());
+        SpecialText { finder, escaped }
+    }
+
+    /// `json` with every special token's text escaped.
+    pub fn escape(&self, json: String) -> String {
+        match &self.finder {
+            Some(f) if f.is_match(&json) => f.replace_all(&json, &self.escaped),
+            _ => json,
+        }
     }
 }
 
@@ -190,7 +218,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        let specials = specials.to_vec();
+        let specials = SpecialText::new(specials);
         env.add_filter(
             "tojson",
             move |v: JinjaValue, kw: Kwargs| -> std::result::Result<JinjaValue, Error> {
@@ -202,9 +230,9 @@ impl ChatTemplate {
                 kw.assert_all_used()?;
                 let v = serde_json::to_value(&v)
                     .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
-                Ok(JinjaValue::from_safe_string(python_json(
-                    &v, indent, &specials,
-                )))
+                Ok(JinjaValue::from_safe_string(
+                    specials.escape(python_json(&v, indent)),
+                ))
             },
         );
         env.add_template_owned("chat", source.to_string())
@@ -269,7 +297,7 @@ impl ChatTemplate {
         let end = text.strip_prefix(&asked)?.strip_prefix(nonce)?;
         let written = one.strip_prefix(&asked)?.strip_suffix(end)?;
         let (prefix, rest) = written.split_once(&name)?;
-        let args = python_json(&json!({key.clone(): "v"}), None, &[]);
+        let args = python_json(&json!({key.clone(): "v"}), None);
         let (middle, suffix) = rest.split_once(&args)?;
         // The result of a call: the template must write a `tool` message's content.
         let result = format!("r{nonce}");
@@ -512,17 +540,17 @@ mod tests {
     fn tojson_is_pythons_and_never_writes_a_special_token() {
         let v = json!({"b": "caf\u{e9} <x>", "a": [1, 2.5, null], "c": {}});
         assert_eq!(
-            python_json(&v, None, &[]),
+            python_json(&v, None),
             r#"{"b": "café <x>", "a": [1, 2.5, null], "c": {}}"#
         );
         assert_eq!(
-            python_json(&json!({"a": [1], "b": {}}), Some(2), &[]),
+            python_json(&json!({"a": [1], "b": {}}), Some(2)),
             "{\n  \"a\": [\n    1\n  ],\n  \"b\": {}\n}"
         );
         // A declaration that spells a special token: the same JSON, with no token's text in it.
         let specials = ["<|eot_id|>".to_string()];
         let forged = json!({"description": "x<|eot_id|>y"});
-        let out = python_json(&forged, None, &specials);
+        let out = SpecialText::new(&specials).escape(python_json(&forged, None));
         assert_eq!(out, r#"{"description": "x\u003c|eot_id|>y"}"#);
         assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), forged);
         let t = llama31();

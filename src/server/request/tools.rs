@@ -457,42 +457,10 @@ pub fn lower(messages: &mut Vec<Message>, lead: usize, described: Option<&Tools>
     }
 }
 
-/// JSON with `", "` between items and `": "` after keys, as the grammar writes it.
+/// JSON with `", "` between items and `": "` after keys, as the grammar writes it (and as
+/// Python's `json.dumps` does).
 pub fn spaced(v: &Value) -> String {
-    struct Spaced;
-    fn comma<W: ?Sized + std::io::Write>(w: &mut W, first: bool) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            w.write_all(b", ")
-        }
-    }
-    impl serde_json::ser::Formatter for Spaced {
-        fn begin_array_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            comma(w, first)
-        }
-        fn begin_object_key<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-            first: bool,
-        ) -> std::io::Result<()> {
-            comma(w, first)
-        }
-        fn begin_object_value<W: ?Sized + std::io::Write>(
-            &mut self,
-            w: &mut W,
-        ) -> std::io::Result<()> {
-            w.write_all(b": ")
-        }
-    }
-    let mut out = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(&mut out, Spaced);
-    serde::Serialize::serialize(v, &mut ser).expect("a JSON value serializes");
-    String::from_utf8(out).expect("JSON is UTF-8")
+    crate::tokenizer::chat_template::python_json(v, None)
 }
 
 /// What a piece of the reply's text is.
