@@ -122,6 +122,25 @@ pub struct Speculation {
 }
 
 impl Decoding {
+    /// The next token from `row` (masked already where a grammar holds the reply), counted and
+    /// seen by the sampler's penalties.
+    fn sample(&mut self, row: &mut [f32]) -> u32 {
+        let token = self.sampler.sample(row);
+        self.sampler.observe(token);
+        self.generated += 1;
+        token
+    }
+
+    /// The `Token` event of `token`, with its log-probabilities from the unmasked row `raw`
+    /// when the request asked for them.
+    fn token_event(&self, id: RequestId, token: u32, raw: Option<&[f32]>) -> Event {
+        Event::Token {
+            id,
+            token,
+            logprobs: (self.logprobs.zip(raw)).map(|(k, raw)| log_probs(raw, token, k)),
+        }
+    }
+
     /// Whether `token`, just sampled, ends the request (a complete grammar ends it as an
     /// end-of-turn id would).
     fn finish_reason(&self, token: u32, eos: &[u32], max_context: usize) -> Option<Finish> {
@@ -349,7 +368,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let Some(cfg) = self.speculation else {
             return;
         };
-        let busy = self.sched.running_len() > cfg.max_batch;
+        if self.sched.running_len() > cfg.max_batch {
+            return;
+        }
         for (id, d) in self.live.iter_mut() {
             let Some((drafter, length)) = d.spec.as_mut() else {
                 continue;
@@ -363,11 +384,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let room = (d.max_tokens.saturating_sub(d.generated))
                 .min(self.max_context.saturating_sub(s.tokens.len()))
                 .saturating_sub(1);
-            let k = if busy {
-                0
-            } else {
-                length.this_step().min(room)
-            };
+            let k = length.this_step().min(room);
             let drafts = if k > 0 {
                 drafter.draft(&s.tokens, k)
             } else {
@@ -392,16 +409,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
         };
         for (i, mut row) in rows.into_iter().enumerate() {
             let raw = d.logprobs.is_some().then(|| row.clone());
-            let token = d.sampler.sample(&mut row);
-            d.sampler.observe(token);
-            d.generated += 1;
-            let logprobs =
-                (d.logprobs.zip(raw.as_deref())).map(|(k, raw)| log_probs(raw, token, k));
-            events.push(Event::Token {
-                id,
-                token,
-                logprobs,
-            });
+            let token = d.sample(&mut row);
+            events.push(d.token_event(id, token, raw.as_deref()));
             let kept = drafts.get(i) == Some(&token);
             let finish = d.finish_reason(token, &self.eos, self.max_context);
             if finish.is_some() || !kept {
@@ -545,20 +554,12 @@ impl<E: BorrowMut<Engine>> Core<E> {
             if let Some(m) = &mask {
                 m.apply(&mut row);
             }
-            let token = d.sampler.sample(&mut row);
-            d.sampler.observe(token);
-            d.generated += 1;
+            let token = d.sample(&mut row);
             if let Some(Err(error)) = d.constraint.as_mut().map(|c| c.accept(token)) {
                 self.fail(id, error, &mut events);
                 continue;
             }
-            let logprobs =
-                (d.logprobs.zip(raw.as_deref())).map(|(k, raw)| log_probs(raw, token, k));
-            events.push(Event::Token {
-                id,
-                token,
-                logprobs,
-            });
+            events.push(d.token_event(id, token, raw.as_deref()));
             match d.finish_reason(token, &self.eos, self.max_context) {
                 Some(reason) => {
                     self.finish(id);
