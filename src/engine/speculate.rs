@@ -1,7 +1,6 @@
-//! Speculative decoding's pure parts: where drafts come from, which of them the target model
-//! accepts, and how many to draft next. No tensors and no scheduler state: the core asks a
-//! sequence's `NgramDrafter` for up to k tokens, runs them as one chunk beside the other
-//! sequences of the step, and hands the target's distributions to `accept` / `accept_greedy`.
+//! Speculative decoding's pure parts: where drafts come from and how many to draft next. No
+//! tensors and no scheduler state: the core asks a sequence's `NgramDrafter` for up to k tokens
+//! and runs them as one chunk beside the other sequences of the step.
 //!
 //! - **Drafts by n-gram lookup** (prompt-lookup decoding, as vLLM's `ngram` proposer and
 //!   llama.cpp's `lookup`): the longest suffix of the sequence (between `min_n` and `max_n`
@@ -9,22 +8,18 @@
 //!   replies quote what they were given (a policy, an order number, the visitor's words), so the
 //!   next tokens are often already in the context. An index of every n-gram's latest end keeps a
 //!   lookup O(max_n) however long the conversation.
-//! - **Acceptance** keeps the target model's output distribution exactly (Leviathan et al. 2023,
-//!   Chen et al. 2023): draft `x` at a position is kept with probability `min(1, p(x) / q(x))`; at
-//!   the first rejection the token is drawn from `max(0, p - q)` renormalized; when every draft is
-//!   kept the token after them is drawn from the last distribution. An n-gram draft is a point
-//!   mass (`q(x) = 1`): kept with probability `p(x)`, and a rejection draws from `p` without `x`.
-//!   Greedy decoding keeps the drafts that equal the target's argmax.
+//! - **Acceptance** (in the core): each row's token is sampled as a step without drafts would
+//!   sample it, and a draft counts while it equals that token. For an n-gram draft (a point mass)
+//!   this is the rule of Leviathan et al. 2023 exactly (kept with probability `p(x)`, a rejection
+//!   drawing from `p` without `x`), and more: the same seed gives the same reply.
 //! - **How many to draft** (`DraftLength`): follows each sequence's recent acceptance, backing off
 //!   to none while drafts keep failing and probing again later, so a sequence whose text is not
 //!   a quotation pays nothing for it.
 //!
-//! Written here because no crate does this for a batched server of our own: the rule is a few
-//! lines, and what matters (the index, the back-off) is ours to test.
+//! Written here because no crate does this for a batched server of our own: what matters (the
+//! index, the back-off) is ours to test.
 
 use std::collections::HashMap;
-
-use rand::Rng;
 
 /// Proposes drafts from a sequence's own tokens (prompt and output so far).
 #[derive(Debug, Clone)]
@@ -100,97 +95,6 @@ impl NgramDrafter {
     }
 }
 
-/// The drafts the target's greedy choices agree with (`argmax[i]` the target's token after the
-/// sequence and `drafts[..i]`; one more than the drafts), and the target's own token after them.
-pub fn accept_greedy(drafts: &[u32], argmax: &[u32]) -> (usize, u32) {
-    assert_eq!(
-        argmax.len(),
-        drafts.len() + 1,
-        "one choice per draft, and one after"
-    );
-    let kept = drafts
-        .iter()
-        .zip(argmax)
-        .take_while(|(d, a)| d == a)
-        .count();
-    (kept, argmax[kept])
-}
-
-/// What drafted a token: its probability under the draft (`None`: a point mass, as an n-gram
-/// draft is).
-pub type DraftProbs<'a> = Option<&'a [Vec<f32>]>;
-
-/// The drafts kept and the token after them, by the rule that keeps the target's distribution:
-/// `target[i]` is the target's distribution after the sequence and `drafts[..i]` (one more row
-/// than drafts), `draft[i]` the draft's, where there is one.
-pub fn accept(
-    drafts: &[u32],
-    draft: DraftProbs<'_>,
-    target: &[Vec<f32>],
-    rng: &mut impl Rng,
-) -> (usize, u32) {
-    assert_eq!(
-        target.len(),
-        drafts.len() + 1,
-        "one row per draft, and one after"
-    );
-    for (i, &x) in drafts.iter().enumerate() {
-        let p = &target[i];
-        let px = p[x as usize];
-        let qx = draft.map_or(1.0, |q| q[i][x as usize]);
-        let keep = qx <= px || rng.random::<f32>() * qx < px;
-        if keep {
-            continue;
-        }
-        // Rejected: from max(0, p - q), renormalized.
-        let residual: Vec<f32> = match draft {
-            Some(q) => p.iter().zip(&q[i]).map(|(a, b)| (a - b).max(0.0)).collect(),
-            None => {
-                let mut r = p.clone();
-                r[x as usize] = 0.0;
-                r
-            }
-        };
-        return (i, sample(&residual, rng).unwrap_or_else(|| argmax(p)));
-    }
-    let last = &target[drafts.len()];
-    (
-        drafts.len(),
-        sample(last, rng).unwrap_or_else(|| argmax(last)),
-    )
-}
-
-/// A token drawn in proportion to `weights` (not necessarily normalized); `None` when they sum
-/// to nothing.
-fn sample(weights: &[f32], rng: &mut impl Rng) -> Option<u32> {
-    let total: f32 = weights.iter().sum();
-    if total <= 0.0 || !total.is_finite() {
-        return None;
-    }
-    let mut u = rng.random::<f32>() * total;
-    let mut last = None;
-    for (i, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            if u < w {
-                return Some(i as u32);
-            }
-            u -= w;
-            last = Some(i as u32);
-        }
-    }
-    last
-}
-
-fn argmax(p: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in p.iter().enumerate() {
-        if v > p[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 /// How many drafts a sequence runs next, from how its recent drafts fared: the share kept (a
 /// moving average) scales `max_k`; below `floor` it drafts none, probing with one draft every
 /// `probe_every` steps, so that a sequence whose text stops quoting stops paying for drafts and
@@ -247,7 +151,6 @@ impl DraftLength {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use rand::SeedableRng;
 
     /// The lookup by its definition: the longest suffix with an earlier occurrence, its latest.
     fn reference(tokens: &[u32], min_n: usize, max_n: usize, k: usize) -> Vec<u32> {
@@ -305,87 +208,6 @@ mod tests {
                 len += step;
             }
         }
-
-        /// Greedy acceptance keeps exactly the drafts that equal the target's choices.
-        #[test]
-        fn greedy_keeps_the_agreeing_prefix(
-            argmax in proptest::collection::vec(0u32..3, 1..8),
-            drafts in proptest::collection::vec(0u32..3, 0..7),
-        ) {
-            let n = drafts.len().min(argmax.len() - 1);
-            let (drafts, argmax) = (&drafts[..n], &argmax[..n + 1]);
-            let (kept, next) = accept_greedy(drafts, argmax);
-            prop_assert!(drafts[..kept] == argmax[..kept]);
-            prop_assert_eq!(next, argmax[kept]);
-            prop_assert!(kept == n || drafts[kept] != argmax[kept]);
-        }
-    }
-
-    /// A toy target: the next token's distribution given the previous one (4 tokens).
-    fn toy(prev: u32) -> Vec<f32> {
-        let rows = [
-            [0.5, 0.3, 0.15, 0.05],
-            [0.1, 0.2, 0.3, 0.4],
-            [0.25, 0.25, 0.25, 0.25],
-            [0.7, 0.0, 0.2, 0.1],
-        ];
-        rows[prev as usize].to_vec()
-    }
-
-    /// Pearson's chi-square of `counts` against probabilities `p` over `n` draws.
-    fn chi_square(counts: &[usize], p: &[f64], n: usize) -> f64 {
-        counts
-            .iter()
-            .zip(p)
-            .filter(|(_, &p)| p > 0.0)
-            .map(|(&c, &p)| {
-                let e = p * n as f64;
-                (c as f64 - e).powi(2) / e
-            })
-            .sum()
-    }
-
-    /// Draws a step's two drafts.
-    type Drafts = dyn FnMut(&mut rand::rngs::StdRng) -> [u32; 2];
-
-    /// Two tokens after token 0, drawn by speculation: with fixed (often wrong) n-gram drafts
-    /// (point masses), and with drafts drawn from a draft model's distributions; their joint
-    /// distribution is the target's. 16 outcomes (at most 15 degrees of freedom): chi-square
-    /// under 37.7 (p = 0.001).
-    #[test]
-    fn sampled_acceptance_keeps_the_targets_distribution() {
-        let q_rows = [vec![0.1, 0.6, 0.2, 0.1], vec![0.4, 0.1, 0.4, 0.1]];
-        let n = 20_000;
-        let p: Vec<f64> = (0..16u32)
-            .map(|i| f64::from(toy(0)[(i / 4) as usize] * toy(i / 4)[(i % 4) as usize]))
-            .collect();
-        let run = |seed: u64, mut drafts: Box<Drafts>, q: DraftProbs<'_>| {
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            let mut counts = [0usize; 16];
-            for _ in 0..n {
-                let d = drafts(&mut rng);
-                let target = [toy(0), toy(d[0]), toy(d[1])];
-                let (kept, next) = accept(&d, q, &target, &mut rng);
-                let mut out: Vec<u32> = d[..kept].to_vec();
-                out.push(next);
-                if out.len() < 2 {
-                    // The second token from the target itself, as the next step would.
-                    out.push(sample(&toy(out[0]), &mut rng).unwrap());
-                }
-                counts[(out[0] * 4 + out[1]) as usize] += 1;
-            }
-            chi_square(&counts, &p, n)
-        };
-        for (case, fixed) in [[1u32, 3], [0, 0], [3, 1], [2, 2]].into_iter().enumerate() {
-            let x2 = run(39 + case as u64, Box::new(move |_| fixed), None);
-            assert!(x2 < 37.7, "n-gram drafts {fixed:?}: chi-square {x2:.1}");
-        }
-        let (q0, q1) = (q_rows[0].clone(), q_rows[1].clone());
-        let from_q = Box::new(move |rng: &mut rand::rngs::StdRng| {
-            [sample(&q0, rng).unwrap(), sample(&q1, rng).unwrap()]
-        });
-        let x2 = run(7, from_q, Some(&q_rows[..]));
-        assert!(x2 < 37.7, "draft-model drafts: chi-square {x2:.1}");
     }
 
     #[test]
