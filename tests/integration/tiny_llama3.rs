@@ -309,6 +309,30 @@ fn f16_kv_cache_matches_f32_within_rounding() {
     }
 }
 
+/// A core's scheduler (8 requests, 512 tokens a step, no step-time targets) and KV cache
+/// (blocks of 16, no leases) for the tests that drive one.
+fn core_configs(
+    prefix_caching: bool,
+) -> (
+    llama_relay::engine::scheduler::SchedulerConfig,
+    llama_relay::kv_cache::manager::KvConfig,
+) {
+    let sched = llama_relay::engine::scheduler::SchedulerConfig {
+        max_running: 8,
+        max_waiting: 8,
+        step_tokens: 512,
+        itl_target: None,
+        ttft_target: None,
+    };
+    let kv = llama_relay::kv_cache::manager::KvConfig {
+        block_size: 16,
+        prefix_caching,
+        lease_tokens_per_session: 0,
+        lease_tokens_total: 0,
+    };
+    (sched, kv)
+}
+
 /// `n` choices from one prefill: three greedy forks of the chat prompt (not a whole number of
 /// blocks, so each fork copies the partly filled block) each produce the reference's greedy ids,
 /// the prompt is computed once (the forks start with every prompt token cached, and the pool
@@ -317,8 +341,7 @@ fn f16_kv_cache_matches_f32_within_rounding() {
 #[test]
 fn forked_choices_share_one_prefill_and_report_logprobs() {
     use llama_relay::engine::core::{Core, Event, Fork, Request};
-    use llama_relay::engine::scheduler::{RequestId, SchedulerConfig};
-    use llama_relay::kv_cache::manager::KvConfig;
+    use llama_relay::engine::scheduler::RequestId;
     use llama_relay::kv_cache::{CacheScope, Salt};
     let _g = model_lock();
     let exp = Tiny::Tied.expected();
@@ -330,19 +353,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
     assert_ne!(prompt.len() % 16, 0);
     let logits = prompt_logits(&mut e, &prompt, usize::MAX);
     let want = ids(&exp["chat"]["greedy_new_ids"]);
-    let sched = SchedulerConfig {
-        max_running: 8,
-        max_waiting: 8,
-        step_tokens: 512,
-        itl_target: None,
-        ttft_target: None,
-    };
-    let kv = KvConfig {
-        block_size: 16,
-        prefix_caching: false,
-        lease_tokens_per_session: 0,
-        lease_tokens_total: 0,
-    };
+    let (sched, kv) = core_configs(false);
     let mut core = Core::new(&mut e, sched, kv, 2048);
     let greedy = llama_relay::sampler::SamplingParams::default();
     core.add(Request {
@@ -424,8 +435,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
 #[test]
 fn speculation_leaves_every_reply_as_it_was() {
     use llama_relay::engine::core::{Core, Event, Request, Speculation};
-    use llama_relay::engine::scheduler::{RequestId, SchedulerConfig};
-    use llama_relay::kv_cache::manager::KvConfig;
+    use llama_relay::engine::scheduler::RequestId;
     use llama_relay::kv_cache::{CacheScope, Salt};
     use llama_relay::sampler::SamplingParams;
     let _g = model_lock();
@@ -451,19 +461,7 @@ fn speculation_leaves_every_reply_as_it_was() {
         ([&quote[4..], &quote[..9]].concat(), greedy, 37, Some(3)),
     ];
     let run = |e: &mut llama_relay::engine::Engine, spec: Option<Speculation>| {
-        let sched = SchedulerConfig {
-            max_running: 8,
-            max_waiting: 8,
-            step_tokens: 512,
-            itl_target: None,
-            ttft_target: None,
-        };
-        let kv = KvConfig {
-            block_size: 16,
-            prefix_caching: true,
-            lease_tokens_per_session: 0,
-            lease_tokens_total: 0,
-        };
+        let (sched, kv) = core_configs(true);
         let mut core = Core::new(&mut *e, sched, kv, 2048);
         core.set_speculation(spec);
         for (i, (prompt, sampling, max_tokens, logprobs)) in prompts.iter().enumerate() {

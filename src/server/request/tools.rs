@@ -680,16 +680,22 @@ mod tests {
         }
     }
 
+    /// The pieces of `reply` fed one character at a time, and the parser after it.
+    fn fed_by_char(t: &Tools, reply: &str) -> (Vec<Piece>, CallParser) {
+        let mut p = CallParser::new(t);
+        let mut pieces = Vec::new();
+        for c in reply.chars() {
+            pieces.extend(p.feed(&c.to_string()));
+        }
+        (pieces, p)
+    }
+
     #[test]
     fn calls_stream_name_first_then_their_arguments() {
         let t = tools(ToolChoice::Required, true);
         let reply = "{\"name\": \"order_status\", \"arguments\": {\"order\": \"A-1 {\\\"x\\\"}\"}}\n{\"name\": \"handover\", \"arguments\": {}}";
         // Fed one character at a time, and whole: the same calls.
-        let mut p = CallParser::new(&t);
-        let mut pieces = Vec::new();
-        for c in reply.chars() {
-            pieces.extend(p.feed(&c.to_string()));
-        }
+        let (pieces, p) = fed_by_char(&t, reply);
         assert_eq!(
             pieces[0],
             Piece::CallStart {
@@ -857,11 +863,7 @@ mod tests {
             t.call_text("order_status", &json!({"order": "}</tool_call>"})),
             t.call_text("handover", &json!({}))
         );
-        let mut p = CallParser::new(&t);
-        let mut pieces = Vec::new();
-        for c in reply.chars() {
-            pieces.extend(p.feed(&c.to_string()));
-        }
+        let (pieces, _) = fed_by_char(&t, &reply);
         assert_eq!(
             pieces[0],
             Piece::CallStart {
