@@ -104,7 +104,12 @@
     this.started = true;
     var self = this, e = this.els;
     e.input.addEventListener("keydown", function (ev) {
-      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing) { ev.preventDefault(); self.send(); }
+      // An Enter that commits an IME composition (Korean, Japanese, Chinese input) is not a
+      // send: browsers mark it `isComposing`, and Safari gives it keyCode 229 instead.
+      if (ev.key === "Enter" && !ev.shiftKey && !ev.isComposing && ev.keyCode !== 229) {
+        ev.preventDefault();
+        self.send();
+      }
     });
     e.input.addEventListener("input", function () { self.typed(); });
     if (e.form) {
@@ -347,6 +352,14 @@
     c.calls = (c.calls || []).concat([f.name]);
     c.lastIndex = -1;
     renderText(c.stats, "calling " + f.name + "…");
+    // A collapsible line above the reply: the call, and its result once the handler answers.
+    var args = JSON.stringify(f.arguments || {});
+    if (args.length > 200) { args = args.slice(0, 199) + "…"; }
+    var line = el("details", "call");
+    line.appendChild(el("summary", null, "called " + f.name + "(" + args + ")"));
+    var shown = el("pre", null, "…");
+    line.appendChild(shown);
+    c.div.insertBefore(line, c.body);
     var handler = toolHandlers[f.name];
     var run = handler
       ? new Promise(function (resolve) { resolve(handler(f.arguments || {})); })
@@ -359,6 +372,7 @@
     }).then(function (content) {
       var max = self.limits.max_message_chars || 32768;
       if (content.length > max) { content = content.slice(0, max); }
+      renderText(shown, content);
       if (self.current === c && self.isOpen()) {
         self.ws.send(JSON.stringify({ type: "tool_result", call_id: f.call_id, content: content }));
       }
@@ -447,6 +461,8 @@
     renderText(r.body, "");
     renderText(r.stats, "");
     r.actions.remove();
+    // The old reply's function calls go with it.
+    Array.prototype.forEach.call(r.div.querySelectorAll(".call"), function (e) { e.remove(); });
     this.ws.send(JSON.stringify({ type: "regenerate", id: this.current.id }));
     this.setBusy(true);
   };
@@ -560,14 +576,22 @@
 
   var CSS = [
     ".root{all:initial;position:fixed;bottom:20px;right:20px;z-index:2147483000;display:flex;flex-direction:column;align-items:flex-end;gap:12px;",
-    "font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:#1b1d21;--accent:#2f6fdf}",
+    "font:14px/1.45 system-ui,-apple-system,'Segoe UI',sans-serif;color:var(--fg);--accent:#2f6fdf;",
+    "--fg:#1b1d21;--panel:#f6f7f9;--surface:#fff;--line:#dde1e6;--field:#c4cad3;--muted:#5b6270;",
+    "--err-bg:#fff1f0;--err-line:#f3b4ae;--err-fg:#8a1c12;--focus:#8bb4ff}",
+    // The visitor's system theme, unless the host page pins one (`data-theme`); text keeps at
+    // least 4.5:1 against its background in both.
+    "@media (prefers-color-scheme:dark){.root:not(.light){--fg:#e6e8eb;--panel:#16181c;--surface:#23262b;--line:#3a3f47;",
+    "--field:#4f5661;--muted:#aab1bc;--err-bg:#3a1714;--err-line:#8a2c22;--err-fg:#ffb4a9}}",
+    ".root.dark{--fg:#e6e8eb;--panel:#16181c;--surface:#23262b;--line:#3a3f47;",
+    "--field:#4f5661;--muted:#aab1bc;--err-bg:#3a1714;--err-line:#8a2c22;--err-fg:#ffb4a9}",
     ".root.left{right:auto;left:20px;align-items:flex-start}",
     "*{box-sizing:border-box}",
     ".launcher{all:unset;box-sizing:border-box;width:56px;height:56px;border-radius:50%;background:var(--accent);color:#fff;cursor:pointer;",
     "display:flex;align-items:center;justify-content:center;box-shadow:0 4px 14px rgba(0,0,0,.25)}",
     ".launcher svg{width:28px;height:28px;fill:currentColor}",
-    ".launcher:focus-visible,button:focus-visible,textarea:focus-visible{outline:3px solid #8bb4ff;outline-offset:2px}",
-    ".panel{display:flex;flex-direction:column;width:min(380px,calc(100vw - 24px));height:min(560px,calc(100vh - 100px));background:#f6f7f9;",
+    ".launcher:focus-visible,button:focus-visible,textarea:focus-visible{outline:3px solid var(--focus);outline-offset:2px}",
+    ".panel{display:flex;flex-direction:column;width:min(380px,calc(100vw - 24px));height:min(560px,calc(100vh - 100px));background:var(--panel);",
     "border-radius:12px;box-shadow:0 8px 30px rgba(0,0,0,.3);overflow:hidden}",
     ".panel[hidden]{display:none}",
     "header{display:flex;align-items:center;gap:8px;padding:10px 12px;background:var(--accent);color:#fff}",
@@ -578,17 +602,20 @@
     ".log{flex:1;overflow-y:auto;padding:12px;display:flex;flex-direction:column;gap:8px}",
     ".msg{max-width:85%;padding:8px 10px;border-radius:10px;white-space:pre-wrap;overflow-wrap:anywhere}",
     ".user{align-self:flex-end;background:var(--accent);color:#fff}",
-    ".assistant{align-self:flex-start;background:#fff;border:1px solid #dde1e6}",
-    ".error{align-self:stretch;background:#fff1f0;border:1px solid #f3b4ae;color:#8a1c12}",
-    ".stats{display:block;margin-top:4px;font-size:11px;color:#5b6270;white-space:normal}",
-    "form{display:flex;gap:6px;padding:8px;background:#fff;border-top:1px solid #dde1e6;margin:0}",
-    "textarea{flex:1;resize:none;font:inherit;color:inherit;padding:6px;border:1px solid #c4cad3;border-radius:6px;min-height:40px}",
-    "form button{font:inherit;padding:4px 10px;border-radius:6px;border:1px solid #c4cad3;background:#fff;color:#1b1d21;cursor:pointer}",
+    ".assistant{align-self:flex-start;background:var(--surface);border:1px solid var(--line)}",
+    ".error{align-self:stretch;background:var(--err-bg);border:1px solid var(--err-line);color:var(--err-fg)}",
+    ".stats{display:block;margin-top:4px;font-size:11px;color:var(--muted);white-space:normal}",
+    "form{display:flex;gap:6px;padding:8px;background:var(--surface);border-top:1px solid var(--line);margin:0}",
+    "textarea{flex:1;resize:none;font:inherit;color:inherit;background:var(--surface);padding:6px;border:1px solid var(--field);border-radius:6px;min-height:40px}",
+    "form button{font:inherit;padding:4px 10px;border-radius:6px;border:1px solid var(--field);background:var(--surface);color:var(--fg);cursor:pointer}",
     "form button.send{background:var(--accent);color:#fff;border-color:var(--accent)}",
     "button:disabled{opacity:.5;cursor:default}",
-    ".msg button.edit,.actions button{display:block;margin-top:4px;font:inherit;font-size:11px;padding:1px 6px;border-radius:4px;border:1px solid #c4cad3;background:#fff;color:#1b1d21;cursor:pointer}",
+    ".msg button.edit,.actions button{display:block;margin-top:4px;font:inherit;font-size:11px;padding:1px 6px;border-radius:4px;border:1px solid var(--field);background:var(--surface);color:var(--fg);cursor:pointer}",
     ".user button.edit{margin-left:auto}",
-    ".editing{outline:2px dashed #8bb4ff;outline-offset:2px}",
+    ".editing{outline:2px dashed var(--focus);outline-offset:2px}",
+    ".call{display:block;margin-bottom:4px;font-size:12px;color:var(--muted);white-space:normal}",
+    ".call summary{cursor:pointer;overflow-wrap:anywhere}",
+    ".call pre{margin:4px 0 0;white-space:pre-wrap;overflow-wrap:anywhere;font:11px/1.4 ui-monospace,monospace}",
     ".sr-only{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0);white-space:nowrap}"
   ].join("\n");
 
@@ -619,7 +646,8 @@
     var host = doc.createElement("llama-relay-widget");
     var shadow = host.attachShadow({ mode: "open" });
     attachStyle(shadow);
-    var root = el("div", "root" + (d.position === "bottom-left" ? " left" : ""));
+    var theme = d.theme === "light" || d.theme === "dark" ? " " + d.theme : "";
+    var root = el("div", "root" + (d.position === "bottom-left" ? " left" : "") + theme);
     if (accent) { root.style.setProperty("--accent", accent); }
 
     var panel = el("section", "panel");

@@ -432,6 +432,29 @@ test("hostile user text shows as characters on the chat page", async () => {
   await context.close();
 });
 
+test("an Enter that commits an IME composition does not send; a plain Enter does", async () => {
+  const { page, context, errors } = await newPage();
+  await captureSockets(page);
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await page.locator("#input").fill("안녕하세요");
+  // Chromium's and Firefox's committing Enter (isComposing), then Safari's (keyCode 229).
+  await page.locator("#input").evaluate((el) => {
+    el.dispatchEvent(new KeyboardEvent("keydown", { key: "Enter", isComposing: true, bubbles: true, cancelable: true }));
+    el.dispatchEvent(new KeyboardEvent("keydown", { key: "Enter", keyCode: 229, bubbles: true, cancelable: true }));
+  });
+  await page.waitForTimeout(300);
+  assert.equal(await page.locator("#log .user").count(), 0, "nothing sent while composing");
+  assert.equal(await page.locator("#input").inputValue(), "안녕하세요");
+  assert.equal((await page.evaluate(() => window.__out)).filter((f) => f.type === "chat").length, 0);
+  await page.locator("#input").press("Enter");
+  await watchReply(page, "#log");
+  assert.equal(await page.locator("#log .user .body").textContent(), "안녕하세요");
+  assert.deepEqual(errors, []);
+  await context.close();
+  await kvIdle();
+});
+
 test("chat page fits a phone-sized screen", async () => {
   const { page, context } = await newPage({ width: 390, height: 844 });
   await page.goto(RELAY + "/");
@@ -545,6 +568,35 @@ test("widget on an allowed origin opens, streams a reply, survives hostile host 
   await kvIdle();
 });
 
+test("the widget follows the visitor's light or dark theme, readable in both, its accent kept", async () => {
+  for (const colorScheme of ["light", "dark"]) {
+    const context = await browser.newContext({ viewport: { width: 1100, height: 760 }, colorScheme });
+    const page = await context.newPage();
+    await page.goto(ALLOWED);
+    await page.locator("llama-relay-widget .launcher").click();
+    await page.locator("llama-relay-widget .panel").waitFor();
+    const c = await page.locator("llama-relay-widget").evaluate((host) => {
+      const q = (sel) => host.shadowRoot.querySelector(sel);
+      const s = (sel, p = "color") => getComputedStyle(q(sel))[p];
+      const pair = (sel) => [s(sel), s(sel, "backgroundColor")];
+      return {
+        panel: s(".panel", "backgroundColor"), accent: s(".launcher", "backgroundColor"),
+        greeting: pair(".assistant"), input: pair("textarea"), header: pair("header"),
+        button: pair("form button:not(.send)"), send: pair("form button.send"),
+      };
+    });
+    const dark = contrast(c.panel, "rgb(0, 0, 0)") < 2;
+    assert.equal(dark, colorScheme === "dark", `${colorScheme}: panel ${c.panel}`);
+    assert.equal(c.accent, "rgb(10, 125, 79)", "data-accent in both schemes");
+    for (const what of ["greeting", "input", "header", "button", "send"]) {
+      const [fg, bg] = c[what];
+      assert.ok(contrast(fg, bg) >= 4.5, `${colorScheme} ${what}: ${fg} on ${bg} is ${contrast(fg, bg).toFixed(2)}:1`);
+    }
+    await page.screenshot({ path: path.join(ARTIFACTS, `widget-${colorScheme}.png`) });
+    await context.close();
+  }
+});
+
 test("a widget's function runs in the host page and its result reaches the reply", async () => {
   const { page, context, errors } = await newPage();
   await captureSockets(page);
@@ -573,6 +625,14 @@ test("a widget's function runs in the host page and its result reaches the reply
   assert.equal(call.call_id, result.call_id);
   const started = frames.filter((f) => f.type === "started" && f.id === call.id);
   assert.equal(started.length, 2, JSON.stringify(frames.map((f) => f.type)));
+  // The call is shown above the reply, collapsed: its name and arguments, then its result.
+  const line = page.locator("llama-relay-widget .assistant details.call");
+  assert.equal(await line.count(), 1);
+  assert.equal(await line.locator("summary").textContent(), `called order_status(${JSON.stringify(call.arguments)})`);
+  assert.equal(await line.evaluate((d) => d.open), false);
+  await line.locator("summary").click();
+  assert.equal(await line.locator("pre").textContent(), result.content);
+  assert.ok(!(await page.locator("llama-relay-widget .assistant .body").last().textContent()).includes("order_status("));
   assert.ok(started[1].prompt_tokens > started[0].prompt_tokens + 10, JSON.stringify(started));
   assert.ok(started[1].cached_tokens >= started[0].prompt_tokens, JSON.stringify(started));
   await page.screenshot({ path: path.join(ARTIFACTS, "widget-tool-call.png") });
