@@ -155,7 +155,7 @@ fn run(
                 Event::Finished { reason, .. } => {
                     stats.stopped_at_eos = reason == Finish::EndOfTurn;
                 }
-                Event::Started { .. } => {}
+                Event::Started { .. } | Event::Drafted { .. } => {}
                 // Only a request with a grammar fails alone; this one has none.
                 Event::Failed { .. } => {}
             }

@@ -23,6 +23,8 @@ pub struct Metrics {
     pub ttft_deadline_steps: IntCounter,
     pub spec_draft_tokens: IntCounter,
     pub spec_accepted_tokens: IntCounter,
+    /// Drafts kept by their position in the step's drafts (0: the first).
+    pub spec_accepted_per_pos: IntCounterVec,
     pub kv_blocks_used: IntGauge,
     pub kv_blocks_total: IntGauge,
     pub kv_blocks_cached_free: IntGauge,
@@ -106,9 +108,21 @@ impl Metrics {
         registry
             .register(Box::new(drafts.clone()))
             .expect("unique metric");
+        let spec_accepted_per_pos = IntCounterVec::new(
+            Opts::new(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Speculative draft tokens kept, by position among the step's drafts (0: the first; at most scheduler.speculate_tokens positions)",
+            ),
+            &["position"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(spec_accepted_per_pos.clone()))
+            .expect("unique metric");
         Metrics {
             slow_readers,
             drafts,
+            spec_accepted_per_pos,
             requests_running: gauge("vllm:num_requests_running", "Requests in the running batch"),
             requests_waiting: gauge(
                 "vllm:num_requests_waiting",
@@ -160,7 +174,7 @@ impl Metrics {
             ),
             spec_draft_tokens: counter(
                 "vllm:spec_decode_num_draft_tokens_total",
-                "Speculative draft tokens run (scheduler.speculate_tokens)",
+                "Speculative draft tokens run (scheduler.speculation)",
             ),
             spec_accepted_tokens: counter(
                 "vllm:spec_decode_num_accepted_tokens_total",

@@ -29,6 +29,9 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// `None` = a random seed.
     pub seed: Option<u64>,
+    /// May run speculative drafts where the server speculates (it never changes the tokens; a
+    /// client may opt out, e.g. to compare timings).
+    pub speculate: bool,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +45,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            speculate: true,
         }
     }
 }
@@ -63,6 +67,8 @@ pub struct SamplingOverrides {
     /// Any 64-bit integer (OpenAI's seed is signed): a negative one is taken as its bits.
     #[serde(default, deserialize_with = "any_64_bit_integer")]
     pub seed: Option<u64>,
+    /// This server's: `false` keeps the request from speculative drafts.
+    pub speculate: Option<bool>,
 }
 
 /// Reads an optional signed or unsigned 64-bit integer as its 64 bits.
@@ -101,7 +107,7 @@ fn any_64_bit_integer<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u
 
 impl SamplingOverrides {
     /// The field names, as the wire and the config file spell them.
-    pub const FIELDS: [&'static str; 8] = [
+    pub const FIELDS: [&'static str; 9] = [
         "temperature",
         "top_k",
         "top_p",
@@ -110,6 +116,7 @@ impl SamplingOverrides {
         "presence_penalty",
         "frequency_penalty",
         "seed",
+        "speculate",
     ];
 
     /// These values where given, `base`'s elsewhere (not yet checked: see `SamplingParams::check`).
@@ -123,6 +130,7 @@ impl SamplingOverrides {
             presence_penalty: self.presence_penalty.unwrap_or(base.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(base.frequency_penalty),
             seed: self.seed.or(base.seed),
+            speculate: self.speculate.unwrap_or(base.speculate),
         }
     }
 
@@ -137,6 +145,7 @@ impl SamplingOverrides {
             presence_penalty: top.presence_penalty.or(self.presence_penalty),
             frequency_penalty: top.frequency_penalty.or(self.frequency_penalty),
             seed: top.seed.or(self.seed),
+            speculate: top.speculate.or(self.speculate),
         }
     }
 }

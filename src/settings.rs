@@ -105,12 +105,13 @@ pub struct SchedulerSettings {
     /// First-token target for prompts that fit a step, in ms (0 = off): a step may run past
     /// `itl_target_ms` so that queued turns meet it (`engine::scheduler::deadline`).
     pub ttft_target_ms: u64,
-    /// Speculative drafts (n-gram lookup) a decode may run and check in one step (0 = off),
-    /// the n-gram lengths matched, and the most running requests a step may hold for drafts.
+    /// Speculative decoding: `"auto"` (each step runs the n-gram drafts worth their cost) or
+    /// `"off"`; the most drafts a decode may run and check in one step, and the n-gram lengths
+    /// matched.
+    pub speculation: String,
     pub speculate_tokens: usize,
     pub speculate_min_ngram: usize,
     pub speculate_max_ngram: usize,
-    pub speculate_max_batch: usize,
     /// Keyless clients' (the default tenant's) requests running and waiting at once; 0 = only
     /// the caps above.
     pub anonymous_max_running: usize,

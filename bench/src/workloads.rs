@@ -281,8 +281,8 @@ pub struct QuoteArgs {
     /// New tokens per request (greedy, end-of-turn ignored; the quotation is about 80).
     #[arg(long, default_value_t = 80)]
     pub max_tokens: usize,
-    /// Drafts a decode may run (`scheduler.speculate_tokens` of the second server).
-    #[arg(long, default_value_t = 4)]
+    /// Drafts a decode may propose (`scheduler.speculate_tokens` of the second server).
+    #[arg(long, default_value_t = 8)]
     pub drafts: usize,
 }
 
@@ -294,8 +294,9 @@ fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::R
     settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(max_users);
     actix_web::rt::System::new().block_on(async move {
         let mut urls = Vec::new();
-        for drafts in [0, a.drafts] {
-            settings.scheduler.speculate_tokens = drafts;
+        for mode in ["off", "auto"] {
+            settings.scheduler.speculation = mode.into();
+            settings.scheduler.speculate_tokens = a.drafts;
             urls.push(start_in_process(&settings, opts.clone()).await?);
         }
         for &users in &a.users {

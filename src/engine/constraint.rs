@@ -358,6 +358,37 @@ impl Constraint {
             .map_err(|e| first_line(&e))
     }
 
+    /// How many of `drafts` the grammar allows in a row from here (the state is unchanged).
+    pub fn valid_prefix(&mut self, drafts: &[u32]) -> usize {
+        if drafts.iter().any(|&t| t as usize >= self.vocab) || self.matcher.is_stopped() {
+            return 0;
+        }
+        self.matcher.validate_tokens(drafts).unwrap_or(0)
+    }
+
+    /// The masks of the rows of a decode that runs `drafts` after its last token: the first is
+    /// `mask()`, each next one the mask after the drafts before it, as far as the grammar
+    /// allows them (a draft it forbids, or a mask it cannot give, ends the list). The state is
+    /// as before: the tokens the rows sample are `accept`ed after, one by one.
+    pub fn masks_along(&mut self, drafts: &[u32]) -> Result<Vec<Mask>, String> {
+        let mut masks = vec![self.mask()?];
+        let mut consumed = 0;
+        for &d in drafts {
+            if !masks.last().is_some_and(|m| m.allows(d)) || self.accept(d).is_err() {
+                break;
+            }
+            consumed += 1;
+            match self.mask() {
+                Ok(m) => masks.push(m),
+                Err(_) => break,
+            }
+        }
+        if consumed > 0 {
+            (self.matcher.rollback(consumed)).map_err(|e| first_line(&e))?;
+        }
+        Ok(masks)
+    }
+
     /// The grammar is complete and allows nothing more than ending.
     pub fn is_complete(&self) -> bool {
         self.matcher.is_stopped()
@@ -437,6 +468,43 @@ mod tests {
             }
         }
         (tok.decode(&out, false).unwrap(), false)
+    }
+
+    #[test]
+    fn masks_along_drafts_are_the_masks_of_accepting_them_one_by_one() {
+        let (tok, g) = grammars();
+        let format = regex("ORD-[0-9]{4} shipped");
+        let mut c = g.compile(&format, 1).unwrap().unwrap();
+        let ids = tok.encode_text("ORD-1234 shipped").unwrap();
+        assert!(ids.len() >= 3, "{ids:?}");
+        let allowed = |m: &Mask| {
+            (0..tok.vocab_size() as u32)
+                .filter(|&t| m.allows(t))
+                .collect::<Vec<_>>()
+        };
+        // One by one, on a copy.
+        let mut walk = c.fork();
+        let mut want = Vec::new();
+        for &t in &ids {
+            want.push(allowed(&walk.mask().unwrap()));
+            walk.accept(t).unwrap();
+        }
+        want.push(allowed(&walk.mask().unwrap()));
+        // Along all the drafts: a mask a row, the last after every draft; the state unchanged.
+        let masks = c.masks_along(&ids).unwrap();
+        assert_eq!(masks.iter().map(allowed).collect::<Vec<_>>(), want);
+        assert_eq!(c.valid_prefix(&ids), ids.len());
+        assert_eq!(allowed(&c.mask().unwrap()), want[0]);
+        // A draft the grammar forbids ends the masks (and the valid prefix) there.
+        let mut wrong = ids.clone();
+        wrong[1] = tok.encode_text("x").unwrap()[0];
+        assert_eq!(c.masks_along(&wrong).unwrap().len(), 2);
+        assert_eq!(c.valid_prefix(&wrong), 1);
+        // Still at the start: the right drafts are accepted one by one afterwards.
+        for &t in &ids {
+            c.accept(t).unwrap();
+        }
+        assert!(c.is_complete() || c.mask().unwrap().allows(tok.eos_ids()[0]));
     }
 
     #[test]

@@ -6,18 +6,20 @@
 //! in shape). No actors: the batcher adds messages, request timings and metrics; the core times
 //! each forward pass only to teach the scheduler's cost model.
 //!
-//! With speculation on (`set_speculation`), a decoding reply's n-gram drafts (`speculate`) run
-//! after its last token in the same chunk; its rows are sampled in order exactly as single
-//! decodes would sample them, and drafts count only while they equal what was sampled, so a
-//! reply is the same with speculation as without; the scheduler then drops the rest of the
-//! chunk's K/V (`Scheduler::resolve_drafts`).
+//! With speculation on (`set_speculation`), each step proposes a decoding reply's n-gram drafts
+//! (`speculate`) with the chance that each is kept, and the scheduler runs those worth their
+//! cost (`Scheduler::trim_drafts`) after its last token in the same chunk; its rows are sampled
+//! in order exactly as single decodes would sample them, and drafts count only while they equal
+//! what was sampled, so a reply is the same with speculation as without; the scheduler then
+//! drops the rest of the chunk's K/V (`Scheduler::resolve_drafts`). Every proposal, run or
+//! not, is checked against the tokens sampled, which keeps the chance current.
 
 use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
 use super::constraint::{Constraint, Mask};
 use super::scheduler::{AddError, Priority, Quota, RequestId, Scheduler, SchedulerConfig};
-use super::speculate::{DraftLength, NgramDrafter};
+use super::speculate::{Acceptance, NgramDrafter};
 use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
@@ -82,6 +84,13 @@ pub enum Event {
     },
     /// The request is over (its blocks freed or left to its lease); comes after its last token.
     Finished { id: RequestId, reason: Finish },
+    /// The step ran `drafted` speculative drafts of the request and kept `accepted` of them
+    /// (their tokens are among the `Token` events that follow).
+    Drafted {
+        id: RequestId,
+        drafted: usize,
+        accepted: usize,
+    },
     /// The request's grammar could not go on (a limit of the grammar engine reached): the
     /// request is removed, its blocks freed.
     Failed { id: RequestId, error: String },
@@ -106,19 +115,26 @@ struct Decoding {
     /// Choices still to fork from this request's first sampled step.
     forks: Vec<(RequestId, Sampler)>,
     constraint: Option<Constraint>,
-    /// Its drafts' source and length, when it speculates.
-    spec: Option<(NgramDrafter, DraftLength)>,
+    /// Its drafts' source and chance of being kept, when it speculates.
+    spec: Option<Spec>,
 }
 
-/// Speculative decoding with n-gram drafts (`speculate`): how many drafts a decode may run, the
-/// n-gram lengths matched, and the most decoding requests a step may hold for drafts to run
-/// (past it a step is closer to compute-bound and drafts would cost throughput).
+/// A speculating request's drafts: where they come from, how likely they are kept, and those
+/// proposed for the step under way (checked against what it samples).
+#[derive(Clone)]
+struct Spec {
+    drafter: NgramDrafter,
+    acceptance: Acceptance,
+    proposed: Vec<u32>,
+}
+
+/// Speculative decoding with n-gram drafts (`speculate`): the most drafts a decode may propose
+/// and the n-gram lengths matched. Which of them run is the scheduler's call, step by step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Speculation {
     pub max_drafts: usize,
     pub min_ngram: usize,
     pub max_ngram: usize,
-    pub max_batch: usize,
 }
 
 impl Decoding {
@@ -193,7 +209,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
     /// Speculates (`Some`) or not for requests added from now on. Greedy and sampled replies
     /// alike: each row's token is sampled as it would be without drafts and a draft is kept
     /// while it equals that token, so a reply is the one it would be without speculation (the
-    /// same seed gives the same tokens). A reply held to a grammar does not speculate.
+    /// same seed gives the same tokens). A reply held to a grammar proposes only drafts the
+    /// grammar allows, and each row is masked as the grammar stands after the drafts before it.
     pub fn set_speculation(&mut self, s: Option<Speculation>) {
         self.speculation = s.filter(|s| s.max_drafts > 0);
     }
@@ -231,6 +248,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
     pub fn add(&mut self, r: Request) -> Result<usize, AddError> {
         let n = r.prompt.len();
         let max_total = (n + r.max_tokens).min(self.max_context);
+        let speculate = r.sampling.speculate;
         let sampler = Sampler::new(r.sampling, &r.prompt);
         let forks = (r.forks.iter())
             .map(|f| (f.id, Sampler::new(f.sampling.clone(), &r.prompt)))
@@ -254,14 +272,11 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 lease: r.lease,
                 logprobs: r.logprobs,
                 forks,
-                spec: (self.speculation)
-                    .filter(|_| r.constraint.is_none())
-                    .map(|s| {
-                        (
-                            NgramDrafter::new(s.min_ngram, s.max_ngram),
-                            DraftLength::new(s.max_drafts),
-                        )
-                    }),
+                spec: (self.speculation).filter(|_| speculate).map(|s| Spec {
+                    drafter: NgramDrafter::new(s.min_ngram, s.max_ngram),
+                    acceptance: Acceptance::new(),
+                    proposed: Vec::new(),
+                }),
                 constraint: r.constraint,
             },
         );
@@ -329,7 +344,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             lease: None,
             logprobs: p.logprobs,
             forks: Vec::new(),
-            spec: (p.spec.as_ref()).map(|(d, l)| (d.clone(), l.clone())),
+            spec: p.spec.clone(),
             constraint,
         };
         events.push(Event::Started {
@@ -362,19 +377,18 @@ impl<E: BorrowMut<Engine>> Core<E> {
         events.push(Event::Failed { id, error });
     }
 
-    /// Sets the drafts of each speculating request that decodes next: none while more requests
-    /// run than `max_batch`, and never past its `max_tokens` or the context.
+    /// Proposes drafts for each speculating request that decodes next, with their chance of
+    /// being kept (the scheduler runs those worth it), never past its `max_tokens` or the
+    /// context.
     fn plan_drafts(&mut self) {
         let Some(cfg) = self.speculation else {
             return;
         };
-        if self.sched.running_len() > cfg.max_batch {
-            return;
-        }
         for (id, d) in self.live.iter_mut() {
-            let Some((drafter, length)) = d.spec.as_mut() else {
+            let Some(spec) = d.spec.as_mut() else {
                 continue;
             };
+            spec.proposed.clear();
             let Some(s) = self.sched.get(*id) else {
                 continue;
             };
@@ -384,13 +398,16 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let room = (d.max_tokens.saturating_sub(d.generated))
                 .min(self.max_context.saturating_sub(s.tokens.len()))
                 .saturating_sub(1);
-            let k = length.this_step().min(room);
-            let drafts = if k > 0 {
-                drafter.draft(&s.tokens, k)
-            } else {
-                Vec::new()
-            };
-            self.sched.set_drafts(*id, drafts);
+            spec.proposed = spec.drafter.draft(&s.tokens, cfg.max_drafts.min(room));
+            if let Some(c) = d.constraint.as_mut() {
+                // Only drafts the grammar allows can be kept.
+                let valid = c.valid_prefix(&spec.proposed);
+                spec.proposed.truncate(valid);
+            }
+            if !spec.proposed.is_empty() {
+                let p = spec.acceptance.p();
+                self.sched.set_drafts(*id, spec.proposed.clone(), p);
+            }
         }
     }
 
@@ -402,21 +419,42 @@ impl<E: BorrowMut<Engine>> Core<E> {
         id: RequestId,
         drafts: &[u32],
         rows: Vec<Vec<f32>>,
+        masks: Option<Vec<Mask>>,
         events: &mut Vec<Event>,
     ) {
         let Some(d) = self.live.get_mut(&id) else {
             return;
         };
+        let mut sampled = Vec::with_capacity(rows.len());
+        let mut tokens = Vec::with_capacity(rows.len());
         for (i, mut row) in rows.into_iter().enumerate() {
             let raw = d.logprobs.is_some().then(|| row.clone());
+            if let Some(m) = masks.as_ref().and_then(|m| m.get(i)) {
+                m.apply(&mut row);
+            }
             let token = d.sample(&mut row);
-            events.push(d.token_event(id, token, raw.as_deref()));
-            let kept = drafts.get(i) == Some(&token);
+            if let Some(Err(error)) = d.constraint.as_mut().map(|c| c.accept(token)) {
+                // Nothing of this step is sent: the request fails as a single decode would.
+                self.sched.resolve_drafts(id, 0);
+                self.fail(id, error, events);
+                return;
+            }
+            sampled.push(token);
+            tokens.push(d.token_event(id, token, raw.as_deref()));
+            // A draft counts only where the grammar gave the next row its mask.
+            let kept =
+                drafts.get(i) == Some(&token) && masks.as_ref().is_none_or(|m| i + 1 < m.len());
             let finish = d.finish_reason(token, &self.eos, self.max_context);
             if finish.is_some() || !kept {
-                if let Some((_, length)) = d.spec.as_mut() {
-                    length.record(drafts.len(), i);
+                if let Some(spec) = d.spec.as_mut() {
+                    spec.acceptance.record(&spec.proposed, &sampled);
                 }
+                events.push(Event::Drafted {
+                    id,
+                    drafted: drafts.len(),
+                    accepted: i,
+                });
+                events.append(&mut tokens);
                 self.sched.resolve_drafts(id, i);
                 match finish {
                     Some(reason) => {
@@ -458,15 +496,21 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 })
         };
         // The sampled requests' grammar masks, computed on a second thread while the forward
-        // pass runs (they depend only on the tokens already accepted). A step without a
-        // constrained request pays one scan of the running requests, nothing more.
-        let mut constrained: Vec<(RequestId, &mut Constraint)> = Vec::new();
+        // pass runs (they depend only on the tokens already accepted, and for a decode that
+        // runs drafts on those drafts: one mask a row). A step without a constrained request
+        // pays one scan of the running requests, nothing more.
+        let mut constrained: Vec<(RequestId, &mut Constraint, &[u32])> = Vec::new();
         if self.live.values().any(|d| d.constraint.is_some()) {
             let sampled: std::collections::HashSet<RequestId> =
                 (sch.entries.iter().filter(|e| e.sample).map(|e| e.id)).collect();
+            let drafts_of = |id: &RequestId| {
+                (sch.drafted.iter())
+                    .find(|(d, _)| d == id)
+                    .map_or(&[][..], |(_, d)| d.as_slice())
+            };
             constrained = (self.live.iter_mut())
                 .filter(|(id, _)| sampled.contains(id))
-                .filter_map(|(id, d)| d.constraint.as_mut().map(|c| (*id, c)))
+                .filter_map(|(id, d)| d.constraint.as_mut().map(|c| (*id, c, drafts_of(id))))
                 .collect();
         }
         let (result, masks) = if constrained.is_empty() {
@@ -475,9 +519,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
             std::thread::scope(|s| {
                 let masks = s.spawn(move || {
                     (constrained.iter_mut())
-                        .map(|(id, c)| {
+                        .map(|(id, c, drafts)| {
                             let t = std::time::Instant::now();
-                            let m = c.mask();
+                            let m = c.masks_along(drafts);
                             (*id, (m, t.elapsed().as_secs_f64()))
                         })
                         .collect::<HashMap<_, _>>()
@@ -487,7 +531,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             })
         };
         let seconds = t.elapsed().as_secs_f64();
-        let mut masks: HashMap<RequestId, Result<Mask, String>> = (masks.into_iter())
+        let mut masks: HashMap<RequestId, Result<Vec<Mask>, String>> = (masks.into_iter())
             .map(|(id, (m, s))| {
                 self.mask_seconds.push(s);
                 (id, m)
@@ -526,7 +570,10 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let drafts = drafted.remove(&id).unwrap_or_default();
             if !drafts.is_empty() {
                 let own: Vec<Vec<f32>> = rows.by_ref().take(drafts.len() + 1).collect();
-                self.verify(id, &drafts, own, &mut events);
+                match masks.remove(&id).transpose() {
+                    Ok(masks) => self.verify(id, &drafts, own, masks, &mut events),
+                    Err(error) => self.fail(id, error, &mut events),
+                }
                 continue;
             }
             let Some(mut row) = rows.next() else {
@@ -540,7 +587,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
                     self.fail(id, error, &mut events);
                     continue;
                 }
-                Some(Ok(m)) => Some(m),
+                Some(Ok(m)) => m.into_iter().next(),
                 None => None,
             };
             let raw = (d.logprobs.is_some() || !d.forks.is_empty()).then(|| row.clone());
@@ -560,6 +607,11 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 continue;
             }
             events.push(d.token_event(id, token, raw.as_deref()));
+            if let Some(spec) = d.spec.as_mut() {
+                // Drafts proposed and not run are checked against the token sampled instead.
+                spec.acceptance.record(&spec.proposed, &[token]);
+                spec.proposed.clear();
+            }
             match d.finish_reason(token, &self.eos, self.max_context) {
                 Some(reason) => {
                     self.finish(id);

@@ -3,9 +3,11 @@
 //! (Sarathi-Serve's stall-free batching sets its chunk budget from such a target; here the budget
 //! follows the measured machine and model instead of a fixed token count).
 //!
-//! The model is linear in three features: a constant (weights read, launch and sampling
-//! overhead), the step's tokens (the matmuls), and its attention work (for each token, the
-//! positions it attends to: a chunk of `n` tokens starting at position `p` has `n * p + n(n+1)/2`).
+//! The model is linear in four features: a constant (weights read, launch and sampling
+//! overhead), the step's tokens (the matmuls), its attention work (for each token, the
+//! positions it attends to: a chunk of `n` tokens starting at position `p` has `n * p + n(n+1)/2`),
+//! and its rows of logits (the LM head: one per decode, one per speculative draft, one for a
+//! prompt's last chunk), so that a draft, which needs its logits, is priced above a prompt token.
 //! The weights are fit by exponentially weighted least squares with a ridge toward priors, so the
 //! first predictions are sensible and a few dozen steps adapt them to the machine. Pure code.
 
@@ -16,6 +18,8 @@ pub struct StepShape {
     pub tokens: usize,
     /// Sum over the step's tokens of the positions each attends to.
     pub attention: f64,
+    /// Rows whose logits the step computes.
+    pub logits: usize,
 }
 
 impl StepShape {
@@ -31,8 +35,24 @@ impl StepShape {
         self
     }
 
-    fn features(&self) -> [f64; 3] {
-        [1.0, self.tokens as f64 / 100.0, self.attention / 1e5]
+    /// Adds `rows` rows of logits (a decode's, its drafts', a prompt's last token's).
+    pub fn add_logits(&mut self, rows: usize) {
+        self.logits += rows;
+    }
+
+    /// This shape with `rows` rows of logits added.
+    pub fn with_logits(mut self, rows: usize) -> Self {
+        self.add_logits(rows);
+        self
+    }
+
+    fn features(&self) -> [f64; N] {
+        [
+            1.0,
+            self.tokens as f64 / 100.0,
+            self.attention / 1e5,
+            self.logits as f64 / 10.0,
+        ]
     }
 }
 
@@ -43,40 +63,44 @@ pub fn attention_of(start: usize, n: usize) -> f64 {
     n * p + n * (n + 1.0) / 2.0
 }
 
+/// Features of a step.
+const N: usize = 4;
+
 /// A step's predicted time in seconds, and what a measured step teaches it.
 pub trait CostModel: Send {
     fn predict(&self, s: &StepShape) -> f64;
     fn observe(&mut self, s: &StepShape, seconds: f64);
 }
 
-/// Least squares over the three features with exponential forgetting and a ridge toward priors.
+/// Least squares over the features with exponential forgetting and a ridge toward priors.
 #[derive(Debug, Clone)]
 pub struct LinearCost {
     /// Weighted sums of x x^T and x y over the observations.
-    xx: [[f64; 3]; 3],
-    xy: [f64; 3],
-    prior: [f64; 3],
+    xx: [[f64; N]; N],
+    xy: [f64; N],
+    prior: [f64; N],
     /// Each old observation's weight is multiplied by this at every new one.
     decay: f64,
     /// The ridge's weight, in observations.
     ridge: f64,
-    theta: [f64; 3],
+    theta: [f64; N],
 }
 
 impl Default for LinearCost {
     /// Priors for a small model on two CPU cores: 3 ms a step, 1 ms a token, 0.3 us per attended
-    /// position.
+    /// position, 0.5 ms a row of logits.
     fn default() -> Self {
-        LinearCost::new([0.003, 0.1, 0.03])
+        LinearCost::new([0.003, 0.1, 0.03, 0.005])
     }
 }
 
 impl LinearCost {
-    /// `prior`: seconds for the constant, per 100 tokens, per 100,000 attended positions.
-    pub fn new(prior: [f64; 3]) -> Self {
+    /// `prior`: seconds for the constant, per 100 tokens, per 100,000 attended positions, per
+    /// 10 rows of logits.
+    pub fn new(prior: [f64; N]) -> Self {
         LinearCost {
-            xx: [[0.0; 3]; 3],
-            xy: [0.0; 3],
+            xx: [[0.0; N]; N],
+            xy: [0.0; N],
             prior,
             decay: 0.99,
             ridge: 0.05,
@@ -84,19 +108,20 @@ impl LinearCost {
         }
     }
 
-    /// The current weights (seconds for the constant, per 100 tokens, per 100,000 positions).
-    pub fn weights(&self) -> [f64; 3] {
+    /// The current weights (seconds for the constant, per 100 tokens, per 100,000 positions,
+    /// per 10 rows of logits).
+    pub fn weights(&self) -> [f64; N] {
         self.theta
     }
 
     fn solve(&mut self) {
         let mut a = self.xx;
         let mut b = self.xy;
-        for i in 0..3 {
+        for i in 0..N {
             a[i][i] += self.ridge;
             b[i] += self.ridge * self.prior[i];
         }
-        if let Some(t) = solve3(a, b) {
+        if let Some(t) = solve(a, b) {
             // A negative weight would let a bigger step look cheaper.
             self.theta = t.map(|x| x.max(0.0));
         }
@@ -106,7 +131,7 @@ impl LinearCost {
 impl CostModel for LinearCost {
     fn predict(&self, s: &StepShape) -> f64 {
         let x = s.features();
-        (0..3).map(|i| self.theta[i] * x[i]).sum()
+        (0..N).map(|i| self.theta[i] * x[i]).sum()
     }
 
     fn observe(&mut self, s: &StepShape, seconds: f64) {
@@ -114,8 +139,8 @@ impl CostModel for LinearCost {
             return;
         }
         let x = s.features();
-        for i in 0..3 {
-            for j in 0..3 {
+        for i in 0..N {
+            for j in 0..N {
                 self.xx[i][j] = self.xx[i][j] * self.decay + x[i] * x[j];
             }
             self.xy[i] = self.xy[i] * self.decay + x[i] * seconds;
@@ -124,16 +149,16 @@ impl CostModel for LinearCost {
     }
 }
 
-/// Solves the 3x3 system `a t = b` by Gaussian elimination with partial pivoting.
-fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
-    for c in 0..3 {
-        let p = (c..3).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
+/// Solves the system `a t = b` by Gaussian elimination with partial pivoting.
+fn solve(mut a: [[f64; N]; N], mut b: [f64; N]) -> Option<[f64; N]> {
+    for c in 0..N {
+        let p = (c..N).max_by(|&i, &j| a[i][c].abs().total_cmp(&a[j][c].abs()))?;
         if a[p][c].abs() < 1e-12 {
             return None;
         }
         a.swap(c, p);
         b.swap(c, p);
-        for r in c + 1..3 {
+        for r in c + 1..N {
             let f = a[r][c] / a[c][c];
             let pivot = a[c];
             for (x, y) in a[r].iter_mut().zip(pivot).skip(c) {
@@ -142,9 +167,9 @@ fn solve3(mut a: [[f64; 3]; 3], mut b: [f64; 3]) -> Option<[f64; 3]> {
             b[r] -= f * b[c];
         }
     }
-    let mut t = [0.0; 3];
-    for c in (0..3).rev() {
-        let s: f64 = (c + 1..3).map(|k| a[c][k] * t[k]).sum();
+    let mut t = [0.0; N];
+    for c in (0..N).rev() {
+        let s: f64 = (c + 1..N).map(|k| a[c][k] * t[k]).sum();
         t[c] = (b[c] - s) / a[c][c];
     }
     Some(t)
@@ -163,16 +188,24 @@ mod tests {
 
     #[test]
     fn learns_a_machine_that_differs_from_its_priors() {
-        // The "machine": 5 ms a step, 2 ms a token, 1 us per attended position.
-        let truth = |s: &StepShape| 0.005 + 0.002 * s.tokens as f64 + 1e-6 * s.attention;
+        // The "machine": 5 ms a step, 2 ms a token, 1 us per attended position, 1 ms a row of
+        // logits.
+        let truth = |s: &StepShape| {
+            0.005 + 0.002 * s.tokens as f64 + 1e-6 * s.attention + 0.001 * s.logits as f64
+        };
         let mut m = LinearCost::default();
         let shapes: Vec<StepShape> = (0..200)
             .map(|i| {
                 let mut s = StepShape::default();
                 for d in 0..(i % 9) {
-                    s.add_run(100 + 37 * d, 1);
+                    // Decodes, some with drafts: a row of logits per token.
+                    let n = 1 + (i + d) % 3 * (i % 2);
+                    s.add_run(100 + 37 * d, n);
+                    s.add_logits(n);
                 }
+                // A prompt's chunk: logits for its last token only when it ends.
                 s.with_run((i * 131) % 5000, (i * 17) % 200)
+                    .with_logits(i % 4 / 3)
             })
             .collect();
         for s in &shapes {

@@ -1,4 +1,4 @@
-//! Speculative decoding's pure parts: where drafts come from and how many to draft next. No
+//! Speculative decoding's pure parts: where drafts come from and how likely they are kept. No
 //! tensors and no scheduler state: the core asks a sequence's `NgramDrafter` for up to k tokens
 //! and runs them as one chunk beside the other sequences of the step.
 //!
@@ -12,12 +12,13 @@
 //!   sample it, and a draft counts while it equals that token. For an n-gram draft (a point mass)
 //!   this is the rule of Leviathan et al. 2023 exactly (kept with probability `p(x)`, a rejection
 //!   drawing from `p` without `x`), and more: the same seed gives the same reply.
-//! - **How many to draft** (`DraftLength`): follows each sequence's recent acceptance, backing off
-//!   to none while drafts keep failing and probing again later, so a sequence whose text is not
-//!   a quotation pays nothing for it.
+//! - **How likely a draft is kept** (`Acceptance`): each sequence's recent share of drafts kept,
+//!   counting the drafts a step did not run too (checked against the token sampled in their
+//!   place), so the scheduler can price drafts (`Scheduler::trim_drafts`) and a sequence whose
+//!   text is not a quotation pays nothing for it.
 //!
 //! Written here because no crate does this for a batched server of our own: what matters (the
-//! index, the back-off) is ours to test.
+//! index, the estimate) is ours to test.
 
 use std::collections::HashMap;
 
@@ -95,54 +96,60 @@ impl NgramDrafter {
     }
 }
 
-/// How many drafts a sequence runs next, from how its recent drafts fared: the share kept (a
-/// moving average) scales `max_k`; below `floor` it drafts none, probing with one draft every
-/// `probe_every` steps, so that a sequence whose text stops quoting stops paying for drafts and
-/// one that starts again is found.
+/// How likely a sequence's next draft is to be kept: the share of its drafts that were, with
+/// every draft counted whether it ran or not. A draft the step did not run is checked against
+/// the token sampled in its place, so the estimate follows the text at no cost even while the
+/// scheduler runs no drafts (under load, or after a run of misses), and a sequence that starts
+/// quoting again is seen at once. Drafts are kept in order, so the j-th draft of a step is kept
+/// with probability about `p^j` (`Scheduler::trim_drafts` prices them so). Counts decay, so the
+/// estimate follows the text's recent stretch; a prior keeps a new sequence's first guesses sane.
 #[derive(Debug, Clone)]
-pub struct DraftLength {
-    max_k: usize,
-    /// Moving average of the share of drafts kept.
-    kept: f32,
-    /// Steps since the last draft while backed off.
-    idle: usize,
+pub struct Acceptance {
+    kept: f64,
+    missed: f64,
 }
 
-impl DraftLength {
-    const WEIGHT: f32 = 0.3;
-    const FLOOR: f32 = 0.15;
-    const PROBE_EVERY: usize = 8;
+impl Default for Acceptance {
+    fn default() -> Self {
+        Acceptance::new()
+    }
+}
 
-    /// Starts hopeful (the whole share), so a new sequence drafts at once.
-    pub fn new(max_k: usize) -> Self {
-        DraftLength {
-            max_k,
-            kept: 1.0,
-            idle: 0,
+impl Acceptance {
+    /// Each earlier observation's weight is multiplied by this at every new one (about the
+    /// last ten drafts count).
+    const DECAY: f64 = 0.9;
+    /// The prior, in observations: a new sequence starts at 0.5, and a steady record outweighs
+    /// it (twenty kept in a row read 0.95).
+    const PRIOR_KEPT: f64 = 0.5;
+    const PRIOR_MISSED: f64 = 0.5;
+
+    pub fn new() -> Self {
+        Acceptance {
+            kept: 0.0,
+            missed: 0.0,
         }
     }
 
-    /// Drafts to run this step.
-    pub fn this_step(&mut self) -> usize {
-        if self.max_k == 0 {
-            return 0;
-        }
-        if self.kept < Self::FLOOR {
-            self.idle += 1;
-            return usize::from(self.idle.is_multiple_of(Self::PROBE_EVERY));
-        }
-        ((self.kept * self.max_k as f32).ceil() as usize).clamp(1, self.max_k)
+    /// The chance that the next draft is kept.
+    pub fn p(&self) -> f64 {
+        (self.kept + Self::PRIOR_KEPT)
+            / (self.kept + self.missed + Self::PRIOR_KEPT + Self::PRIOR_MISSED)
     }
 
-    /// `kept` of `drafted` drafts were accepted (a step that drafted nothing is not counted).
-    pub fn record(&mut self, drafted: usize, kept: usize) {
-        if drafted == 0 {
-            return;
-        }
-        let share = kept.min(drafted) as f32 / drafted as f32;
-        self.kept = (1.0 - Self::WEIGHT) * self.kept + Self::WEIGHT * share;
-        if self.kept >= Self::FLOOR {
-            self.idle = 0;
+    /// A step sampled `sampled` after proposing `drafts` (of which it may have run none, some
+    /// or all): drafts count as kept while they equal the sampled tokens, the first that differs
+    /// as missed; drafts past the sampled tokens tell nothing.
+    pub fn record(&mut self, drafts: &[u32], sampled: &[u32]) {
+        for (d, t) in drafts.iter().zip(sampled) {
+            self.kept *= Self::DECAY;
+            self.missed *= Self::DECAY;
+            if d == t {
+                self.kept += 1.0;
+            } else {
+                self.missed += 1.0;
+                return;
+            }
         }
     }
 }
@@ -211,23 +218,32 @@ mod tests {
     }
 
     #[test]
-    fn a_sequence_whose_drafts_fail_backs_off_and_probes_again() {
-        let mut l = DraftLength::new(4);
-        assert_eq!(l.this_step(), 4, "hopeful at first");
+    fn acceptance_follows_the_drafts_kept_whether_they_ran_or_not() {
+        let mut a = Acceptance::new();
+        assert_eq!(a.p(), 0.5, "the prior");
+        // Two drafts kept, the third missed: the tokens after the miss tell nothing.
+        a.record(&[1, 2, 3, 4], &[1, 2, 9, 4]);
+        let after = a.p();
+        assert!(after > 0.5 && after < 0.7, "{after}");
+        // A draft that did not run is checked against the token sampled instead.
+        let mut quoting = Acceptance::new();
+        for _ in 0..20 {
+            quoting.record(&[7], &[7]);
+        }
+        assert!(quoting.p() > 0.94, "{}", quoting.p());
+        // Text that stops quoting brings it down within a few steps, and back up again.
         for _ in 0..10 {
-            let k = l.this_step();
-            l.record(k, 0);
+            quoting.record(&[7], &[8]);
         }
-        // Backed off: mostly none, one probe draft every few steps.
-        let runs: Vec<usize> = (0..16).map(|_| l.this_step()).collect();
-        assert_eq!(runs.iter().sum::<usize>(), 2, "{runs:?}");
-        // Drafts that are kept again bring the length back up.
-        for _ in 0..12 {
-            l.record(1, 1);
+        assert!(quoting.p() < 0.4, "{}", quoting.p());
+        for _ in 0..10 {
+            quoting.record(&[7, 7], &[7, 7]);
         }
-        assert_eq!(l.this_step(), 4);
-        l.record(4, 2);
-        assert!((1..=4).contains(&l.this_step()));
-        assert_eq!(DraftLength::new(0).this_step(), 0);
+        assert!(quoting.p() > 0.8, "{}", quoting.p());
+        // Nothing sampled or nothing drafted: no observation.
+        let mut none = Acceptance::new();
+        none.record(&[], &[1]);
+        none.record(&[1], &[]);
+        assert_eq!(none.p(), 0.5);
     }
 }

@@ -124,11 +124,18 @@ impl Settings {
                 "0 (off) to 60000",
             ));
         }
-        if c.speculate_tokens > 16 {
+        if !["auto", "off"].contains(&c.speculation.as_str()) {
+            return Err(invalid(
+                "scheduler.speculation",
+                format!("{:?}", c.speculation),
+                "\"auto\" or \"off\"",
+            ));
+        }
+        if !(1..=16).contains(&c.speculate_tokens) {
             return Err(invalid(
                 "scheduler.speculate_tokens",
                 c.speculate_tokens,
-                "0 (off) to 16",
+                "1 to 16",
             ));
         }
         if c.speculate_min_ngram == 0 || c.speculate_min_ngram > c.speculate_max_ngram {
@@ -253,17 +260,57 @@ impl Settings {
                 lease_tokens_total: self.cache.lease_tokens_total,
             },
             lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
-            speculation: (self.scheduler.speculate_tokens > 0).then_some(
+            speculation: (self.scheduler.speculation == "auto").then_some(
                 crate::engine::core::Speculation {
                     max_drafts: self.scheduler.speculate_tokens,
                     min_ngram: self.scheduler.speculate_min_ngram,
                     max_ngram: self.scheduler.speculate_max_ngram,
-                    max_batch: self.scheduler.speculate_max_batch,
                 },
             ),
             max_context: self.engine.max_context,
             max_queued_frames: self.server.max_queued_frames,
             on_failure: None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The speculation settings: a bad one is refused naming its key and what is allowed; "off"
+    /// gives the batcher no speculation, "auto" the configured lengths.
+    #[test]
+    fn speculation_settings_are_checked_and_reach_the_batcher() {
+        let bad = |f: &dyn Fn(&mut Settings)| {
+            let mut s = Settings::load(None).unwrap();
+            f(&mut s);
+            s.validate_server().unwrap_err().to_string()
+        };
+        let e = bad(&|s| s.scheduler.speculation = "sometimes".into());
+        assert!(
+            e.contains("scheduler.speculation") && e.contains("\"auto\" or \"off\""),
+            "{e}"
+        );
+        let e = bad(&|s| s.scheduler.speculate_tokens = 0);
+        assert!(
+            e.contains("scheduler.speculate_tokens") && e.contains("1 to 16"),
+            "{e}"
+        );
+        let e = bad(&|s| s.scheduler.speculate_min_ngram = 5);
+        assert!(e.contains("scheduler.speculate_min_ngram"), "{e}");
+        let mut s = Settings::load(None).unwrap();
+        s.validate_server().unwrap();
+        assert_eq!(
+            s.batcher_config().speculation,
+            Some(crate::engine::core::Speculation {
+                max_drafts: 8,
+                min_ngram: 2,
+                max_ngram: 4
+            }),
+            "the default"
+        );
+        s.scheduler.speculation = "off".into();
+        assert_eq!(s.batcher_config().speculation, None);
     }
 }

@@ -649,7 +649,9 @@ fn a_stream_keeps_receiving_deltas_while_a_long_prompt_prefills() {
 
 /// Speculative decoding through the server on the default model: a reply that copies its
 /// prompt's text is the same with n-gram drafts as without (greedy, stop strings honoured the
-/// same), most drafts are kept (SmolLM2 copies nearly word for word), and the counters say so.
+/// same), most drafts are kept (SmolLM2 copies nearly word for word) on an idle server where the
+/// cost model lets them run, the counters and the reply's `usage` say so, and a request that
+/// opts out (`speculate: false`) runs none.
 #[test]
 fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
     use crate::openai::metric;
@@ -658,9 +660,10 @@ fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
     let text = "Copy the following text exactly, word for word:\n\nReturns: unused items may be \
         returned within 30 days of delivery with the original receipt for a full refund. Opened \
         items may be exchanged for store credit within 14 days.";
-    let reply = |speculate: usize| {
-        let app = spawn_app(&model, |s| s.scheduler.speculate_tokens = speculate);
+    let reply = |mode: &str| {
+        let app = spawn_app(&model, |s| s.scheduler.speculation = mode.into());
         let mut out = (String::new(), String::new());
+        let mut usage = Vec::new();
         run(async {
             let mut c = app.connect().await;
             c.chat("q", text, greedy(60)).await;
@@ -668,16 +671,38 @@ fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
             c.send(json!({"type": "reset"})).await;
             let params = json!({"temperature": 0, "max_tokens": 60, "stop": ["store credit"]});
             c.chat("cut", text, params).await;
-            out = (full.text, c.reply("cut").await.text);
+            let cut = c.reply("cut").await;
+            c.send(json!({"type": "reset"})).await;
+            let params = json!({"temperature": 0, "max_tokens": 60, "speculate": false});
+            c.chat("plain", text, params).await;
+            let plain = c.reply("plain").await;
+            assert_eq!(plain.text, full.text, "opting out changes no token");
+            for r in [&full, &cut, &plain] {
+                let u = &r.done["usage"];
+                usage.push((
+                    u["drafted_tokens"].as_u64().unwrap(),
+                    u["accepted_tokens"].as_u64().unwrap(),
+                ));
+            }
+            out = (full.text, cut.text);
             app.wait_idle().await;
         });
         let drafted = metric(&app, "vllm:spec_decode_num_draft_tokens_total");
         let kept = metric(&app, "vllm:spec_decode_num_accepted_tokens_total");
-        (out, drafted, kept)
+        // Kept drafts by position: every kept draft's earlier positions were kept too.
+        let by_pos = |p: usize| {
+            let name = format!("vllm:spec_decode_num_accepted_tokens_per_pos{{position=\"{p}\"}}");
+            (kept > 0.0).then(|| metric(&app, &name))
+        };
+        if let (Some(first), Some(second)) = (by_pos(0), by_pos(1)) {
+            assert!(first >= second && second > 0.0, "{first} >= {second}");
+        }
+        (out, drafted, kept, usage)
     };
-    let (plain, drafted, _) = reply(0);
+    let (plain, drafted, _, usage) = reply("off");
     assert_eq!(drafted, 0.0);
-    let (fast, drafted, kept) = reply(4);
+    assert_eq!(usage, vec![(0, 0); 3]);
+    let (fast, drafted, kept, usage) = reply("auto");
     assert_eq!(fast, plain);
     assert!(plain.0.contains("30 days of delivery"), "{}", plain.0);
     assert!(!plain.1.contains("store credit"), "{}", plain.1);
@@ -685,4 +710,11 @@ fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
         drafted > 0.0 && kept > drafted / 2.0,
         "{kept} of {drafted} drafts kept"
     );
+    let (d, k) = usage.iter().fold((0, 0), |(d, k), u| (d + u.0, k + u.1));
+    assert_eq!(
+        (d as f64, k as f64),
+        (drafted, kept),
+        "usage counts what the metrics count"
+    );
+    assert_eq!(usage[2], (0, 0), "the request that opted out ran no drafts");
 }

@@ -686,3 +686,57 @@ fn an_openai_client_calls_functions_in_the_templates_own_format() {
     assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens"], want.len(), "{r}");
 }
+
+/// A reply held to a JSON Schema speculates too: the drafts it runs are only those the grammar
+/// allows, each row is masked as the grammar stands after the drafts before it, and the reply
+/// is the one it is without speculation (greedy and seeded), on the default model copying a
+/// policy into a field, with drafts kept.
+#[test]
+fn a_reply_held_to_a_schema_speculates_and_stays_the_same() {
+    let _g = model_lock();
+    let model = llama_relay::default_model::ensure_default_model().unwrap();
+    let text = "Copy the policy below into the JSON field \"policy\", word for word.\n\nPolicy: \
+        unused items may be returned within 30 days of delivery with the original receipt for \
+        a full refund.";
+    let format = json!({"type": "json_schema", "json_schema": {"name": "copy", "strict": true,
+        "schema": {"type": "object", "properties": {"policy": {"type": "string", "maxLength": 200}},
+        "required": ["policy"], "additionalProperties": false}}});
+    let replies = |mode: &str| {
+        let app = spawn_app(&model, |s: &mut Settings| {
+            s.scheduler.speculation = mode.into()
+        });
+        let mut out = Vec::new();
+        run(async {
+            let mut c = app.connect().await;
+            for (i, sampling) in [
+                json!({"temperature": 0}),
+                json!({"temperature": 0.8, "seed": 7}),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let mut params = sampling;
+                params["max_tokens"] = json!(80);
+                params["response_format"] = format.clone();
+                let id = format!("q{i}");
+                c.chat(&id, text, params).await;
+                let r = c.reply(&id).await;
+                assert_eq!(r.done["type"], "done", "{}", r.done);
+                let v: Value =
+                    serde_json::from_str(&r.text).unwrap_or_else(|e| panic!("{e}: {}", r.text));
+                assert!(v["policy"].is_string(), "{v}");
+                out.push((r.text, r.done["usage"]["accepted_tokens"].as_u64().unwrap()));
+                c.send(json!({"type": "reset"})).await;
+            }
+            app.wait_idle().await;
+        });
+        out
+    };
+    let plain = replies("off");
+    let fast = replies("auto");
+    for ((p, _), (f, _)) in plain.iter().zip(&fast) {
+        assert_eq!(f, p);
+    }
+    assert!(plain[0].0.contains("30 days"), "{}", plain[0].0);
+    assert!(fast[0].1 > 0, "drafts kept in the greedy reply: {fast:?}");
+}

@@ -403,6 +403,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
                     o.push(token);
                 }
                 Event::Finished { .. } => {}
+                Event::Drafted { .. } => panic!("speculation is off"),
                 Event::Failed { error, .. } => panic!("no grammar here: {error}"),
             }
         }
@@ -510,7 +511,6 @@ fn speculation_leaves_every_reply_as_it_was() {
         max_drafts: 4,
         min_ngram: 1,
         max_ngram: 3,
-        max_batch: 8,
     };
     let (fast, fast_steps, drafted, accepted) = run(&mut e, Some(spec));
     for (id, want) in &plain {

@@ -86,6 +86,7 @@ pub(super) fn push_chunk(
         });
     }
     b.shape.add_run(s.computed, n);
+    b.shape.add_logits(usize::from(sample));
     b.full |= n < s.pending().min(b.tokens);
     b.prefilled = true;
     b.tokens -= n;

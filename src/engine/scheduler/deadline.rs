@@ -151,6 +151,7 @@ impl Scheduler {
         for &(start, n, arrived) in &turns {
             let before = self.cost.predict(&shape);
             shape.add_run(start, n);
+            shape.add_logits(1);
             let after = self.cost.predict(&shape);
             tokens += n;
             if default.is_none() && (after > limit || tokens > b.tokens) {

@@ -28,15 +28,19 @@
 //! step takes more of them, as far as the decoding streams are ahead of their own pace
 //! (`deadline`).
 //!
+//! Speculative drafts proposed for a decode (`set_drafts`) run after its last token when they
+//! raise the step's expected tokens per second, priced with the same cost model (`drafts`).
+//!
 //! One file per concern: this one plans a step (`schedule`) and preempts for blocks; `request`
 //! holds the per-request state and the queue API; `budget` the step-time target and chunk sizes;
-//! `admit` the order prefills are admitted in; `deadline` first-token deadlines; `fairness` the
-//! rules between tenants. Each is an
+//! `admit` the order prefills are admitted in; `deadline` first-token deadlines; `drafts` which
+//! speculative drafts run; `fairness` the rules between tenants. Each is an
 //! `impl Scheduler` block over the same state, so a policy reads alone.
 
 mod admit;
 mod budget;
 mod deadline;
+mod drafts;
 mod fairness;
 mod request;
 #[cfg(test)]
@@ -294,6 +298,7 @@ impl Scheduler {
         };
         self.preempt_for_fairness(&mut out);
         b.hold = self.tenants_to_hold();
+        self.trim_drafts(&b.hold);
         let decoding = self.schedule_decodes(&b.hold, &mut out);
         // The step-time target a miss is counted against (none when first tokens' deadlines
         // stretched the step on purpose).
@@ -321,6 +326,7 @@ impl Scheduler {
                 out.drafted.push((s.id, s.drafts.clone()));
             }
             b.shape.add_run(s.computed, n);
+            b.shape.add_logits(n);
             s.computed += n;
             b.tokens = b.tokens.saturating_sub(n);
         }
@@ -386,13 +392,7 @@ impl Scheduler {
         let mut ids: Vec<(u64, RequestId)> = self
             .running
             .iter()
-            .filter(|s| {
-                s.computed > 0
-                    && s.pending() == 1
-                    && !s.paused
-                    && s.kind != SeqKind::Draft
-                    && !hold.contains(&s.tenant())
-            })
+            .filter(|s| Self::decodes_next(s, hold))
             .map(|s| (s.admitted, s.id))
             .collect();
         ids.sort();

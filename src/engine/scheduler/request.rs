@@ -78,8 +78,10 @@ pub struct Sequence {
     pub(super) arrived: std::time::Instant,
     /// Its prompt's length: the tokens after it are its reply.
     pub(super) prompt_len: usize,
-    /// Speculative drafts to run after its last token in its next decode (`set_drafts`).
+    /// Speculative drafts to run after its last token in its next decode (`set_drafts`), and
+    /// the chance that each is kept given the one before it was.
     pub(super) drafts: Vec<u32>,
+    pub(super) draft_p: f64,
     /// Prompt tokens the prefix cache held when the plan last looked, before admission
     /// (`KvManager::cached_len`): how much prefill it will need.
     pub(super) cached_estimate: Option<usize>,
@@ -111,6 +113,7 @@ impl Sequence {
             arrived,
             cached_estimate: None,
             drafts: Vec::new(),
+            draft_p: 0.0,
         }
     }
 
@@ -323,12 +326,15 @@ impl Scheduler {
         }
     }
 
-    /// Speculative drafts for running request `id`'s next decode: run after its last token in
-    /// the same chunk, each with its logits. They are not its tokens until `resolve_drafts`
-    /// keeps them. Cleared if the request does not decode in the next step.
-    pub fn set_drafts(&mut self, id: RequestId, drafts: Vec<u32>) {
+    /// Speculative drafts proposed for running request `id`'s next decode, each kept (given the
+    /// one before it was) with chance `p`: the next step runs those worth their cost
+    /// (`trim_drafts`) after its last token in the same chunk, each with its logits. They are
+    /// not its tokens until `resolve_drafts` keeps them. Cleared if the request does not decode
+    /// in the next step.
+    pub fn set_drafts(&mut self, id: RequestId, drafts: Vec<u32>, p: f64) {
         if let Some(s) = self.running.iter_mut().find(|s| s.id == id) {
             s.drafts = drafts;
+            s.draft_p = p.clamp(0.0, 1.0);
         }
     }
 

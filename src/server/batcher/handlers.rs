@@ -42,10 +42,14 @@ impl Handler<Submit> for Batcher {
             self.lease_expiry.remove(&k);
             self.end_draft(k, "used");
         }
+        // A paced reply goes at its reader's pace, which drafts cannot speed up, and a step
+        // that kept several drafts could pass its window.
+        let mut sampling = m.sampling;
+        sampling.speculate &= m.window.is_none();
         let request = Request {
             id: m.request,
             prompt: m.prompt,
-            sampling: m.sampling,
+            sampling,
             max_tokens: m.max_tokens,
             ignore_eos: m.ignore_eos,
             priority: m.priority,
@@ -90,6 +94,8 @@ impl Handler<Submit> for Batcher {
                     first_token: None,
                     last_token: None,
                     generated: 0,
+                    drafted: 0,
+                    accepted: 0,
                     ids: Vec::new(),
                     allowed: m.window.filter(|_| id == m.request),
                     position: (id == m.request).then_some(position),

@@ -50,6 +50,9 @@ struct Active {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     generated: usize,
+    /// Speculative drafts run for it, and those kept.
+    drafted: usize,
+    accepted: usize,
     /// The reply's token ids, for a session that resumes.
     ids: Vec<u32>,
     /// A paced reply: the tokens it may generate in all for now.
@@ -295,6 +298,8 @@ impl Batcher {
                 prompt_tokens: a.prompt_tokens,
                 completion_tokens: a.generated,
                 cached_tokens: a.cached_tokens,
+                drafted_tokens: a.drafted,
+                accepted_tokens: a.accepted,
             };
             let end = EventKind::Finished {
                 reason,
@@ -430,6 +435,21 @@ impl Batcher {
                     token,
                     logprobs,
                 } => self.on_token(id, token, logprobs, now),
+                Event::Drafted {
+                    id,
+                    drafted,
+                    accepted,
+                } => {
+                    if let Some(a) = self.active.get_mut(&id) {
+                        a.drafted += drafted;
+                        a.accepted += accepted;
+                    }
+                    for position in 0..accepted {
+                        (self.metrics.spec_accepted_per_pos)
+                            .with_label_values(&[&position.to_string()])
+                            .inc();
+                    }
+                }
                 Event::Failed { id, error } => self.fail_all(
                     vec![id],
                     RequestError::invalid(

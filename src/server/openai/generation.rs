@@ -21,6 +21,9 @@ pub(super) struct Choice {
     pub(super) reply: ReplyStream,
     pub(super) finish: Option<FinishReason>,
     pub(super) completion_tokens: usize,
+    /// Speculative drafts run for it and those kept.
+    pub(super) drafted_tokens: usize,
+    pub(super) accepted_tokens: usize,
 }
 
 impl Choice {
@@ -29,6 +32,8 @@ impl Choice {
             reply: ReplyStream::new(request, stop),
             finish: None,
             completion_tokens: 0,
+            drafted_tokens: 0,
+            accepted_tokens: 0,
         }
     }
 
@@ -144,6 +149,8 @@ impl Generation {
                         self.timings = timings;
                     }
                     c.completion_tokens = usage.completion_tokens;
+                    c.drafted_tokens = usage.drafted_tokens;
+                    c.accepted_tokens = usage.accepted_tokens;
                     if reason == FinishReason::Shutdown {
                         self.failed =
                             Some(RequestError::NotReady("the server is shutting down".into()));
@@ -170,12 +177,19 @@ impl Generation {
 
     pub(super) fn usage(&self) -> ApiUsage {
         let completion: usize = self.choices.iter().map(|c| c.completion_tokens).sum();
+        let drafted: usize = self.choices.iter().map(|c| c.drafted_tokens).sum();
+        let accepted: usize = self.choices.iter().map(|c| c.accepted_tokens).sum();
         ApiUsage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: completion,
             total_tokens: self.prompt_tokens + completion,
             prompt_tokens_details: PromptTokensDetails {
                 cached_tokens: self.cached_tokens,
+            },
+            completion_tokens_details: CompletionTokensDetails {
+                reasoning_tokens: 0,
+                accepted_prediction_tokens: accepted,
+                rejected_prediction_tokens: drafted - accepted.min(drafted),
             },
         }
     }

@@ -38,7 +38,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use self::wire::{
     error_body, ApiUsage, ChatLogprob, ChatRequest, CompletionLogprobs, CompletionRequest,
-    PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
+    CompletionTokensDetails, PromptTokensDetails, RawPrompt, TopLogprob, ValidApi,
 };
 use crate::engine::core::Fork;
 use crate::engine::RequestId;

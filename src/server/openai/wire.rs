@@ -513,11 +513,21 @@ pub struct ApiUsage {
     pub completion_tokens: usize,
     pub total_tokens: usize,
     pub prompt_tokens_details: PromptTokensDetails,
+    pub completion_tokens_details: CompletionTokensDetails,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
 pub struct PromptTokensDetails {
     pub cached_tokens: usize,
+}
+
+/// OpenAI's breakdown of the completion's tokens. Its prediction counts (OpenAI's Predicted
+/// Outputs) count this server's speculative drafts: those kept, and those run and rejected.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+pub struct CompletionTokensDetails {
+    pub reasoning_tokens: usize,
+    pub accepted_prediction_tokens: usize,
+    pub rejected_prediction_tokens: usize,
 }
 
 /// One token's entry in a chat choice's `logprobs.content`.

@@ -685,6 +685,7 @@ mod tests {
                 prompt_tokens: 30,
                 completion_tokens: reply.len(),
                 cached_tokens: 12,
+                ..Usage::default()
             },
             timings: Default::default(),
             seal: None,

@@ -23,6 +23,11 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_tokens: usize,
+    /// Speculative drafts run for the reply, and those kept (part of `completion_tokens`).
+    #[serde(default)]
+    pub drafted_tokens: usize,
+    #[serde(default)]
+    pub accepted_tokens: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]

@@ -194,6 +194,7 @@ mod tests {
                 prompt_tokens: 3,
                 completion_tokens,
                 cached_tokens: 0,
+                ..Usage::default()
             },
             timings: Timings::default(),
         }

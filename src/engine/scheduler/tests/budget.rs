@@ -21,17 +21,7 @@ fn timed(blocks: usize, step_tokens: usize, target_ms: u64, max_running: usize) 
         itl_target: Some(std::time::Duration::from_millis(target_ms)),
         ttft_target: None,
     };
-    let kv = KvConfig {
-        block_size: 4,
-        prefix_caching: false,
-        lease_tokens_per_session: 0,
-        lease_tokens_total: 0,
-    };
-    Scheduler::with_cost(
-        cfg,
-        KvManager::new(kv, BlockPool::new(blocks)),
-        Box::new(FixedCost),
-    )
+    Scheduler::with_cost(cfg, kv_manager(blocks, false, (0, 0)), Box::new(FixedCost))
 }
 
 #[test]

@@ -29,20 +29,10 @@ fn timed(ttft: Option<u64>) -> (Scheduler, Arc<Mutex<Instant>>) {
         itl_target: Some(Duration::from_millis(100)),
         ttft_target: ttft.map(Duration::from_millis),
     };
-    let kv = KvConfig {
-        block_size: 4,
-        prefix_caching: false,
-        lease_tokens_per_session: 0,
-        lease_tokens_total: 0,
-    };
     let t = Arc::new(Mutex::new(Instant::now()));
     let clock = t.clone();
-    let s = Scheduler::with_cost(
-        cfg,
-        KvManager::new(kv, BlockPool::new(4096)),
-        Box::new(StepCost),
-    )
-    .with_clock(Arc::new(move || *clock.lock().unwrap()));
+    let s = Scheduler::with_cost(cfg, kv_manager(4096, false, (0, 0)), Box::new(StepCost))
+        .with_clock(Arc::new(move || *clock.lock().unwrap()));
     (s, t)
 }
 

@@ -12,6 +12,7 @@ use proptest::prelude::*;
 mod budget;
 mod cache;
 mod deadline;
+mod drafts;
 mod fairness;
 
 /// One partition for every block (these tests are about scheduling, not principals).
@@ -27,13 +28,18 @@ fn new_sched(
     caching: bool,
     lease: (usize, usize),
 ) -> Scheduler {
+    Scheduler::new(cfg, kv_manager(blocks, caching, lease))
+}
+
+/// The KV manager of `new_sched`.
+fn kv_manager(blocks: usize, caching: bool, lease: (usize, usize)) -> KvManager {
     let kv = KvConfig {
         block_size: 4,
         prefix_caching: caching,
         lease_tokens_per_session: lease.0,
         lease_tokens_total: lease.1,
     };
-    Scheduler::new(cfg, KvManager::new(kv, BlockPool::new(blocks)))
+    KvManager::new(kv, BlockPool::new(blocks))
 }
 
 fn caching(blocks: usize, lease_per_session: usize, lease_total: usize) -> Scheduler {
@@ -113,10 +119,10 @@ fn drafts_run_after_the_last_token_and_only_the_kept_ones_stay() {
     s.add(id(1), vec![1, 2, 3, 4, 5], 40, scope(0)).unwrap();
     s.add(id(2), vec![9; 3], 40, scope(0)).unwrap();
     step(&mut s); // both prefill and sample a token: 6 and 4 tokens, 5 and 3 computed
-    s.set_drafts(id(1), vec![20, 21, 22]);
+    s.set_drafts(id(1), vec![20, 21, 22], 1.0);
     // Drafts for a request that does not decode this step are dropped with it.
     s.set_paused(id(2), true);
-    s.set_drafts(id(2), vec![30]);
+    s.set_drafts(id(2), vec![30], 1.0);
     let out = s.schedule().expect("work");
     assert_eq!(entries(&out), vec![(1, true)]);
     assert_eq!(out.batch.seqs[0].tokens, vec![7, 20, 21, 22]);
