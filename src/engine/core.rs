@@ -215,6 +215,12 @@ impl<E: BorrowMut<Engine>> Core<E> {
         self.speculation = s.filter(|s| s.max_drafts > 0);
     }
 
+    /// Replaces the scheduler's cost model (tests pin one, so that what a step holds does not
+    /// depend on how fast this machine ran the steps before it).
+    pub fn set_cost_model(&mut self, cost: Box<dyn super::cost::CostModel>) {
+        self.sched.set_cost_model(cost);
+    }
+
     pub fn engine(&self) -> &Engine {
         self.engine.borrow()
     }

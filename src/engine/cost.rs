@@ -73,6 +73,19 @@ pub trait CostModel: Send {
 }
 
 /// Least squares over the features with exponential forgetting and a ridge toward priors.
+/// A model that never learns: the weights it was made with (tests that need a step policy that
+/// does not depend on this machine's speed).
+#[derive(Debug, Clone)]
+pub struct FixedCost(pub LinearCost);
+
+impl CostModel for FixedCost {
+    fn predict(&self, s: &StepShape) -> f64 {
+        self.0.predict(s)
+    }
+
+    fn observe(&mut self, _: &StepShape, _: f64) {}
+}
+
 #[derive(Debug, Clone)]
 pub struct LinearCost {
     /// Weighted sums of x x^T and x y over the observations.

@@ -260,9 +260,9 @@ fn barge_in_keeps_only_what_was_heard_in_the_conversation_and_the_kv() {
             "{cached} of {prompt} (first prompt {p1})"
         );
     });
-    // The cut replies were speculated (the default): some tokens came several a step, and the
-    // cut still kept only what was heard.
-    assert!(app.state.metrics.spec_accepted_tokens.get() > 0);
+    // Speculation is on (the default); whether drafts ran depends on this machine's step costs,
+    // which the scheduler learns (`tiny_llama3::speculation_leaves_every_reply_as_it_was` pins
+    // them).
 }
 
 /// A WebSocket client and its `ready` frame.
@@ -382,9 +382,8 @@ fn a_dropped_connection_resumes_its_reply_without_loss_or_duplicates() {
         let e = d.recv().await;
         assert_eq!(e["error_type"], "resume_failed", "{e}");
     });
-    // The reply was speculated (the default): the resume replayed tokens that came several a
-    // step, none lost or doubled.
-    assert!(app.state.metrics.spec_accepted_tokens.get() > 0);
+    // Speculation is on (the default); whether drafts ran depends on this machine's step costs,
+    // as in the barge-in test above.
 }
 
 #[test]

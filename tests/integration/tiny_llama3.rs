@@ -436,6 +436,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
 #[test]
 fn speculation_leaves_every_reply_as_it_was() {
     use llama_relay::engine::core::{Core, Event, Request, Speculation};
+    use llama_relay::engine::cost::{FixedCost, LinearCost};
     use llama_relay::engine::scheduler::RequestId;
     use llama_relay::kv_cache::{CacheScope, Salt};
     use llama_relay::sampler::SamplingParams;
@@ -465,6 +466,12 @@ fn speculation_leaves_every_reply_as_it_was() {
         let (sched, kv) = core_configs(true);
         let mut core = Core::new(&mut *e, sched, kv, 2048);
         core.set_speculation(spec);
+        // Costs of a CPU step whose fixed part (reading the weights) outweighs a row's, as the
+        // default model's are; learned ones would make the drafts kept depend on this machine
+        // (on a fast one the tiny model's LM head row costs about a whole step: no draft pays).
+        core.set_cost_model(Box::new(FixedCost(LinearCost::new([
+            0.005, 0.01, 0.0, 0.001,
+        ]))));
         for (i, (prompt, sampling, max_tokens, logprobs)) in prompts.iter().enumerate() {
             core.add(Request {
                 id: RequestId(i as u64),

@@ -154,6 +154,11 @@ impl Scheduler {
         Self::with_cost(cfg, kv, Box::new(LinearCost::default()))
     }
 
+    /// Replaces the cost model (`Core::set_cost_model`).
+    pub fn set_cost_model(&mut self, cost: Box<dyn CostModel>) {
+        self.cost = cost;
+    }
+
     /// With a given cost model (tests use a fixed one).
     pub fn with_cost(cfg: SchedulerConfig, kv: KvManager, cost: Box<dyn CostModel>) -> Self {
         Scheduler {
