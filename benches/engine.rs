@@ -528,7 +528,7 @@ fn attention(
 /// once a step), and each projection's kernel alone (Q4_1 8-row layout, the default model's
 /// weights) at 1, 16 and 512 rows, its weights read from memory as they are in a step.
 fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
-    use llama_relay::model::kernels::{cpu::Isa, q4_1x8, q8_0x8::RowGroups, roof::Roof};
+    use llama_relay::model::kernels::{amx, cpu::Isa, q4_1x8, q8_0x8::RowGroups, roof::Roof};
     let isa = Isa::best();
     let r = Roof::measure(isa, threads, reps);
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
@@ -542,6 +542,9 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
         opt(r.f32_512),
         r.read_gbs
     );
+    if let Some(a) = r.amx_bf16 {
+        println!("roof, tile units (AMX): bf16 {a:.0} GFLOP/s");
+    }
     let c = e.model.config().clone();
     let kv = c.num_kv_heads * c.head_dim;
     let (h, i) = (c.hidden_size, c.intermediate_size);
@@ -628,6 +631,15 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
                     "{:.0}% read",
                     100.0 * layers * (n * k) as f64 * 20.0 / 32.0 / secs / 1e9 / r.read_gbs
                 ),
+                (_, Some((_, n, k))) if rows >= amx::AMX_MIN_ROWS && r.amx_bf16.is_some() => {
+                    format!(
+                        "{:.0}% amx",
+                        100.0 * layers * 2.0 * (rows * n * k) as f64
+                            / secs
+                            / 1e9
+                            / r.amx_bf16.unwrap_or(f64::MAX)
+                    )
+                }
                 (_, Some((_, n, k))) => format!(
                     "{:.0}% int8",
                     100.0 * layers * 2.0 * (rows * n * k) as f64 / secs / 1e9 / int8
@@ -735,6 +747,49 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
                 100.0 * gops / int8,
                 bytes / t / 1e9,
                 100.0 * bytes / t / 1e9 / r.read_gbs
+            );
+        }
+    }
+    let Some((amx_t, peak)) = isa.amx().zip(r.amx_bf16) else {
+        return;
+    };
+    println!("kernel (amx bf16, cold) rows   ms   GFLOP/s  % amx  against q4_1x8");
+    for (name, n, k) in shapes {
+        let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
+            .iter()
+            .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
+            .collect();
+        let wt =
+            candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
+        let q =
+            candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
+                .unwrap();
+        let q41 = q4_1x8::Repacked::from_q4_1(&q.data().unwrap(), n, k);
+        let copies: Vec<amx::Tiles> = (0..((256e6 / (n * k * 2) as f64).ceil() as usize)
+            .clamp(2, 1024))
+            .map(|_| amx::Tiles::from_f32(&wf, n, k))
+            .collect();
+        for m in [16usize, 32, 64, 128, 512] {
+            let x: Vec<f32> = (0..m * k).map(|j| wf[j % wf.len()]).collect();
+            let t = rayon::scope(|_| {
+                median_time(reps, || {
+                    for c in &copies {
+                        std::hint::black_box(c.matmul(amx_t, &x, m));
+                    }
+                })
+            }) / copies.len() as f64;
+            let hot = rayon::scope(|_| {
+                median_time(reps, || {
+                    std::hint::black_box(q41.matmul(&x, m));
+                })
+            });
+            let gflops = 2.0 * (m * n * k) as f64 / t / 1e9;
+            println!(
+                "{name:<10} {n:>5}x{k:<5} {m:>4} {:>8.3} {gflops:>9.0} {:>5.0}%  {:.2}x (q4_1x8 hot {:.3} ms)",
+                t * 1e3,
+                100.0 * gflops / peak,
+                hot / t,
+                hot * 1e3
             );
         }
     }

@@ -43,6 +43,8 @@ pub struct EngineSettings {
     pub attention: String,
     pub weights: String,
     pub kv_dtype: String,
+    /// MiB of bf16 weight copies for Intel's tile units (AMX); 0 = none.
+    pub amx_weights_mib: usize,
     pub malloc_tuning: bool,
     /// Run one prefill chunk and a few decode steps after loading, before the server is ready.
     pub warm_up: bool,
@@ -340,6 +342,7 @@ impl Settings {
             attention,
             weights,
             kv_dtype,
+            amx_weights_mib: e.amx_weights_mib,
         })
     }
 }

@@ -11,6 +11,8 @@ use crate::default_model;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockPool, KvCache, KvCacheSpec};
 use crate::model::attention::{self, AttentionImpl};
+use crate::model::kernels::amx;
+use crate::model::kernels::cpu::Isa;
 use crate::model::loader::{GgufSource, HfSource, LoadOptions, WeightMode, WeightSource};
 use crate::model::Llama;
 use crate::tokenizer::TextTokenizer;
@@ -39,6 +41,8 @@ pub struct EngineOptions {
     pub weights: WeightMode,
     /// KV cache element type: F32 or F16.
     pub kv_dtype: candle_core::DType,
+    /// MiB of bf16 weight copies for the tile units on CPUs with AMX (`kernels::amx`); 0 = none.
+    pub amx_weights_mib: usize,
 }
 
 impl EngineOptions {
@@ -54,6 +58,7 @@ impl EngineOptions {
             attention: None,
             weights: WeightMode::Auto,
             kv_dtype: candle_core::DType::F32,
+            amx_weights_mib: 1024,
         }
     }
 }
@@ -194,6 +199,7 @@ impl Engine {
             None => cfg.max_position_embeddings,
         };
         let imp = attention::choose(&opts.device, opts.attention)?;
+        amx::set_budget_mib(opts.amx_weights_mib);
         let model = Llama::load(src.as_mut(), &cfg, max_positions, imp, &opts.device)?;
         let weight_types = src.load_summary();
         let spec = match opts.cache {
@@ -213,6 +219,14 @@ impl Engine {
             context = max_positions, attention = ?imp, weights = %weight_types.join(", "),
             "model loaded"
         );
+        if Isa::best().amx().is_some() && opts.device.is_cpu() {
+            tracing::info!(
+                mib = (opts.amx_weights_mib << 20).saturating_sub(amx::budget_left()) >> 20,
+                budget_mib = opts.amx_weights_mib,
+                min_rows = amx::AMX_MIN_ROWS,
+                "AMX: bf16 weight copies for steps of many tokens (engine.amx_weights_mib)"
+            );
+        }
         if !opts.device.is_cpu() {
             tracing::info!(
                 device = ?opts.device,

@@ -23,7 +23,7 @@ use super::kernels::cpu::Isa;
 use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
-use super::kernels::{q4_1x8, q4_kx8, q8_0x8};
+use super::kernels::{amx, q4_1x8, q4_kx8, q8_0x8};
 use super::profile::{time, Part};
 use crate::error::Result;
 
@@ -46,10 +46,17 @@ enum Weight {
     Packed(Arc<Packed>),
 }
 
-/// A CPU weight matrix `[n, k]` in one of the 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`,
-/// `kernels::q4_kx8`).
+/// A CPU weight matrix `[n, k]` in one of the 8-row layouts, and on CPUs with AMX a bf16 copy
+/// for big steps (`kernels::amx`).
 #[derive(Debug)]
-pub enum Packed {
+pub struct Packed {
+    layout: Layout,
+    tiles: Option<amx::Tiles>,
+}
+
+/// The 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`, `kernels::q4_kx8`).
+#[derive(Debug)]
+pub enum Layout {
     Q8_0(q8_0x8::Repacked),
     /// Q4_1, and Q4_0 repacked losslessly as Q4_1 blocks.
     Q4_1(q4_1x8::Repacked),
@@ -62,11 +69,11 @@ pub enum Packed {
 /// Runs `$e` with `$r` bound to whichever layout `$p` holds (a static dispatch per layout).
 macro_rules! each_layout {
     ($p:expr, $r:ident => $e:expr) => {
-        match $p {
-            Packed::Q8_0($r) => $e,
-            Packed::Q4_1($r) => $e,
-            Packed::Q4K($r) => $e,
-            Packed::Q6K($r) => $e,
+        match &$p.layout {
+            Layout::Q8_0($r) => $e,
+            Layout::Q4_1($r) => $e,
+            Layout::Q4K($r) => $e,
+            Layout::Q6K($r) => $e,
         }
     };
 }
@@ -82,18 +89,38 @@ impl Packed {
         if !k.is_multiple_of(32) {
             return Ok(None);
         }
-        Ok(match q.dtype() {
-            GgmlDType::Q8_0 => Some(Packed::Q8_0(q8_0x8::Repacked::from_q8_0(&q.data()?, n, k))),
-            GgmlDType::Q4_1 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_1(&q.data()?, n, k))),
-            GgmlDType::Q4_0 => Some(Packed::Q4_1(q4_1x8::Repacked::from_q4_0(&q.data()?, n, k))),
-            GgmlDType::Q4K => Some(Packed::Q4K(q4_kx8::Repacked::from_q4_k(&q.data()?, n, k))),
-            GgmlDType::Q6K => Some(Packed::Q6K(q8_0x8::Q6kRepacked::from_q6_k(
-                &q.data()?,
-                n,
-                k,
-            ))),
-            _ => None,
-        })
+        let layout = match q.dtype() {
+            GgmlDType::Q8_0 => Layout::Q8_0(q8_0x8::Repacked::from_q8_0(&q.data()?, n, k)),
+            GgmlDType::Q4_1 => Layout::Q4_1(q4_1x8::Repacked::from_q4_1(&q.data()?, n, k)),
+            GgmlDType::Q4_0 => Layout::Q4_1(q4_1x8::Repacked::from_q4_0(&q.data()?, n, k)),
+            GgmlDType::Q4K => Layout::Q4K(q4_kx8::Repacked::from_q4_k(&q.data()?, n, k)),
+            GgmlDType::Q6K => Layout::Q6K(q8_0x8::Q6kRepacked::from_q6_k(&q.data()?, n, k)),
+            _ => return Ok(None),
+        };
+        let mut packed = Packed {
+            layout,
+            tiles: None,
+        };
+        if let Some(t) = Isa::best().amx() {
+            packed.tiles = amx::Tiles::within_budget(t, n, k, || packed.dequantize());
+        }
+        Ok(Some(packed))
+    }
+
+    /// Whether a bf16 copy for the tile units was made (`kernels::amx`).
+    pub fn has_tiles(&self) -> bool {
+        self.tiles.is_some()
+    }
+
+    /// Whether a `rows`-row step runs on the quantized 8-row kernels (rather than the tiles or
+    /// the dense path) at level `isa`.
+    fn quantized_at(&self, rows: usize, isa: Isa) -> bool {
+        rows < self.dense_from(isa) && !self.on_tiles(rows, isa)
+    }
+
+    /// Whether a `rows`-row step runs on the tile units at level `isa`.
+    fn on_tiles(&self, rows: usize, isa: Isa) -> bool {
+        self.tiles.is_some() && isa.amx().is_some() && rows >= amx::AMX_MIN_ROWS
     }
 
     /// (rows, columns).
@@ -120,12 +147,12 @@ impl Packed {
     /// Q8_0 and the K-quants keep the thresholds (docs/performance.md, "The roof report" and
     /// "AVX2 only").
     fn dense_from(&self, isa: Isa) -> usize {
-        match self {
+        match self.layout {
             // The VNNI level includes AVX2.
-            Packed::Q4_1(_) if isa.avx2().is_some() => usize::MAX,
-            Packed::Q8_0(_) if isa.avx512_vnni().is_some() => usize::MAX,
-            Packed::Q8_0(_) | Packed::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
-            Packed::Q4_1(_) | Packed::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
+            Layout::Q4_1(_) if isa.avx2().is_some() => usize::MAX,
+            Layout::Q8_0(_) if isa.avx512_vnni().is_some() => usize::MAX,
+            Layout::Q8_0(_) | Layout::Q6K(_) => Q8_0_DENSE_MIN_ROWS,
+            Layout::Q4_1(_) | Layout::Q4K(_) => Q4_1_DENSE_MIN_ROWS,
         }
     }
 
@@ -138,6 +165,11 @@ impl Packed {
     /// `forward_rows` as level `isa` chooses its path (tests try each level's choice).
     fn forward_rows_at(&self, xs: &[f32], rows: usize, isa: Isa) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
+        if let (Some(tiles), Some(t)) = (&self.tiles, isa.amx()) {
+            if self.on_tiles(rows, isa) {
+                return Ok(tiles.matmul(t, xs, rows));
+            }
+        }
         if rows < self.dense_from(isa) {
             return Ok(self.matmul(xs, rows));
         }
@@ -342,7 +374,7 @@ impl PackedGroup<'_> {
         };
         let total: usize = parts.iter().map(|p| p.dims().0).sum();
         let k = parts.first().map_or(0, |p| p.dims().1);
-        let outs: Vec<Vec<f32>> = if parts.iter().all(|p| rows < p.dense_from(Isa::best())) {
+        let outs: Vec<Vec<f32>> = if parts.iter().all(|p| p.quantized_at(rows, Isa::best())) {
             let a = time(Part::Quantize, || quantize_rows(xs, rows, k));
             parts.iter().map(|p| p.matmul_quantized(&a)).collect()
         } else {
@@ -439,6 +471,36 @@ mod tests {
     }
 
     #[test]
+    fn big_steps_run_on_the_tiles_where_the_cpu_has_them() {
+        let Some(amx) = Isa::available().into_iter().find(|i| i.amx().is_some()) else {
+            eprintln!("big_steps_run_on_the_tiles_where_the_cpu_has_them: skipped, no AMX here");
+            return;
+        };
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (72, 96), &dev).unwrap();
+        for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+            let q = std::sync::Arc::new(QTensor::quantize(&w, dtype).unwrap());
+            let deq = q.dequantize(&dev).unwrap();
+            let lin = Linear::new(QMatMul::from_arc(q).unwrap()).unwrap();
+            let p = lin.as_packed().expect("repacked");
+            assert!(
+                p.has_tiles(),
+                "{dtype:?}: no bf16 copy within the default budget"
+            );
+            let rows = amx::AMX_MIN_ROWS + 3;
+            assert!(p.on_tiles(rows, amx) && !p.quantized_at(rows, amx));
+            assert!(!p.on_tiles(amx::AMX_MIN_ROWS - 1, amx));
+            let x = Tensor::randn(0f32, 1.0, (rows, 96), &dev).unwrap();
+            let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let got = p.forward_rows_at(&xs, rows, amx).unwrap();
+            let got = Tensor::from_vec(got, (rows, 72), &dev).unwrap();
+            let exact = x.matmul(&deq.t().unwrap()).unwrap();
+            // Activations and weights rounded to bf16 (8 bits of mantissa): ~0.4% of each term.
+            close(&got, &exact, 0.01 * max_abs(&exact));
+        }
+    }
+
+    #[test]
     fn k_quants_run_repacked_and_agree_with_candle() {
         let dev = Device::Cpu;
         for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
@@ -448,8 +510,8 @@ mod tests {
             let lin = Linear::new(QMatMul::from_arc(q.clone()).unwrap()).unwrap();
             assert!(
                 matches!(
-                    (dtype, lin.as_packed()),
-                    (GgmlDType::Q4K, Some(Packed::Q4K(_))) | (GgmlDType::Q6K, Some(Packed::Q6K(_)))
+                    (dtype, lin.as_packed().map(|p| &p.layout)),
+                    (GgmlDType::Q4K, Some(Layout::Q4K(_))) | (GgmlDType::Q6K, Some(Layout::Q6K(_)))
                 ),
                 "{dtype:?} became {:?}",
                 lin.as_packed()

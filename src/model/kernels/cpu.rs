@@ -1,12 +1,18 @@
 //! CPU capabilities as values. A token for an instruction set can only be obtained from runtime
-//! detection (`Avx2::detect`, `Avx512Vnni::detect`, or `Isa::best`, which uses them), and every
+//! detection (`Avx2::detect`, `Avx512Vnni::detect`, `Amx::detect`, or `Isa::best`, which uses
+//! them), and every
 //! SIMD kernel entry point takes an `Isa`: the `unsafe` blocks that run `#[target_feature]` code
 //! rely on the token, so safe code cannot run AVX2 on a CPU without it, whatever a caller or a test
 //! passes. (The pattern of `pulp`'s and `multiversion`'s tokens, written here in a few lines because
 //! the kernels need nothing else from those crates.)
 //!
 //! `Isa::best()` is what the engine runs: the highest level detected, capped by the environment
-//! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`) so that one binary can be measured at each level.
+//! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`, `avx512vnni`, `amx`) so that one binary can be
+//! measured at each level.
+//!
+//! AMX is detected by CPUID and XCR0 rather than `is_x86_feature_detected!` (whose AMX names are
+//! unstable in Rust 1.95), and only counts once Linux grants this process the tile data state
+//! (`arch_prctl(ARCH_REQ_XCOMP_PERM)`): without that grant the first tile instruction faults.
 
 use std::sync::OnceLock;
 
@@ -63,6 +69,74 @@ impl Avx512Vnni {
     }
 }
 
+/// Proof that the CPU has everything `Avx512Vnni` stands for plus AMX-TILE and AMX-BF16 (Intel
+/// Sapphire Rapids and later), the OS saves the tile state, and this process may use it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Amx(());
+
+impl Amx {
+    /// The token, when this CPU and kernel let this process run tile instructions.
+    pub fn detect() -> Option<Amx> {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        let has = *HAS.get_or_init(|| Avx512Vnni::detect().is_some() && amx_granted());
+        has.then_some(Amx(()))
+    }
+
+    /// The AVX-512 VNNI token this one implies.
+    pub fn vnni(self) -> Avx512Vnni {
+        Avx512Vnni(())
+    }
+}
+
+/// CPUID leaf 7 says AMX-TILE and AMX-BF16, XCR0 has the tile config and data bits set, and
+/// Linux grants the permission to use the tile data (asked once per process).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn amx_granted() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    // Leaf 7 is read only when the CPU reports it.
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = __cpuid_count(7, 0);
+    const AMX_BF16: u32 = 1 << 22;
+    const AMX_TILE: u32 = 1 << 24;
+    if leaf7.edx & (AMX_BF16 | AMX_TILE) != AMX_BF16 | AMX_TILE {
+        return false;
+    }
+    // OSXSAVE (leaf 1, ECX bit 27) says XGETBV may run.
+    if __cpuid(1).ecx & (1 << 27) == 0 {
+        return false;
+    }
+    // SAFETY: OSXSAVE is set, so XGETBV is enabled; it reads XCR0 and has no other effect.
+    let xcr0 = unsafe { xgetbv0() };
+    const XTILE: u64 = (1 << 17) | (1 << 18);
+    if xcr0 & XTILE != XTILE {
+        return false;
+    }
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with ARCH_REQ_XCOMP_PERM only changes which XSAVE states this process
+    // may use; it reads no memory of ours.
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+#[target_feature(enable = "xsave")]
+unsafe fn xgetbv0() -> u64 {
+    std::arch::x86_64::_xgetbv(0)
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn amx_granted() -> bool {
+    false
+}
+
 /// The instruction-set level a kernel call runs at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -70,6 +144,8 @@ pub enum Isa {
     Scalar,
     Avx2(Avx2),
     Avx512Vnni(Avx512Vnni),
+    /// AVX-512 VNNI plus the tile units: the VNNI kernels for small steps, bf16 tiles for big ones.
+    Amx(Amx),
 }
 
 impl Isa {
@@ -102,6 +178,7 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         v.extend(Avx2::detect().map(Isa::Avx2));
         v.extend(Avx512Vnni::detect().map(Isa::Avx512Vnni));
+        v.extend(Amx::detect().map(Isa::Amx));
         v
     }
 
@@ -125,6 +202,7 @@ impl Isa {
             Isa::Scalar => None,
             Isa::Avx2(t) => Some(t),
             Isa::Avx512Vnni(t) => Some(t.avx2()),
+            Isa::Amx(t) => Some(t.vnni().avx2()),
         }
     }
 
@@ -132,6 +210,15 @@ impl Isa {
     pub fn avx512_vnni(self) -> Option<Avx512Vnni> {
         match self {
             Isa::Avx512Vnni(t) => Some(t),
+            Isa::Amx(t) => Some(t.vnni()),
+            _ => None,
+        }
+    }
+
+    /// The AMX token, when this level includes it.
+    pub fn amx(self) -> Option<Amx> {
+        match self {
+            Isa::Amx(t) => Some(t),
             _ => None,
         }
     }
@@ -142,6 +229,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2(_) => "avx2",
             Isa::Avx512Vnni(_) => "avx512vnni",
+            Isa::Amx(_) => "amx",
         }
     }
 }
@@ -157,6 +245,9 @@ mod tests {
         for i in &all {
             if i.avx512_vnni().is_some() {
                 assert!(i.avx2().is_some(), "VNNI implies AVX2");
+            }
+            if i.amx().is_some() {
+                assert!(i.avx512_vnni().is_some(), "AMX implies VNNI");
             }
         }
         assert!(all.contains(&Isa::best()));

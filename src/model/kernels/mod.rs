@@ -8,7 +8,7 @@
 //! activation rows with no horizontal sums (the engine's projections and the tied embedding use
 //! them); `attn` is the attention tile, `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
 //! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
-//! in tests; `roof` measures this machine's peaks (8-bit dot products, F32 FMAs, read
+//! in tests; `amx` runs big steps on Intel's tile units from a bf16 copy; `roof` measures this machine's peaks (8-bit dot products, F32 FMAs, read
 //! bandwidth) that the kernels' speed is stated against. Each kernel has a scalar reference that proptests compare it with on odd shapes. The
 //! SIMD paths run only with a token from runtime CPU feature detection (`cpu::Isa`); the scalar
 //! one runs everywhere else.
@@ -26,6 +26,7 @@ macro_rules! dispatch_rows {
     };
 }
 
+pub mod amx;
 pub mod attn;
 pub mod cpu;
 pub mod q4_1x8;

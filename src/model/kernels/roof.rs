@@ -34,6 +34,8 @@ pub struct Roof {
     pub f32_512: Option<f64>,
     /// Reading memory, in GB/s (10^9 bytes).
     pub read_gbs: f64,
+    /// bf16 multiply-adds on the tile units (`tdpbf16ps`), in GFLOP/s, where AMX is detected.
+    pub amx_bf16: Option<f64>,
 }
 
 impl Roof {
@@ -53,6 +55,9 @@ impl Roof {
             f32_256: peak(Width::W256, Kind::F32),
             f32_512: wide.then(|| peak(Width::W512, Kind::F32)),
             read_gbs: read_bandwidth(isa, threads, reps),
+            amx_bf16: isa
+                .amx()
+                .map(|t| median_rate(reps, threads, |iters| super::amx::peak(t, iters))),
         }
     }
 

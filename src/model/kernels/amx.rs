@@ -1,0 +1,455 @@
+//! Big steps on Intel's tile units (AMX, Sapphire Rapids and later): a bf16 copy of a weight
+//! matrix laid out as the `tdpbf16ps` instruction reads it, times activations rounded to bf16,
+//! summed in F32.
+//!
+//! Why a copy: the roof report on such a machine (docs/performance.md, "AMX") measured the tile
+//! units' bf16 peak at ~10x the 512-bit `vpdpbusd` one, so a prompt step is bound by how fast the
+//! weights reach the tiles. The quantized layouts keep a scale (and a minimum) per 32 values, and
+//! the tiles sum over the whole tile before anything can scale them; dequantizing on the fly costs
+//! about what the tile work does, so each matrix is dequantized once at load into the layout
+//! below (2 bytes a weight, within `engine.amx_weights_mib`; llama.cpp's AMX backend instead
+//! rescales int8 tiles after every block). Small steps (decode) keep the quantized kernels: they
+//! read 3.2x fewer bytes a weight, and reading is what bounds them.
+//!
+//! Layout: panels of 16 weight rows (the rows padded with zeros to a multiple of 32); per panel
+//! and 32-value block, one 1 KiB `B` tile of 16 rows x 16 (even, odd) pairs: element
+//! `[kr][2c + j]` is weight row `16p + c`, value `32b + 2kr + j`, which is the pair order
+//! `tdpbf16ps` multiplies with an activation tile's row (16 tokens x 32 values). A call converts
+//! the activations to bf16 once (rows padded to a multiple of 32), then each task takes blocks of
+//! 32 weight rows and runs 2 x 2 output tiles per 32 tokens: per 32-value block, two activation
+//! tiles and two weight tiles loaded, four `tdpbf16ps`.
+//!
+//! The tile instructions are written with `asm!` (Rust's AMX intrinsics are unstable) and run
+//! only with the `cpu::Amx` token, which runtime detection hands out after Linux granted this
+//! process the tile state. The scalar reference (`reference`) computes the same products of
+//! bf16 values in F64; a seeded proptest compares the two on odd shapes.
+
+use std::arch::asm;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rayon::prelude::*;
+
+use super::cpu::Amx;
+
+/// Rows of a tile; also the F32 columns of an output tile.
+const TILE: usize = 16;
+/// bf16 values in a tile row (64 bytes): one 32-value block.
+const KB: usize = 32;
+/// u16 elements in one weight tile.
+const TILE_ELEMS: usize = TILE * KB;
+/// Weight rows (and tokens) per task block: two tiles each way.
+const BLOCK: usize = 32;
+
+/// Rows (tokens) from which a projection with a bf16 copy runs on the tiles: below it the
+/// quantized kernels read fewer bytes (docs/performance.md, "AMX").
+pub const AMX_MIN_ROWS: usize = 32;
+
+/// Bytes of bf16 copies the weights loaded from now on may still take (`engine.amx_weights_mib`,
+/// set at each model load; 1 GiB until then).
+static BUDGET: Budget = Budget(AtomicUsize::new(1024 << 20));
+
+/// Sets how many MiB of bf16 copies the weights loaded from now on may take (0: none).
+pub fn set_budget_mib(mib: usize) {
+    BUDGET
+        .0
+        .store(mib.saturating_mul(1 << 20), Ordering::SeqCst);
+}
+
+/// Bytes the budget has left.
+pub fn budget_left() -> usize {
+    BUDGET.0.load(Ordering::SeqCst)
+}
+
+/// Bytes left for copies.
+struct Budget(AtomicUsize);
+
+impl Budget {
+    /// Takes `bytes`; false (taking nothing) when less is left.
+    fn take(&self, bytes: usize) -> bool {
+        self.0
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                left.checked_sub(bytes)
+            })
+            .is_ok()
+    }
+}
+
+/// A `[n, k]` weight matrix as bf16 tiles.
+#[derive(Debug, Clone)]
+pub struct Tiles {
+    n: usize,
+    k: usize,
+    data: Vec<u16>,
+}
+
+/// F32 to bf16, rounding to nearest even (NaN stays NaN).
+#[inline]
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    let round = 0x7fff + ((b >> 16) & 1);
+    (b.wrapping_add(round) >> 16) as u16
+}
+
+/// bf16 back to F32 (exact).
+#[inline]
+pub fn bf16_value(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+impl Tiles {
+    /// The copy of `w` (`[n, k]`, row-major F32; `k` a multiple of 32), when the budget has room
+    /// for it (`w` gives its values only then); `amx` says the tiles can run it at all.
+    pub fn within_budget(
+        _amx: Amx,
+        n: usize,
+        k: usize,
+        w: impl FnOnce() -> Vec<f32>,
+    ) -> Option<Tiles> {
+        let bytes = n.div_ceil(BLOCK) * BLOCK * k * 2;
+        BUDGET.take(bytes).then(|| Tiles::from_f32(&w(), n, k))
+    }
+
+    /// Lays `w` out as tiles.
+    pub fn from_f32(w: &[f32], n: usize, k: usize) -> Tiles {
+        assert!(k.is_multiple_of(KB), "k = {k} is not a multiple of {KB}");
+        assert_eq!(w.len(), n * k);
+        let blocks = k / KB;
+        let panels = n.div_ceil(BLOCK) * BLOCK / TILE;
+        let mut data = vec![0u16; panels * blocks * TILE_ELEMS];
+        data.par_chunks_mut(blocks * TILE_ELEMS)
+            .enumerate()
+            .for_each(|(p, panel)| {
+                for c in 0..TILE {
+                    let row = p * TILE + c;
+                    if row >= n {
+                        break;
+                    }
+                    let src = &w[row * k..(row + 1) * k];
+                    for (i, &v) in src.iter().enumerate() {
+                        let (b, kk) = (i / KB, i % KB);
+                        panel[b * TILE_ELEMS + (kk / 2) * KB + 2 * c + kk % 2] = bf16_bits(v);
+                    }
+                }
+            });
+        Tiles { n, k, data }
+    }
+
+    /// (rows, columns).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]` on the tile units, with `x` rounded to bf16.
+    pub fn matmul(&self, _amx: Amx, x: &[f32], m: usize) -> Vec<f32> {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(x.len(), m * k);
+        let m_pad = m.div_ceil(BLOCK) * BLOCK;
+        let mut xa = vec![0u16; m_pad * k];
+        xa[..m * k]
+            .par_chunks_mut(k * 8)
+            .zip(x.par_chunks(k * 8))
+            .for_each(|(d, s)| to_bf16(s, d));
+        let blocks = k / KB;
+        let n_blocks = n.div_ceil(BLOCK);
+        let n_pad = n_blocks * BLOCK;
+        // The tiles store straight into the result, padded to whole blocks both ways and cut
+        // to `m x n` after (no copy where `n` is a multiple of 32, as a Llama's widths are).
+        let mut y: Vec<f32> = Vec::with_capacity(m_pad * n_pad);
+        let out = SendPtr(y.as_mut_ptr());
+        let per_task = n_blocks
+            .div_ceil(rayon::current_num_threads().max(1) * 4)
+            .max(1);
+        (0..n_blocks.div_ceil(per_task))
+            .into_par_iter()
+            .for_each(|t| {
+                let out = &out;
+                // SAFETY: the `Amx` token proves the tiles run here and that this process may use
+                // them; every tile load stays inside `xa` and `self.data` (rows padded to whole
+                // blocks on both sides), every store inside `y`'s `m_pad x n_pad` capacity, and
+                // tasks store disjoint column blocks.
+                unsafe {
+                    configure();
+                    for j in t * per_task..((t + 1) * per_task).min(n_blocks) {
+                        let panel = j * 2;
+                        let w0 = self.data.as_ptr().add(panel * blocks * TILE_ELEMS);
+                        let w1 = w0.add(blocks * TILE_ELEMS);
+                        for r in (0..m_pad).step_by(BLOCK) {
+                            block_2x2(
+                                xa.as_ptr().add(r * k),
+                                k,
+                                w0,
+                                w1,
+                                blocks,
+                                out.0.add(r * n_pad + j * BLOCK),
+                                n_pad,
+                            );
+                        }
+                    }
+                    release();
+                }
+            });
+        // SAFETY: the tasks above stored every element of the `m_pad x n_pad` block.
+        unsafe { y.set_len(m_pad * n_pad) };
+        if n_pad == n {
+            y.truncate(m * n);
+            return y;
+        }
+        let mut out = vec![0f32; m * n];
+        out.par_chunks_mut(n)
+            .zip(y.par_chunks(n_pad))
+            .for_each(|(d, s)| d.copy_from_slice(&s[..n]));
+        out
+    }
+}
+
+/// The result's base pointer, shared by the tasks that store disjoint column blocks into it.
+struct SendPtr(*mut f32);
+// SAFETY: the tasks holding it write disjoint elements (see `Tiles::matmul`).
+unsafe impl Sync for SendPtr {}
+
+/// Rounds `src` to bf16 into `dst` (a loop the compiler vectorizes).
+fn to_bf16(src: &[f32], dst: &mut [u16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16_bits(s);
+    }
+}
+
+/// Loads the tile configuration: palette 1, all eight tiles 16 rows x 64 bytes.
+///
+/// # Safety
+/// The CPU must have AMX and the process the permission (`cpu::Amx`).
+unsafe fn configure() {
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+    let mut cfg = Config([0; 64]);
+    cfg.0[0] = 1;
+    for t in 0..8 {
+        cfg.0[16 + 2 * t] = 64;
+        cfg.0[48 + t] = TILE as u8;
+    }
+    asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+}
+
+/// Gives the tile state back (so a context switch no longer saves 8 KiB for this thread).
+///
+/// # Safety
+/// As `configure`.
+unsafe fn release() {
+    asm!("tilerelease", options(nostack, nomem));
+}
+
+/// 32 tokens x 32 weight rows: `y[r][c] = sum_b x[r][32b..] . w_c[32b..]`, with `x` the bf16
+/// activations (row stride `k` values), `w0`/`w1` the two panels' tiles, `y` row stride
+/// `y_stride` floats.
+///
+/// # Safety
+/// Tiles configured (`configure`); 32 rows of `k` values at `x`, `blocks` tiles at `w0` and
+/// `w1`, 32 rows of 32 floats at `y`.
+#[inline(always)]
+unsafe fn block_2x2(
+    x: *const u16,
+    k: usize,
+    w0: *const u16,
+    w1: *const u16,
+    blocks: usize,
+    y: *mut f32,
+    y_stride: usize,
+) {
+    let x_stride = k * 2;
+    let ys = y_stride * 4;
+    asm!(
+        "tilezero tmm0",
+        "tilezero tmm1",
+        "tilezero tmm2",
+        "tilezero tmm3",
+        options(nostack, nomem)
+    );
+    for b in 0..blocks {
+        let a0 = x.add(b * KB);
+        let a1 = a0.add(TILE * k);
+        let b0 = w0.add(b * TILE_ELEMS);
+        let b1 = w1.add(b * TILE_ELEMS);
+        asm!(
+            "tileloadd tmm4, [{a0} + {xs}*1]",
+            "tileloadd tmm6, [{b0} + {ws}*1]",
+            "tileloadd tmm7, [{b1} + {ws}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm5, [{a1} + {xs}*1]",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0,
+            a1 = in(reg) a1,
+            b0 = in(reg) b0,
+            b1 = in(reg) b1,
+            xs = in(reg) x_stride,
+            ws = in(reg) KB * 2,
+            options(nostack, readonly)
+        );
+    }
+    asm!(
+        "tilestored [{y0} + {ys}*1], tmm0",
+        "tilestored [{y1} + {ys}*1], tmm1",
+        "tilestored [{y2} + {ys}*1], tmm2",
+        "tilestored [{y3} + {ys}*1], tmm3",
+        y0 = in(reg) y,
+        y1 = in(reg) y.add(TILE),
+        y2 = in(reg) y.add(TILE * y_stride),
+        y3 = in(reg) y.add(TILE * y_stride + TILE),
+        ys = in(reg) ys,
+        options(nostack)
+    );
+}
+
+/// The tile units' bf16 peak loop for the roof report: `iters` x 4 independent `tdpbf16ps`
+/// (16 x 16 x 32 multiply-adds each) with no memory traffic; returns the operations done (a
+/// multiply and an add count two) and a value the compiler cannot drop.
+pub fn peak(_amx: Amx, iters: usize) -> (f64, i64) {
+    let src = vec![0u16; TILE_ELEMS];
+    let mut dst = vec![0f32; TILE * TILE];
+    // SAFETY: the `Amx` token proves the tiles run here; the loads read `src` (1 KiB), the store
+    // writes `dst` (1 KiB).
+    unsafe {
+        configure();
+        asm!(
+            "tileloadd tmm4, [{s} + {st}*1]",
+            "tileloadd tmm6, [{s} + {st}*1]",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            s = in(reg) src.as_ptr(),
+            st = in(reg) KB * 2,
+            options(nostack, readonly)
+        );
+        for _ in 0..iters {
+            asm!(
+                "tdpbf16ps tmm0, tmm4, tmm6",
+                "tdpbf16ps tmm1, tmm4, tmm6",
+                "tdpbf16ps tmm2, tmm4, tmm6",
+                "tdpbf16ps tmm3, tmm4, tmm6",
+                options(nostack, nomem)
+            );
+        }
+        asm!(
+            "tilestored [{d} + {st}*1], tmm0",
+            d = in(reg) dst.as_mut_ptr(),
+            st = in(reg) TILE * 4,
+            options(nostack)
+        );
+        release();
+    }
+    let ops = (iters * 4 * TILE * TILE * KB * 2) as f64;
+    (ops, std::hint::black_box(dst[0]) as i64)
+}
+
+/// The scalar reference: the same products of bf16-rounded values, summed in F64.
+pub fn reference(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    for r in 0..m {
+        for c in 0..n {
+            let mut s = 0f64;
+            for i in 0..k {
+                let a = bf16_value(bf16_bits(x[r * k + i])) as f64;
+                let b = bf16_value(bf16_bits(w[c * k + i])) as f64;
+                s += a * b;
+            }
+            out[r * n + c] = s as f32;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The token, or a note on stderr that the calling test compares nothing on this CPU.
+    fn amx_for_test(test: &str) -> Option<Amx> {
+        let t = Amx::detect();
+        if t.is_none() {
+            eprintln!("{test}: skipped, this CPU (or kernel) gives this process no AMX tiles");
+        }
+        t
+    }
+
+    fn values(seed: u64, len: usize) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn check(amx: Amx, m: usize, n: usize, k: usize, seed: u64) {
+        let w = values(seed, n * k);
+        let x = values(seed ^ 0x9e37, m * k);
+        let got = Tiles::from_f32(&w, n, k).matmul(amx, &x, m);
+        let want = reference(&w, n, k, &x, m);
+        for r in 0..m {
+            for c in 0..n {
+                // The tiles sum pairs in F32: allow a few roundings of the largest possible sum.
+                let bound: f32 = (0..k)
+                    .map(|i| (x[r * k + i] * w[c * k + i]).abs())
+                    .sum::<f32>()
+                    * 1e-5
+                    + 1e-6;
+                let (g, e) = (got[r * n + c], want[r * n + c]);
+                assert!(
+                    (g - e).abs() <= bound,
+                    "m {m} n {n} k {k}: out[{r}][{c}] = {g}, reference {e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        assert_eq!(bf16_bits(1.0), 0x3f80);
+        // 1 + 2^-8 is halfway between two bf16 values: ties go to the even one (1.0).
+        assert_eq!(bf16_bits(1.0 + 1.0 / 256.0), 0x3f80);
+        assert_eq!(bf16_bits(1.0 + 3.0 / 256.0), 0x3f82);
+        assert_eq!(bf16_value(bf16_bits(-2.5)), -2.5);
+        assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
+    }
+
+    #[test]
+    fn tiles_match_the_reference_on_the_models_shapes() {
+        let Some(amx) = amx_for_test("tiles_match_the_reference_on_the_models_shapes") else {
+            return;
+        };
+        check(amx, 64, 960, 576, 1);
+        check(amx, 33, 576, 1536, 2);
+    }
+
+    #[test]
+    fn the_budget_bounds_the_copies() {
+        let b = Budget(AtomicUsize::new(1 << 20));
+        assert!(b.take(1 << 19));
+        assert!(!b.take(1 << 20), "only half a MiB was left");
+        assert!(b.take(1 << 19));
+        assert!(!b.take(1));
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        #[test]
+        fn tiles_match_the_reference_on_odd_shapes(
+            m in 1usize..70, n in 1usize..90, blocks in 1usize..20, seed in any::<u64>()
+        ) {
+            if let Some(amx) = amx_for_test("tiles_match_the_reference_on_odd_shapes") {
+                check(amx, m, n, blocks * KB, seed);
+            }
+        }
+    }
+}
