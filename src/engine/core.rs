@@ -549,6 +549,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
             forward_ms = seconds * 1e3,
             predicted_ms = self.sched.predict_ms(&sch.shape),
             stretched = sch.stretched,
+            running = self.sched.running_len(),
+            waiting = self.sched.waiting_len(),
             "step"
         );
         self.sched.observe_step(&sch.shape, seconds);
