@@ -26,7 +26,7 @@ impl Scheduler {
                 // (A paused reply runs nothing, not even the recomputation of its tokens.)
                 r.priority == priority
                     && r.pending() > 0
-                    && (r.pending() > budget) == (which == Remainder::Long)
+                    && r.long_prefill(budget) == (which == Remainder::Long)
                     && !r.paused
                     && !decoding.contains(&r.id)
                     && !b.hold.contains(&r.tenant())
@@ -79,7 +79,11 @@ impl Scheduler {
     ) {
         let budget = self.cfg.step_tokens;
         let long_running = self.running.iter().any(|r| {
-            r.priority == priority && !r.paused && r.kind != SeqKind::Draft && r.pending() > budget
+            r.priority == priority
+                && !r.paused
+                && r.kind != SeqKind::Draft
+                && r.pending() > 0
+                && r.long_prefill(budget)
         });
         if !long_running {
             return;

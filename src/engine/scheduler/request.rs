@@ -130,6 +130,16 @@ impl Sequence {
         self.tokens.len() - self.computed
     }
 
+    /// A long prefill: more than `budget` tokens left, or a prompt that needed more than
+    /// `budget` new tokens when it started (its tail stays long: cut to the time target deep in
+    /// its context, a tail under one budget can take dozens of steps, and counted as short it
+    /// would go ahead of, and hold back, every new chat turn; `admit_short_before_long`).
+    pub(super) fn long_prefill(&self, budget: usize) -> bool {
+        self.pending() > budget
+            || (self.computed < self.prompt_len
+                && self.prompt_len.saturating_sub(self.cached_tokens) > budget)
+    }
+
     /// Tokens of its reply so far.
     pub(super) fn generated(&self) -> usize {
         self.tokens.len().saturating_sub(self.prompt_len)

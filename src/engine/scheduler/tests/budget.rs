@@ -348,3 +348,40 @@ fn decodes_always_run_and_a_missed_target_is_counted() {
     );
     assert_eq!(s.stats().itl_misses, 1);
 }
+
+#[test]
+fn a_turn_of_the_streams_tenant_is_not_kept_waiting_behind_its_long_prompt() {
+    // The mixed workload's shape: keyless streams (one tenant, a principal each) decoding, a
+    // long prompt of the same tenant prefilling deep into its context in chunks cut to the
+    // target, and a stream's next turn arriving, early in the long prefill and in its last
+    // step's budget of tokens (which, cut to the target deep in the context, took 35 steps
+    // there: counted as a short prompt by what it had left, the tail went first and held
+    // every new turn back).
+    let shared = |p: u64| CacheScope {
+        tenant: Salt(0),
+        principal: Salt(p),
+        shared_tokens: 0,
+    };
+    let mut s = timed(8192, 256, 100, 32);
+    for p in 1..=7 {
+        s.add(id(p), vec![p as u32; 40], 4000, shared(p)).unwrap();
+    }
+    step(&mut s);
+    s.add(id(99), vec![9; 6000], 6001, shared(99)).unwrap();
+    for (turn, at) in [(8, 4000), (9, 6000 - 200)] {
+        while s.get(id(99)).is_some_and(|r| r.computed < at) {
+            step(&mut s);
+        }
+        s.add(id(turn), vec![8; 60], 200, shared(turn)).unwrap();
+        let out = step(&mut s);
+        assert!(
+            out.entries.iter().any(|e| e.id == id(turn)),
+            "the turn at {at} waits: {:?}",
+            entries(&out)
+        );
+        assert!(
+            out.entries.iter().any(|e| e.id == id(99)),
+            "the long prompt goes on"
+        );
+    }
+}
