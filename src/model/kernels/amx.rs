@@ -15,7 +15,8 @@
 //! and 32-value block, one 1 KiB `B` tile of 16 rows x 16 (even, odd) pairs: element
 //! `[kr][2c + j]` is weight row `16p + c`, value `32b + 2kr + j`, which is the pair order
 //! `tdpbf16ps` multiplies with an activation tile's row (16 tokens x 32 values). A call converts
-//! the activations to bf16 once (rows padded to a multiple of 32), then each task takes blocks of
+//! the activations to bf16 once, as tiles too (rows padded to a multiple of 32; 1 KiB a tile,
+//! so each tile load reads one contiguous run), then each task takes blocks of
 //! 32 weight rows and runs 2 x 2 output tiles per 32 tokens: per 32-value block, two activation
 //! tiles and two weight tiles loaded, four `tdpbf16ps`.
 //!
@@ -147,12 +148,20 @@ impl Tiles {
         let (n, k) = (self.n, self.k);
         assert_eq!(x.len(), m * k);
         let m_pad = m.div_ceil(BLOCK) * BLOCK;
-        let mut xa = vec![0u16; m_pad * k];
-        xa[..m * k]
-            .par_chunks_mut(k * 8)
-            .zip(x.par_chunks(k * 8))
-            .for_each(|(d, s)| to_bf16(s, d));
+        // The activations as tiles too: per 16 rows and 32-value block, 1 KiB in a row, so a
+        // tile load reads one contiguous run (rows padded with zeros to whole blocks).
         let blocks = k / KB;
+        let mut xa = vec![0u16; m_pad * k];
+        xa.par_chunks_mut(TILE * k)
+            .enumerate()
+            .for_each(|(mt, dst)| {
+                for r in 0..TILE.min(m.saturating_sub(mt * TILE)) {
+                    let src = &x[(mt * TILE + r) * k..][..k];
+                    for (b, vals) in src.chunks(KB).enumerate() {
+                        to_bf16(vals, &mut dst[(b * TILE + r) * KB..][..KB]);
+                    }
+                }
+            });
         let n_blocks = n.div_ceil(BLOCK);
         let n_pad = n_blocks * BLOCK;
         // The tiles store straight into the result, padded to whole blocks both ways and cut
@@ -178,8 +187,8 @@ impl Tiles {
                         let w1 = w0.add(blocks * TILE_ELEMS);
                         for r in (0..m_pad).step_by(BLOCK) {
                             block_2x2(
+                                // Rows `r..r + 32` start `r / 16` row tiles in.
                                 xa.as_ptr().add(r * k),
-                                k,
                                 w0,
                                 w1,
                                 blocks,
@@ -242,23 +251,22 @@ unsafe fn release() {
 }
 
 /// 32 tokens x 32 weight rows: `y[r][c] = sum_b x[r][32b..] . w_c[32b..]`, with `x` the bf16
-/// activations (row stride `k` values), `w0`/`w1` the two panels' tiles, `y` row stride
-/// `y_stride` floats.
+/// activations as tiles (per 16 rows, `blocks` tiles of 16 rows x 32 values, 1 KiB each),
+/// `w0`/`w1` the two panels' tiles, `y` row stride `y_stride` floats.
 ///
 /// # Safety
-/// Tiles configured (`configure`); 32 rows of `k` values at `x`, `blocks` tiles at `w0` and
-/// `w1`, 32 rows of 32 floats at `y`.
+/// Tiles configured (`configure`); 2 x `blocks` tiles at `x`, `blocks` tiles at `w0` and `w1`,
+/// 32 rows of 32 floats at `y`.
 #[inline(always)]
 unsafe fn block_2x2(
     x: *const u16,
-    k: usize,
     w0: *const u16,
     w1: *const u16,
     blocks: usize,
     y: *mut f32,
     y_stride: usize,
 ) {
-    let x_stride = k * 2;
+    let x_stride = KB * 2;
     let ys = y_stride * 4;
     asm!(
         "tilezero tmm0",
@@ -268,8 +276,8 @@ unsafe fn block_2x2(
         options(nostack, nomem)
     );
     for b in 0..blocks {
-        let a0 = x.add(b * KB);
-        let a1 = a0.add(TILE * k);
+        let a0 = x.add(b * TILE_ELEMS);
+        let a1 = a0.add(blocks * TILE_ELEMS);
         let b0 = w0.add(b * TILE_ELEMS);
         let b1 = w1.add(b * TILE_ELEMS);
         asm!(
