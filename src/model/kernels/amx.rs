@@ -25,7 +25,18 @@
 //! process the tile state. The scalar reference (`reference`) computes the same products of
 //! bf16 values in F64; a seeded proptest compares the two on odd shapes.
 
-use std::arch::asm;
+/// `asm!` on x86_64. Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing
+/// reaches the functions that use it; they only need to compile.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_asm {
+    ($($t:tt)*) => { std::arch::asm!($($t)*) };
+}
+#[cfg(not(target_arch = "x86_64"))]
+macro_rules! tile_asm {
+    ($($t:tt)*) => {
+        unreachable!("AMX tiles exist on x86_64 only")
+    };
+}
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
@@ -115,7 +126,10 @@ impl Tiles {
 
     /// Lays `w` out as tiles.
     pub fn from_f32(w: &[f32], n: usize, k: usize) -> Tiles {
-        assert!(k.is_multiple_of(KB), "k = {k} is not a multiple of {KB}");
+        assert!(
+            k > 0 && k.is_multiple_of(KB),
+            "k = {k} is not a positive multiple of {KB}"
+        );
         assert_eq!(w.len(), n * k);
         let blocks = k / KB;
         let panels = n.div_ceil(BLOCK) * BLOCK / TILE;
@@ -239,7 +253,7 @@ unsafe fn configure() {
         cfg.0[16 + 2 * t] = 64;
         cfg.0[48 + t] = TILE as u8;
     }
-    asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+    tile_asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
 }
 
 /// Gives the tile state back (so a context switch no longer saves 8 KiB for this thread).
@@ -247,7 +261,7 @@ unsafe fn configure() {
 /// # Safety
 /// As `configure`.
 unsafe fn release() {
-    asm!("tilerelease", options(nostack, nomem));
+    tile_asm!("tilerelease", options(nostack, nomem));
 }
 
 /// 32 tokens x 32 weight rows: `y[r][c] = sum_b x[r][32b..] . w_c[32b..]`, with `x` the bf16
@@ -268,7 +282,7 @@ unsafe fn block_2x2(
 ) {
     let x_stride = KB * 2;
     let ys = y_stride * 4;
-    asm!(
+    tile_asm!(
         "tilezero tmm0",
         "tilezero tmm1",
         "tilezero tmm2",
@@ -280,7 +294,7 @@ unsafe fn block_2x2(
         let a1 = a0.add(blocks * TILE_ELEMS);
         let b0 = w0.add(b * TILE_ELEMS);
         let b1 = w1.add(b * TILE_ELEMS);
-        asm!(
+        tile_asm!(
             "tileloadd tmm4, [{a0} + {xs}*1]",
             "tileloadd tmm6, [{b0} + {ws}*1]",
             "tileloadd tmm7, [{b1} + {ws}*1]",
@@ -298,7 +312,7 @@ unsafe fn block_2x2(
             options(nostack, readonly)
         );
     }
-    asm!(
+    tile_asm!(
         "tilestored [{y0} + {ys}*1], tmm0",
         "tilestored [{y1} + {ys}*1], tmm1",
         "tilestored [{y2} + {ys}*1], tmm2",
@@ -322,7 +336,7 @@ pub fn peak(_amx: Amx, iters: usize) -> (f64, i64) {
     // writes `dst` (1 KiB).
     unsafe {
         configure();
-        asm!(
+        tile_asm!(
             "tileloadd tmm4, [{s} + {st}*1]",
             "tileloadd tmm6, [{s} + {st}*1]",
             "tilezero tmm0",
@@ -334,7 +348,7 @@ pub fn peak(_amx: Amx, iters: usize) -> (f64, i64) {
             options(nostack, readonly)
         );
         for _ in 0..iters {
-            asm!(
+            tile_asm!(
                 "tdpbf16ps tmm0, tmm4, tmm6",
                 "tdpbf16ps tmm1, tmm4, tmm6",
                 "tdpbf16ps tmm2, tmm4, tmm6",
@@ -342,7 +356,7 @@ pub fn peak(_amx: Amx, iters: usize) -> (f64, i64) {
                 options(nostack, nomem)
             );
         }
-        asm!(
+        tile_asm!(
             "tilestored [{d} + {st}*1], tmm0",
             d = in(reg) dst.as_mut_ptr(),
             st = in(reg) TILE * 4,
