@@ -711,16 +711,7 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
     }
     println!("kernel (q4_1x8, cold)  rows   ms    GOP/s  % int8     GB/s  % read");
     for (name, n, k) in shapes {
-        let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
-            .iter()
-            .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
-            .collect();
-        let wt =
-            candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
-        let q =
-            candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
-                .unwrap();
-        let data = q.data().unwrap();
+        let (wf, data) = q4_1_matrix(n, k);
         // 20 bytes a row and 32 values: f16 scale and minimum, 16 bytes of nibbles.
         let bytes = (n * k / 32 * 20) as f64;
         // As in a step, the weights come from memory, not from a cache: copies of the matrix
@@ -755,16 +746,8 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
     };
     println!("kernel (amx bf16, cold) rows   ms   GFLOP/s  % amx  against q4_1x8");
     for (name, n, k) in shapes {
-        let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
-            .iter()
-            .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
-            .collect();
-        let wt =
-            candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
-        let q =
-            candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
-                .unwrap();
-        let q41 = q4_1x8::Repacked::from_q4_1(&q.data().unwrap(), n, k);
+        let (wf, data) = q4_1_matrix(n, k);
+        let q41 = q4_1x8::Repacked::from_q4_1(&data, n, k);
         let copies: Vec<amx::Tiles> = (0..((256e6 / (n * k * 2) as f64).ceil() as usize)
             .clamp(2, 1024))
             .map(|_| amx::Tiles::from_f32(&wf, n, k))
@@ -793,6 +776,20 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
             );
         }
     }
+}
+
+/// A synthetic `[n, k]` weight matrix in [-1, 1) and its Q4_1 bytes (ggml's quantizer, via
+/// candle), for the roof report's per-kernel tables.
+fn q4_1_matrix(n: usize, k: usize) -> (Vec<f32>, Vec<u8>) {
+    let wf: Vec<f32> = tokens(n * k, 7, 1 << 20)
+        .iter()
+        .map(|&t| (t as f32 / (1 << 19) as f32) - 1.0)
+        .collect();
+    let wt = candle_core::Tensor::from_vec(wf.clone(), (n, k), &candle_core::Device::Cpu).unwrap();
+    let q = candle_core::quantized::QTensor::quantize(&wt, candle_core::quantized::GgmlDType::Q4_1)
+        .unwrap();
+    let data = q.data().unwrap().to_vec();
+    (wf, data)
 }
 
 fn main() {

@@ -72,7 +72,6 @@ pub trait CostModel: Send {
     fn observe(&mut self, s: &StepShape, seconds: f64);
 }
 
-/// Least squares over the features with exponential forgetting and a ridge toward priors.
 /// A model that never learns: the weights it was made with (tests that need a step policy that
 /// does not depend on this machine's speed).
 #[derive(Debug, Clone)]
@@ -86,6 +85,7 @@ impl CostModel for FixedCost {
     fn observe(&mut self, _: &StepShape, _: f64) {}
 }
 
+/// Least squares over the features with exponential forgetting and a ridge toward priors.
 #[derive(Debug, Clone)]
 pub struct LinearCost {
     /// Weighted sums of x x^T and x y over the observations.

@@ -7,8 +7,10 @@
 //!   least `DENSE_MIN_ROWS` tokens (repacked: `Q8_0_DENSE_MIN_ROWS`, `Q4_1_DENSE_MIN_ROWS`,
 //!   except where the repacked kernel wins at every size and never goes dense: Q4_1 with AVX2
 //!   or AVX-512 VNNI, Q8_0 with VNNI; `Packed::dense_from`) dequantizes the weight into a
-//!   buffer that is dropped right after and runs the F32 gemm. No second copy of the weights
-//!   is kept.
+//!   buffer that is dropped right after and runs the F32 gemm.
+//! - **Tile units for big steps.** On CPUs with AMX a repacked matrix also keeps a bf16 copy
+//!   (`kernels::amx`, within `engine.amx_weights_mib`), and steps of `amx::AMX_MIN_ROWS` rows or
+//!   more run on it (`Packed::on_tiles`); smaller ones keep the 8-row kernels.
 //! - **Fused projections.** Q, K and V (and gate and up) read the same input; stored as one matrix
 //!   they cost one activation quantization and one thread-pool dispatch instead of three.
 
@@ -19,7 +21,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{Device, Module, Tensor};
 
-use super::kernels::cpu::Isa;
+use super::kernels::cpu::{Amx, Isa};
 use super::kernels::q8_0::{quantize_rows, QuantizedRows};
 use super::kernels::q8_0x8::RowGroups;
 use super::kernels::with_cpu_slice;
@@ -56,7 +58,7 @@ pub struct Packed {
 
 /// The 8-row layouts (`kernels::q8_0x8`, `kernels::q4_1x8`, `kernels::q4_kx8`).
 #[derive(Debug)]
-pub enum Layout {
+enum Layout {
     Q8_0(q8_0x8::Repacked),
     /// Q4_1, and Q4_0 repacked losslessly as Q4_1 blocks.
     Q4_1(q4_1x8::Repacked),
@@ -107,20 +109,17 @@ impl Packed {
         Ok(Some(packed))
     }
 
-    /// Whether a bf16 copy for the tile units was made (`kernels::amx`).
-    pub fn has_tiles(&self) -> bool {
-        self.tiles.is_some()
-    }
-
     /// Whether a `rows`-row step runs on the quantized 8-row kernels (rather than the tiles or
     /// the dense path) at level `isa`.
     fn quantized_at(&self, rows: usize, isa: Isa) -> bool {
-        rows < self.dense_from(isa) && !self.on_tiles(rows, isa)
+        rows < self.dense_from(isa) && self.on_tiles(rows, isa).is_none()
     }
 
-    /// Whether a `rows`-row step runs on the tile units at level `isa`.
-    fn on_tiles(&self, rows: usize, isa: Isa) -> bool {
-        self.tiles.is_some() && isa.amx().is_some() && rows >= amx::AMX_MIN_ROWS
+    /// The bf16 copy and the token to run it, when a `rows`-row step runs on the tile units at
+    /// level `isa`.
+    fn on_tiles(&self, rows: usize, isa: Isa) -> Option<(&amx::Tiles, Amx)> {
+        let t = isa.amx().filter(|_| rows >= amx::AMX_MIN_ROWS)?;
+        Some((self.tiles.as_ref()?, t))
     }
 
     /// (rows, columns).
@@ -165,10 +164,8 @@ impl Packed {
     /// `forward_rows` as level `isa` chooses its path (tests try each level's choice).
     fn forward_rows_at(&self, xs: &[f32], rows: usize, isa: Isa) -> Result<Vec<f32>> {
         let (n, k) = self.dims();
-        if let (Some(tiles), Some(t)) = (&self.tiles, isa.amx()) {
-            if self.on_tiles(rows, isa) {
-                return Ok(tiles.matmul(t, xs, rows));
-            }
+        if let Some((tiles, t)) = self.on_tiles(rows, isa) {
+            return Ok(tiles.matmul(t, xs, rows));
         }
         if rows < self.dense_from(isa) {
             return Ok(self.matmul(xs, rows));
@@ -484,12 +481,12 @@ mod tests {
             let lin = Linear::new(QMatMul::from_arc(q).unwrap()).unwrap();
             let p = lin.as_packed().expect("repacked");
             assert!(
-                p.has_tiles(),
+                p.tiles.is_some(),
                 "{dtype:?}: no bf16 copy within the default budget"
             );
             let rows = amx::AMX_MIN_ROWS + 3;
-            assert!(p.on_tiles(rows, amx) && !p.quantized_at(rows, amx));
-            assert!(!p.on_tiles(amx::AMX_MIN_ROWS - 1, amx));
+            assert!(p.on_tiles(rows, amx).is_some() && !p.quantized_at(rows, amx));
+            assert!(p.on_tiles(amx::AMX_MIN_ROWS - 1, amx).is_none());
             let x = Tensor::randn(0f32, 1.0, (rows, 96), &dev).unwrap();
             let xs = x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let got = p.forward_rows_at(&xs, rows, amx).unwrap();

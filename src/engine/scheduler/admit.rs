@@ -82,7 +82,6 @@ impl Scheduler {
             r.priority == priority
                 && !r.paused
                 && r.kind != SeqKind::Draft
-                && r.pending() > 0
                 && r.long_prefill(budget)
         });
         if !long_running {

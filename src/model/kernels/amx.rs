@@ -2,14 +2,14 @@
 //! matrix laid out as the `tdpbf16ps` instruction reads it, times activations rounded to bf16,
 //! summed in F32.
 //!
-//! Why a copy: the roof report on such a machine (docs/performance.md, "AMX") measured the tile
-//! units' bf16 peak at ~10x the 512-bit `vpdpbusd` one, so a prompt step is bound by how fast the
-//! weights reach the tiles. The quantized layouts keep a scale (and a minimum) per 32 values, and
-//! the tiles sum over the whole tile before anything can scale them; dequantizing on the fly costs
-//! about what the tile work does, so each matrix is dequantized once at load into the layout
-//! below (2 bytes a weight, within `engine.amx_weights_mib`; llama.cpp's AMX backend instead
-//! rescales int8 tiles after every block). Small steps (decode) keep the quantized kernels: they
-//! read 3.2x fewer bytes a weight, and reading is what bounds them.
+//! Why a copy: the roof report on such a machine (docs/performance.md, "Intel Xeon with AMX")
+//! measured the tile units' bf16 peak at 3.5x the 512-bit `vpdpbusd` one. The quantized layouts
+//! keep a scale (and a minimum) per 32 values, and the tiles sum over the whole tile before
+//! anything can scale them; dequantizing each block on the fly was estimated (not measured) to
+//! cost about what the tile work does at a step's sizes, so each matrix is dequantized once at
+//! load into the layout below (2 bytes a weight, within `engine.amx_weights_mib`; llama.cpp's AMX
+//! backend instead rescales int8 tiles after every block). Small steps (decode) keep the
+//! quantized kernels: they read 3.2x fewer bytes a weight, and reading is what bounds them.
 //!
 //! Layout: panels of 16 weight rows (the rows padded with zeros to a multiple of 32); per panel
 //! and 32-value block, one 1 KiB `B` tile of 16 rows x 16 (even, odd) pairs: element
@@ -53,7 +53,7 @@ const TILE_ELEMS: usize = TILE * KB;
 const BLOCK: usize = 32;
 
 /// Rows (tokens) from which a projection with a bf16 copy runs on the tiles: below it the
-/// quantized kernels read fewer bytes (docs/performance.md, "AMX").
+/// quantized kernels read fewer bytes (docs/performance.md, "Intel Xeon with AMX").
 pub const AMX_MIN_ROWS: usize = 32;
 
 /// Bytes of bf16 copies the weights loaded from now on may still take (`engine.amx_weights_mib`,
@@ -387,6 +387,7 @@ pub fn reference(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32>
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_data::lcg;
     use super::*;
     use proptest::prelude::*;
 
@@ -399,23 +400,9 @@ mod tests {
         t
     }
 
-    fn values(seed: u64, len: usize) -> Vec<f32> {
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (0..len)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
     fn check(amx: Amx, m: usize, n: usize, k: usize, seed: u64) {
-        let w = values(seed, n * k);
-        let x = values(seed ^ 0x9e37, m * k);
+        let w = lcg(seed, n * k);
+        let x = lcg(seed ^ 0x9e37, m * k);
         let got = Tiles::from_f32(&w, n, k).matmul(amx, &x, m);
         let want = reference(&w, n, k, &x, m);
         for r in 0..m {
