@@ -247,6 +247,15 @@ pub fn realtime(data: &[u8]) {
                         id,
                         prompt_tokens: body.len(),
                         cached_tokens: 0,
+                        // Turns dropped from anywhere, even past the conversation's end.
+                        truncated: body.first().filter(|b| *b & 1 == 1).map(|b| {
+                            crate::server::ws::protocol::Truncated {
+                                dropped_turns: 1,
+                                first_kept_turn: 1,
+                                from: usize::from(b >> 6),
+                                messages: usize::from((b >> 1) & 7),
+                            }
+                        }),
                     },
                     1 => ServerFrame::Delta {
                         id,
@@ -551,6 +560,7 @@ pub fn native(data: &[u8]) {
             last_reply: s.last_reply.as_deref(),
             preparing: s.preparing,
             tool_call: None,
+            dropped_turns: (next_id % 3) as usize,
         };
         let action = match handle(frame.clone(), &view) {
             Ok(a) => a,

@@ -155,10 +155,28 @@ pub struct LimitSettings {
     pub tool_timeout_s: u64,
     /// Function calls one turn may make before its reply must be text.
     pub max_tool_calls: usize,
+    /// What a session's conversation that outgrows the context does: `drop_oldest` (the
+    /// default: whole oldest turns are dropped, the instructions kept) or `error` (the turn is
+    /// refused with `prompt_too_long`); a tenant or widget may set its own, a request its own
+    /// (`params.overflow`). Stateless HTTP requests ask with `truncation`.
+    #[serde(default = "default_overflow")]
+    pub overflow: String,
+    /// With `drop_oldest`: the share of the room (the context less the reply's) the kept
+    /// conversation fills, so the next turns fit without dropping again.
+    #[serde(default = "default_retention")]
+    pub overflow_retention: f32,
     pub frames_per_s: f64,
     pub frame_burst: u32,
     pub rejected_frames_per_s: f64,
     pub rejected_frame_burst: u32,
+}
+
+fn default_overflow() -> String {
+    "drop_oldest".into()
+}
+
+fn default_retention() -> f32 {
+    crate::server::request::overflow::DEFAULT_RETENTION
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -519,6 +537,9 @@ pub struct WidgetSettings {
     /// `limits.max_tool_calls` calls; the reply after the last must be text.
     #[serde(default)]
     pub tool_choice: Option<String>,
+    /// This widget's conversations' overflow policy (`limits.overflow`; unset: its tenant's).
+    #[serde(default)]
+    pub overflow: Option<String>,
 }
 
 /// A function an operator declares for a widget.
@@ -605,4 +626,7 @@ pub struct TenantSettings {
     pub max_running: Option<usize>,
     #[serde(default)]
     pub max_waiting: Option<usize>,
+    /// The tenant's conversations' overflow policy (`limits.overflow`; unset: the server's).
+    #[serde(default)]
+    pub overflow: Option<String>,
 }

@@ -91,6 +91,11 @@
     this.transcript = [];
     this.carry = null;
     this.limits = {};
+    // The first turn the model still reads (the server drops the oldest when the conversation
+    // outgrows its context: `started.truncated`), and the first turn the server's session was
+    // given (a `restore` carries the turns from `firstKept` on): edits count turns from there.
+    this.firstKept = 0;
+    this.sessionBase = 0;
     // The session's resume token (from `ready`), and the one to resume with after a drop.
     this.resumeToken = null;
     this.pendingResume = null;
@@ -227,8 +232,8 @@
   /** The transcript as `restore` messages, its oldest turns dropped to fit the session's limits
    * (`max_messages`, and the frame within `max_frame_bytes`). */
   Conversation.prototype.transcriptMessages = function () {
-    var all = [];
-    for (var i = 0; i < this.transcript.length; i++) {
+    var all = [], base = Math.min(this.firstKept, this.transcript.length);
+    for (var i = base; i < this.transcript.length; i++) {
       var t = this.transcript[i];
       all.push({ role: "user", content: t.user });
       all.push({ role: "assistant", content: t.reply, seal: t.seal });
@@ -237,8 +242,34 @@
     while (all.length && (all.length > maxMessages ||
         new TextEncoder().encode(JSON.stringify({ type: "restore", messages: all })).length > maxBytes)) {
       all.splice(0, 2);
+      base++;
     }
+    this.restoreBase = base;
     return all;
+  };
+
+  /** Page turns from `firstKept` up to `upTo` no longer reach the model: shown dimmed, with no
+   * Edit. */
+  Conversation.prototype.dropTurns = function (upTo) {
+    for (var t = this.firstKept; t < upTo && t < this.turns.length; t++) {
+      var div = this.turns[t], reply = div.nextSibling, b = div.querySelector("button.edit");
+      if (b) { b.remove(); }
+      div.classList.add("dropped");
+      div.title = "No longer in the model's context";
+      if (reply && reply.classList.contains("assistant")) { reply.classList.add("dropped"); }
+    }
+    this.firstKept = Math.max(this.firstKept, upTo);
+  };
+
+  /** `started.truncated`: the server dropped its `n` oldest user turns (function results count
+   * as user turns there) from the conversation. */
+  Conversation.prototype.truncated = function (n) {
+    var t = this.firstKept;
+    while (n > 0 && t < this.transcript.length) {
+      n -= 1 + (this.transcript[t].calls || 0);
+      t++;
+    }
+    this.dropTurns(t);
   };
 
   Conversation.prototype.sendCarry = function () {
@@ -292,8 +323,11 @@
         this.pendingResume = null;
         break;
       case "restored":
-        // The restored conversation holds the turns' questions and replies only.
+        // The restored conversation holds the turns' questions and replies only, from
+        // `restoreBase` on.
         for (var r = 0; r < this.transcript.length; r++) { this.transcript[r].calls = 0; }
+        this.dropTurns(this.restoreBase || 0);
+        this.sessionBase = this.firstKept;
         if (this.carry) {
           var again = this.carry.reask;
           this.carry = null;
@@ -312,6 +346,7 @@
         break;
       case "started":
         if (mine) { renderText(c.stats, ""); }
+        if (mine && f.truncated) { this.truncated(f.truncated.dropped_turns); }
         break;
       case "delta":
         // After Stop, nothing more is shown: the conversation keeps what was (heard_index).
@@ -527,15 +562,15 @@
   /** The server's number of user turn `t` of the page: function results count as user turns
    * there. */
   Conversation.prototype.serverTurn = function (t) {
-    var n = t;
-    for (var i = 0; i < t && i < this.transcript.length; i++) { n += this.transcript[i].calls || 0; }
+    var n = t - this.sessionBase;
+    for (var i = this.sessionBase; i < t && i < this.transcript.length; i++) { n += this.transcript[i].calls || 0; }
     return n;
   };
 
   /** Puts a past user message in the input; sending replaces it and everything after it. */
   Conversation.prototype.startEdit = function (div) {
     var turn = this.turns.indexOf(div);
-    if (turn < 0 || this.current) { return; }
+    if (turn < this.firstKept || this.current) { return; }
     this.setEditing({ turn: turn, div: div });
     this.els.input.value = div.querySelector(".body").textContent;
     this.els.input.focus();
@@ -553,6 +588,8 @@
     this.turns = [];
     this.lastReply = null;
     this.transcript = [];
+    this.firstKept = 0;
+    this.sessionBase = 0;
     this.setEditing(null);
   };
 
@@ -613,6 +650,8 @@
     ".msg button.edit,.actions button{display:block;margin-top:4px;font:inherit;font-size:11px;padding:1px 6px;border-radius:4px;border:1px solid var(--field);background:var(--surface);color:var(--fg);cursor:pointer}",
     ".user button.edit{margin-left:auto}",
     ".editing{outline:2px dashed var(--focus);outline-offset:2px}",
+    // Turns the model no longer reads: marked by their outline, not by fading (contrast stays).
+    ".dropped{border:1px dashed var(--field)}",
     ".call{display:block;margin-bottom:4px;font-size:12px;color:var(--muted);white-space:normal}",
     ".call summary{cursor:pointer;overflow-wrap:anywhere}",
     ".call pre{margin:4px 0 0;white-space:pre-wrap;overflow-wrap:anywhere;font:11px/1.4 ui-monospace,monospace}",

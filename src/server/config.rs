@@ -194,6 +194,7 @@ impl Settings {
                 ));
             }
         }
+        self.overflow()?;
         if l.max_stop_strings > 16 {
             return Err(invalid(
                 "limits.max_stop_strings",
@@ -202,6 +203,26 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// The server's overflow policy (`limits.overflow`, `limits.overflow_retention`).
+    pub fn overflow(&self) -> Result<crate::server::request::overflow::Overflow> {
+        use crate::server::request::overflow::Overflow;
+        let l = &self.limits;
+        let retention = Overflow::check_retention(l.overflow_retention).map_err(|_| {
+            invalid(
+                "limits.overflow_retention",
+                l.overflow_retention,
+                "above 0 and at most 1",
+            )
+        })?;
+        Overflow::parse(&l.overflow, retention).map_err(|_| {
+            invalid(
+                "limits.overflow",
+                format!("{:?}", l.overflow),
+                "\"error\" or \"drop_oldest\"",
+            )
+        })
     }
 
     /// Keyless clients' share of the scheduler.
@@ -228,6 +249,7 @@ impl Settings {
                 max_id_chars: 128,
                 tool_timeout_s: self.limits.tool_timeout_s,
                 max_tool_calls: self.limits.max_tool_calls,
+                overflow_retention: self.limits.overflow_retention,
                 frames_per_s: self.limits.frames_per_s,
                 frame_burst: self.limits.frame_burst,
                 rejected_frames_per_s: self.limits.rejected_frames_per_s,

@@ -118,7 +118,8 @@ pub fn app_state(
     let metrics = Arc::new(Metrics::new());
     let tenants = tenants::Tenants::new(&settings.tenants)
         .map_err(invalid)?
-        .with_anonymous_quota(settings.anonymous_quota());
+        .with_anonymous_quota(settings.anonymous_quota())
+        .with_overflow(settings.overflow().map_err(invalid)?);
     let sv = &settings.server;
     let access = access::Access::new(
         &settings.access(),

@@ -217,6 +217,65 @@ test("Stop sends what was shown, Regenerate and Edit send their frames and undo 
   await context.close();
 });
 
+test("turns the server dropped lose Edit, leave a restore, and edits keep the server's numbering", async () => {
+  const { page, context, errors } = await newPage();
+  await page.setContent("<div id='log'></div><div id='live'></div>" +
+    "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>");
+  await page.addScriptTag({ path: WIDGET_JS });
+  const out = await page.evaluate(async () => {
+    const sent = [];
+    let sock;
+    class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
+    const $ = (id) => document.getElementById(id);
+    const c = new window.LlamaRelay.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
+      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
+    c.start();
+    await new Promise((r) => setTimeout(r, 0));
+    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    const turn = (text, truncated) => {
+      $("input").value = text;
+      c.send();
+      const id = sent[sent.length - 1].id;
+      frame({ type: "started", id, prompt_tokens: 9, cached_tokens: 0, truncated });
+      frame({ type: "delta", id, index: 0, text: "Re " + text });
+      frame({ type: "done", id, finish_reason: "stop", seal: "ab".repeat(32),
+        usage: { prompt_tokens: 9, completion_tokens: 1, cached_tokens: 0 }, timings: { queue_ms: 1, ttft_ms: 5, decode_tokens_per_s: 40 } });
+    };
+    frame({ type: "ready", session_id: "s", model: "m", limits: {} });
+    ["a", "b", "c"].forEach((t) => turn(t));
+    turn("d", { dropped_turns: 2, first_kept_turn: 2 });
+    const users = [...$("log").querySelectorAll(".user")];
+    const marks = users.map((u) => ({ dropped: u.classList.contains("dropped"), edit: !!u.querySelector("button.edit") }));
+    // Editing a kept turn names it as the server numbers it (from the session's first turn).
+    users[2].querySelector("button.edit").click();
+    $("input").value = "c2";
+    c.send();
+    const edit = sent[sent.length - 1];
+    frame({ type: "done", id: edit.id, finish_reason: "stop", seal: "cd".repeat(32),
+      usage: { prompt_tokens: 9, completion_tokens: 0, cached_tokens: 0 }, timings: {} });
+    // The session is lost: the restore carries the kept turns only; the new session numbers
+    // them from 0.
+    c.lostSession();
+    const restore = sent[sent.length - 1];
+    frame({ type: "restored", messages: restore.messages.length });
+    const kept = [...$("log").querySelectorAll(".user")].filter((u) => u.querySelector("button.edit"));
+    kept[kept.length - 1].querySelector("button.edit").click();
+    $("input").value = "again";
+    c.send();
+    return { marks, edit, restore, after: sent[sent.length - 1] };
+  });
+  assert.deepEqual(out.marks, [
+    { dropped: true, edit: false }, { dropped: true, edit: false },
+    { dropped: false, edit: true }, { dropped: false, edit: true }]);
+  assert.equal(out.edit.type, "edit");
+  assert.equal(out.edit.turn, 2);
+  assert.deepEqual(out.restore.messages.map((m) => m.content), ["c2", ""]);
+  assert.equal(out.after.type, "edit");
+  assert.equal(out.after.turn, 0);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
 // ---- The chat page on the real server --------------------------------------------------------
 
 test("chat page streams a reply with TTFT and tok/s, and a second turn hits the cache", async () => {

@@ -131,6 +131,7 @@ fn chat_page_and_widget_in_chromium() {
                             })),
                         }],
                         tool_choice: Some("required".into()),
+                        ..Default::default()
                     },
                 ],
                 ..Default::default()

@@ -862,3 +862,86 @@ fn paced_replies_that_are_never_acked_cannot_hold_the_running_slots() {
         assert!(!more.is_empty() && more.iter().all(|&i| i <= 3), "{more:?}");
     });
 }
+
+/// A conversation that outgrows the context (`limits.overflow = "drop_oldest"`) goes on: the
+/// turn that would not fit drops whole oldest turns (`started.truncated` names them), keeps at
+/// most the retention ratio of the room, and its prompt and reply are exactly those of a fresh
+/// session sent the kept turns; the next turn finds that prefix cached and drops nothing; an
+/// edit of a dropped turn is refused naming `turn`, one of a kept turn (numbered as before)
+/// works; a retention ratio without the policy is refused naming it.
+#[test]
+fn a_conversation_past_the_context_drops_its_oldest_turns_and_goes_on() {
+    let _g = model_lock();
+    const CONTEXT: u64 = 192;
+    const MAX: u64 = 16;
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = CONTEXT as usize;
+        s.limits.overflow = "drop_oldest".into();
+        s.limits.overflow_retention = 0.5;
+    });
+    run(async {
+        let mut c = app.connect().await;
+        let (mut users, mut replies) = (Vec::new(), Vec::new());
+        let mut cut = None;
+        for turn in 0..12 {
+            let text = format!("Turn {turn}: tell me about llamas and their wool.");
+            let r = ask(&mut c, &format!("t{turn}"), &text, MAX).await;
+            assert_eq!(r.done["type"], "done", "turn {turn}: {}", r.done);
+            let s = r.started.clone().unwrap();
+            assert!(s["prompt_tokens"].as_u64().unwrap() + MAX <= CONTEXT, "{s}");
+            users.push(text);
+            replies.push(r.text.clone());
+            match &cut {
+                None => {
+                    if let Some(t) = s.get("truncated") {
+                        cut = Some((turn, t.clone(), r));
+                    }
+                }
+                Some(_) => {
+                    // The kept conversation plus this turn fits: nothing dropped, its prefix
+                    // cached.
+                    assert!(s.get("truncated").is_none(), "{s}");
+                    assert!(s["cached_tokens"].as_u64().unwrap() > 0, "{s}");
+                    break;
+                }
+            }
+        }
+        let (at, truncated, r) = cut.expect("a turn dropped the oldest");
+        let first = truncated["first_kept_turn"].as_u64().unwrap() as usize;
+        assert_eq!(truncated["dropped_turns"].as_u64().unwrap() as usize, first);
+        assert!(first >= 1 && first <= at, "{truncated}");
+        let (prompt, _) = started(&r);
+        assert!(prompt <= (CONTEXT - MAX) / 2 + 40, "kept {prompt} tokens");
+        // A fresh session sent the kept turns gets the same prompt and reply.
+        let mut kept = Vec::new();
+        for t in first..at {
+            kept.push(user(&users[t]));
+            kept.push(json!({"role": "assistant", "content": replies[t]}));
+        }
+        kept.push(user(&users[at]));
+        let fresh = explicit(&app, Value::Array(kept), MAX).await;
+        assert_eq!(started(&fresh).0, prompt);
+        assert_eq!(fresh.text, r.text);
+
+        // Edits count turns from the session's first.
+        let edit = |turn: usize, id: &str| json!({"type": "edit", "id": id, "turn": turn, "messages": [user("Turn again.")], "params": greedy(4)});
+        c.send(edit(0, "e0")).await;
+        let e = until(&mut c, "error").await;
+        assert_eq!(e["id"], "e0");
+        let msg = e["message"].as_str().unwrap();
+        assert!(msg.contains("`turn`") && msg.contains("dropped"), "{e}");
+        c.send(edit(first, "e1")).await;
+        let r = c.reply("e1").await;
+        assert_eq!(r.done["type"], "done", "{}", r.done);
+
+        c.chat("bad", "hi", json!({"retention_ratio": 0.5})).await;
+        let e = until(&mut c, "error").await;
+        assert!(
+            e["message"]
+                .as_str()
+                .unwrap()
+                .contains("`params.retention_ratio`"),
+            "{e}"
+        );
+    });
+}

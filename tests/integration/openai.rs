@@ -762,3 +762,55 @@ fn api_principals_share_only_what_they_may() {
         "{r}"
     );
 }
+
+/// A conversation longer than the context: refused (`context_length_exceeded`) by default as
+/// OpenAI's chat completions refuse it, answered with `truncation: "auto"` (its oldest turns
+/// left out, counted in the `llama-relay-dropped-messages` header, its system message kept); a
+/// `truncation` value neither names is refused naming it.
+#[test]
+fn truncation_auto_answers_a_conversation_longer_than_the_context() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        s.engine.max_context = 160;
+        s.limits.overflow = "drop_oldest".into();
+    });
+    let mut messages = vec![json!({"role": "system", "content": "You answer briefly."})];
+    for turn in 0..8 {
+        messages.push(json!({"role": "user", "content": format!("Turn {turn}: tell me about llamas and their wool.")}));
+        messages.push(json!({"role": "assistant", "content": "Llamas are woolly animals of the Andes, kept for their fibre."}));
+    }
+    messages.push(json!({"role": "user", "content": "And alpacas?"}));
+    let model = model_id(&app);
+    let body = |truncation: Option<&str>| {
+        let mut b =
+            json!({"model": model, "messages": messages, "max_tokens": 8, "temperature": 0});
+        if let Some(t) = truncation {
+            b["truncation"] = json!(t);
+        }
+        b
+    };
+    let (status, _, r) = post(&app, "/v1/chat/completions", body(None), &[]);
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["code"], "context_length_exceeded", "{r}");
+    let (status, head, r) = post(&app, "/v1/chat/completions", body(Some("auto")), &[]);
+    assert_eq!(status, 200, "{r}");
+    let dropped: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("llama-relay-dropped-messages: "))
+        .unwrap_or_else(|| panic!("no dropped-messages header: {head}"))
+        .trim()
+        .parse()
+        .unwrap();
+    // Whole turns (a user message and its reply), the last turn kept.
+    assert!(
+        dropped >= 2 && dropped.is_multiple_of(2) && dropped < 16,
+        "{dropped}"
+    );
+    assert!(
+        r["usage"]["prompt_tokens"].as_u64().unwrap() + 8 <= 160,
+        "{r}"
+    );
+    let (status, _, r) = post(&app, "/v1/chat/completions", body(Some("middle")), &[]);
+    assert_eq!(status, 400, "{r}");
+    assert_eq!(r["error"]["param"], "truncation", "{r}");
+}

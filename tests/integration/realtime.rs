@@ -403,3 +403,51 @@ fn refusals_name_the_realtime_field_and_the_session_goes_on() {
         }
     });
 }
+
+/// `truncation` through the SDK's realtime client: a conversation longer than the context goes
+/// on (every response completes), the oldest items are deleted with
+/// `conversation.item.deleted` (the first user item first, then gone), what is kept fills at
+/// most the retention ratio of the room, and the response after a truncation reads its kept
+/// prefix from the cache.
+#[test]
+fn the_sdk_realtime_client_converses_past_the_context_with_truncation() {
+    let _g = model_lock();
+    let app = spawn_app(Tiny::Tied.dir(), |s| {
+        keyed()(s);
+        s.engine.max_context = 192;
+    });
+    let got = sdk(&app, KEY, "truncation");
+    assert_eq!(
+        got["session_truncation"],
+        serde_json::json!({"type": "retention_ratio", "retention_ratio": 0.5}),
+        "{got}"
+    );
+    let turns = got["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 12, "{got}");
+    for t in turns {
+        assert_ne!(t["status"], "failed", "{got}");
+        // Within the context less the reply's room (16 tokens).
+        assert!(t["input_tokens"].as_u64().unwrap() <= 192 - 16, "{got}");
+    }
+    let cut = turns
+        .iter()
+        .position(|t| !t["deleted"].as_array().unwrap().is_empty())
+        .unwrap_or_else(|| panic!("no turn was truncated: {got}"));
+    assert!(cut > 0, "{got}");
+    let users = got["users"].as_array().unwrap();
+    assert_eq!(turns[cut]["deleted"][0], users[0], "{got}");
+    // Kept: at most half the room, with the newest turn.
+    let room = 192 - 16;
+    assert!(
+        turns[cut]["input_tokens"].as_u64().unwrap() <= room / 2 + 40,
+        "{got}"
+    );
+    // The next turn extends the kept conversation: its prefix is cached.
+    if let Some(next) = turns
+        .get(cut + 1)
+        .filter(|t| t["deleted"].as_array().unwrap().is_empty())
+    {
+        assert!(next["cached_tokens"].as_u64().unwrap() > 0, "{got}");
+    }
+    assert_eq!(got["retrieve_first"]["type"], "error", "{got}");
+}

@@ -393,6 +393,7 @@ fn widget_with_tools(s: &mut Settings) {
                 })),
             }],
             tool_choice: Some("required".into()),
+            ..Default::default()
         }],
         ..Default::default()
     }];

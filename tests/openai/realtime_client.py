@@ -5,6 +5,7 @@ Run by tests/integration/openai.rs, which makes the assertions:
     python realtime_client.py BASE_URL MODEL KEY QUESTION conversation
     python realtime_client.py BASE_URL MODEL KEY - bad_key
     python realtime_client.py BASE_URL MODEL KEY QUESTION tools
+    python realtime_client.py BASE_URL MODEL KEY QUESTION truncation
 """
 
 import asyncio
@@ -253,5 +254,53 @@ async def tools():
     print(json.dumps(out))
 
 
-MODES = {"conversation": conversation, "bad_key": bad_key, "tools": tools}
+async def truncation():
+    """A conversation longer than the context, with `truncation` at a retention ratio: each
+    turn's usage and the items the server deleted while answering it."""
+    client = openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+    out = {"turns": [], "users": []}
+    async with client.realtime.connect(model=model) as conn:
+        await conn.recv()
+        await conn.session.update(
+            session={
+                "type": "realtime",
+                "output_modalities": ["text"],
+                "truncation": {"type": "retention_ratio", "retention_ratio": 0.5},
+            }
+        )
+        updated = await until(conn, "session.updated")
+        t = field(updated, "session", "truncation")
+        out["session_truncation"] = t.model_dump(exclude_none=True) if hasattr(t, "model_dump") else t
+        for turn in range(12):
+            await add_user(conn, f"Turn {turn}: {question}")
+            added = await until(conn, "conversation.item.done")
+            out["users"].append(field(added, "item", "id"))
+            await conn.response.create(response={"max_output_tokens": 16})
+            deleted, done = [], None
+            while done is None:
+                ev = await conn.recv()
+                if ev.type == "conversation.item.deleted":
+                    deleted.append(ev.item_id)
+                elif ev.type == "response.done":
+                    done = ev
+                elif ev.type == "error":
+                    raise RuntimeError(ev.error.message)
+            usage = done.response.usage
+            out["turns"].append(
+                {
+                    "status": done.response.status,
+                    "input_tokens": usage.input_tokens,
+                    "cached_tokens": usage.input_token_details.cached_tokens,
+                    "deleted": deleted,
+                }
+            )
+        # The deleted items are gone from the conversation.
+        first = out["users"][0]
+        await conn.conversation.item.retrieve(item_id=first)
+        err = await conn.recv()
+        out["retrieve_first"] = {"type": err.type, "code": getattr(getattr(err, "error", None), "code", None)}
+    print(json.dumps(out))
+
+
+MODES = {"conversation": conversation, "bad_key": bad_key, "tools": tools, "truncation": truncation}
 asyncio.run(MODES[mode]())

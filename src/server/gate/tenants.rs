@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 
 use crate::engine::Quota;
+use crate::server::request::overflow::{Overflow, DEFAULT_RETENTION};
 use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
@@ -110,6 +111,8 @@ pub struct Identity {
     /// Functions the client runs for the model (a widget's operator-declared tools): already
     /// described in `system_prompt`; a reply may call them unless it asks for another format.
     pub tools: Option<Arc<Tools>>,
+    /// What its conversations do when they outgrow the context (a request may choose its own).
+    pub overflow: Overflow,
 }
 
 impl Identity {
@@ -143,6 +146,8 @@ struct Tenant {
     prefixes: HashMap<String, (Arc<str>, Option<Arc<Tools>>)>,
     widget_roles: Roles,
     key_roles: Roles,
+    /// Its own overflow policy (`tenants.overflow`), if it set one.
+    overflow: Option<Overflow>,
 }
 
 struct Widget {
@@ -150,6 +155,7 @@ struct Widget {
     origins: Vec<String>,
     system_prompt: Option<Arc<str>>,
     tools: Option<Arc<Tools>>,
+    overflow: Option<Overflow>,
 }
 
 pub struct Tenants {
@@ -162,6 +168,10 @@ pub struct Tenants {
     default_salt: Salt,
     /// Keyless clients' share of the scheduler (`scheduler.anonymous_max_*`).
     anonymous_quota: Quota,
+    /// The server's overflow policy (`limits.overflow`), and the retention ratio of every
+    /// `drop_oldest` (`limits.overflow_retention`).
+    overflow: Overflow,
+    retention: f32,
 }
 
 impl std::fmt::Debug for Tenants {
@@ -196,6 +206,8 @@ impl Tenants {
             widgets: HashMap::new(),
             default_salt: Salt(0),
             anonymous_quota: Quota::default(),
+            overflow: Overflow::Error,
+            retention: DEFAULT_RETENTION,
         };
         t.default_salt = t.derive(&[b"tenant", DEFAULT_TENANT.as_bytes()]);
         let bad = |key: String, value: &str, allowed: &str| EngineError::InvalidSetting {
@@ -233,6 +245,15 @@ impl Tenants {
                     )
                 })
             };
+            let overflow = |key: String, o: &Option<String>| {
+                (o.as_deref())
+                    .map(|name| {
+                        Overflow::parse(name, DEFAULT_RETENTION)
+                            .map_err(|_| bad(key, name, "\"error\" or \"drop_oldest\""))
+                    })
+                    .transpose()
+            };
+            let tenant_overflow = overflow(format!("tenants[{i}].overflow"), &ten.overflow)?;
             let widget_roles = roles("widget", &ten.client_roles.widget)?;
             let key_roles = roles("api_key", &ten.client_roles.api_key)?;
             let mut digests = Vec::new();
@@ -314,6 +335,7 @@ impl Tenants {
                         .collect(),
                     system_prompt: (!prompt.is_empty()).then(|| Arc::from(prompt.as_str())),
                     tools: tools.map(Arc::new),
+                    overflow: overflow(format!("tenants[{i}].widgets[{j}].overflow"), &w.overflow)?,
                 };
                 if t.widgets.insert(w.id.clone(), widget).is_some() {
                     return Err(bad(
@@ -345,6 +367,7 @@ impl Tenants {
                 prefixes,
                 widget_roles,
                 key_roles,
+                overflow: tenant_overflow,
             });
         }
         Ok(t)
@@ -449,6 +472,7 @@ impl Tenants {
             system_prompt: w.system_prompt.clone(),
             roles: t.widget_roles,
             tools: w.tools.clone(),
+            overflow: self.overflow_of(w.overflow.or(t.overflow)),
         })
     }
 
@@ -495,7 +519,29 @@ impl Tenants {
             system_prompt,
             roles: t.key_roles,
             tools,
+            overflow: self.overflow_of(t.overflow),
         })
+    }
+
+    /// Sets the server's overflow policy (`limits.overflow`), and the retention ratio every
+    /// `drop_oldest` policy keeps.
+    pub fn with_overflow(mut self, overflow: Overflow) -> Self {
+        if let Overflow::DropOldest { retention } = overflow {
+            self.retention = retention;
+        }
+        self.overflow = overflow;
+        self
+    }
+
+    /// A tenant's or widget's own policy with the server's retention ratio, or the server's.
+    fn overflow_of(&self, own: Option<Overflow>) -> Overflow {
+        match own {
+            Some(Overflow::DropOldest { .. }) => Overflow::DropOldest {
+                retention: self.retention,
+            },
+            Some(Overflow::Error) => Overflow::Error,
+            None => self.overflow,
+        }
     }
 
     /// Sets the keyless clients' share of the scheduler.
@@ -516,6 +562,7 @@ impl Tenants {
             system_prompt: None,
             roles: Roles::ALL,
             tools: None,
+            overflow: self.overflow,
         }
     }
 }
@@ -685,6 +732,56 @@ mod tests {
         ));
     }
 
+    /// A widget's overflow policy over its tenant's over the server's; every `drop_oldest`
+    /// keeps the server's retention ratio; an unknown policy is refused naming its key.
+    #[test]
+    fn overflow_policies_resolve_widget_over_tenant_over_server() {
+        let keep = Overflow::DropOldest { retention: 0.6 };
+        let tenant = |tenant: Option<&str>, widget: Option<&str>| TenantSettings {
+            name: "acme".into(),
+            api_keys: vec!["acme-0123456789abcdef".into()],
+            overflow: tenant.map(String::from),
+            widgets: vec![WidgetSettings {
+                id: "help".into(),
+                origins: vec!["https://shop.acme.test".into()],
+                overflow: widget.map(String::from),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let of = |t: TenantSettings, server: Overflow| {
+            let t = Tenants::new(&[t]).unwrap().with_overflow(server);
+            let w = t.widget("help", Some("https://shop.acme.test")).unwrap();
+            let k = t.api_key("Bearer acme-0123456789abcdef", None).unwrap();
+            (w.overflow, k.overflow, t.anonymous().overflow)
+        };
+        assert_eq!(
+            of(tenant(None, None), Overflow::Error),
+            (Overflow::Error, Overflow::Error, Overflow::Error)
+        );
+        assert_eq!(of(tenant(None, None), keep), (keep, keep, keep));
+        assert_eq!(
+            of(tenant(Some("drop_oldest"), None), Overflow::Error),
+            (
+                Overflow::DropOldest {
+                    retention: DEFAULT_RETENTION
+                },
+                Overflow::DropOldest {
+                    retention: DEFAULT_RETENTION
+                },
+                Overflow::Error
+            )
+        );
+        assert_eq!(
+            of(tenant(Some("drop_oldest"), Some("error")), keep),
+            (Overflow::Error, keep, keep)
+        );
+        let e = Tenants::new(&[tenant(None, Some("shift"))])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tenants[0].widgets[0].overflow"), "{e}");
+    }
+
     #[test]
     fn a_widgets_tools_are_checked_and_described_in_its_operator_text() {
         use crate::settings::ToolSettings;
@@ -696,6 +793,7 @@ mod tests {
                 system_prompt: "Be kind.".into(),
                 tools,
                 tool_choice: choice.map(String::from),
+                overflow: None,
             }],
             ..Default::default()
         };

@@ -451,6 +451,7 @@ fn completion_job(
             ids,
             scope,
             constraint: None,
+            dropped: None,
         },
         identity,
         ready,
@@ -528,6 +529,14 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
         })
         .collect();
     let prompt_tokens = prompt.ids.len();
+    // The oldest messages `truncation` left out (the overflow policy): named in a header, as
+    // OpenAI's chat completions have no field for it.
+    let dropped = prompt.dropped.map(|d| {
+        (
+            actix_web::http::header::HeaderName::from_static(DROPPED_HEADER),
+            actix_web::http::header::HeaderValue::from(d.messages),
+        )
+    });
     let submit = Submit {
         logprobs: api.logprobs,
         forks,
@@ -595,11 +604,22 @@ async fn run(req: HttpRequest, job: Job, shape: Shape, state: web::Data<AppState
             state.metrics.clone(),
             None,
         );
-        return HttpResponse::Ok()
-            .insert_header(("Content-Type", "text/event-stream"))
+        let mut resp = HttpResponse::Ok();
+        resp.insert_header(("Content-Type", "text/event-stream"))
             .insert_header(("Cache-Control", "no-cache"))
-            .insert_header(("X-Accel-Buffering", "no"))
-            .streaming(body);
+            .insert_header(("X-Accel-Buffering", "no"));
+        if let Some(h) = dropped {
+            resp.insert_header(h);
+        }
+        return resp.streaming(body);
     }
-    whole(gen, meta, &state).await
+    let mut resp = whole(gen, meta, &state).await;
+    if let Some((name, value)) = dropped.filter(|_| resp.status().is_success()) {
+        resp.headers_mut().insert(name, value);
+    }
+    resp
 }
+
+/// The response header that counts the request's oldest messages its prompt left out
+/// (`truncation: "auto"`, or the tenant's `drop_oldest` policy).
+pub const DROPPED_HEADER: &str = "llama-relay-dropped-messages";

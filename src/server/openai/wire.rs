@@ -66,6 +66,10 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
+    /// The Responses API's `truncation`: `auto` drops whole oldest turns when the conversation
+    /// outgrows the context (`limits.overflow_retention` of the room kept), `disabled` (the
+    /// default, as OpenAI's) refuses it.
+    pub truncation: Option<String>,
     #[serde(flatten)]
     pub common: CommonFields,
     #[serde(flatten)]
@@ -226,6 +230,8 @@ impl CommonFields {
             priority: self.priority.clone(),
             window: None,
             response_format,
+            overflow: None,
+            retention_ratio: None,
         };
         let chat = limits.validate(id, messages, params, defaults, default_max_tokens)?;
         Ok(ValidApi {
@@ -315,6 +321,19 @@ impl ChatRequest {
         if let Some(t) = tools {
             std::sync::Arc::new(t).apply(&mut api.chat);
         }
+        // As OpenAI's chat completions: a request that does not fit is refused unless it asks
+        // for truncation (sessions, which keep their conversation, follow `limits.overflow`).
+        let overflow = match self.truncation.as_deref() {
+            None | Some("disabled") => Some("error"),
+            Some("auto") => Some("drop_oldest"),
+            Some(other) => {
+                return Err(bad(
+                    "truncation",
+                    format!("must be auto or disabled. Given: {other:?}"),
+                ))
+            }
+        };
+        api.chat.overflow = limits.overflow(overflow, None)?;
         Ok(api)
     }
 }

@@ -275,6 +275,41 @@ pub struct Settings {
     /// `Tools` for each response).
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
+    /// `session.truncation` as the client wrote it (`truncation` parses it): what the
+    /// conversation does when it outgrows the context.
+    pub truncation: Option<Value>,
+}
+
+/// `truncation`'s value as the overflow policy's parameters (`GenerateParams::overflow`,
+/// `retention_ratio`): `"auto"` drops the oldest turns (the server's retention ratio),
+/// `"disabled"` refuses, `{"type": "retention_ratio", "retention_ratio": R}` drops keeping R.
+pub fn truncation_of(v: &Value, what: &str) -> Result<(String, Option<f32>), EventError> {
+    let param = format!("{what}.truncation");
+    let bad = |m: &str| refuse("invalid_value", Some(&param), m);
+    match v {
+        Value::String(s) if s == "auto" => Ok(("drop_oldest".into(), None)),
+        Value::String(s) if s == "disabled" => Ok(("error".into(), None)),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("retention_ratio") => {
+            if o.get("token_limits").is_some_and(|t| !t.is_null()) {
+                return Err(refuse(
+                    "invalid_value",
+                    Some(&format!("{param}.token_limits")),
+                    "is not served: the limit is the model's context less the reply's room",
+                ));
+            }
+            let r = o.get("retention_ratio").and_then(Value::as_f64).ok_or_else(|| {
+                refuse(
+                    "invalid_value",
+                    Some(&format!("{param}.retention_ratio")),
+                    "must be a number above 0 and at most 1",
+                )
+            })?;
+            Ok(("drop_oldest".into(), Some(r as f32)))
+        }
+        _ => Err(bad(
+            "must be \"auto\", \"disabled\" or {\"type\": \"retention_ratio\", \"retention_ratio\": R}",
+        )),
+    }
 }
 
 impl Settings {
@@ -286,6 +321,7 @@ impl Settings {
             sampling: self.sampling.under(&s.sampling),
             tools: s.tools.or(self.tools),
             tool_choice: s.tool_choice.or(self.tool_choice),
+            truncation: s.truncation.or(self.truncation),
         }
     }
 }
@@ -344,6 +380,10 @@ pub(super) fn parse_settings(
         }
     };
     let tool_choice = kept.remove("tool_choice").filter(|c| !c.is_null());
+    let truncation = kept.remove("truncation").filter(|t| !t.is_null());
+    if let Some(t) = &truncation {
+        truncation_of(t, what)?;
+    }
     Ok((
         Settings {
             instructions,
@@ -351,6 +391,7 @@ pub(super) fn parse_settings(
             sampling,
             tools,
             tool_choice,
+            truncation,
         },
         kept,
     ))
@@ -453,8 +494,8 @@ pub(super) fn parse_event(
             let (settings, _) = parse_settings(
                 session,
                 "session",
-                &[],
-                &["type", "model", "audio", "tracing", "truncation", "include"],
+                &["truncation"],
+                &["type", "model", "audio", "tracing", "include"],
             )?;
             Ok(ClientEvent::SessionUpdate(settings))
         }
@@ -564,8 +605,17 @@ pub fn chat_params(s: &Settings) -> Result<GenerateParams, EventError> {
         Some(m) => m.limit("max_output_tokens")?,
         None => None,
     };
+    let (overflow, retention_ratio) = match &s.truncation {
+        Some(t) => {
+            let (o, r) = truncation_of(t, "session")?;
+            (Some(o), r)
+        }
+        None => (None, None),
+    };
     Ok(GenerateParams {
         max_tokens,
+        overflow,
+        retention_ratio,
         ..sampling_params(&s.sampling)
     })
 }

@@ -95,6 +95,11 @@ struct InFlight {
     /// With tools the reply may call: its text split into text and a call as it streams.
     calls: Option<CallParser>,
     max_output_tokens: Value,
+    /// The items its prompt was built from, each with the index of the message it made there
+    /// (after the instructions): the overflow policy names dropped turns by message.
+    item_messages: Vec<(String, usize)>,
+    /// Its conversation began with the instructions' system message.
+    instructions: bool,
 }
 
 /// What a session allows its client, as the Realtime checks need it: the limits and sampling
@@ -378,6 +383,9 @@ impl Realtime {
             "max_output_tokens": max, "tools": s.tools.clone().unwrap_or_default(),
             "tool_choice": s.tool_choice.clone().unwrap_or(json!("auto")),
         });
+        if let (Some(v), Some(t)) = (v.as_object_mut(), &s.truncation) {
+            v.insert("truncation".into(), t.clone());
+        }
         let extras = serde_json::to_value(&s.sampling).unwrap_or_default();
         if let (Some(v), Value::Object(extras)) = (v.as_object_mut(), extras) {
             for (k, x) in extras {
@@ -557,6 +565,51 @@ impl Realtime {
         &self.items
     }
 
+    /// Each item's id and the index of the message it makes in `messages` (calls in a row
+    /// share one).
+    fn item_messages(&self) -> Vec<(String, usize)> {
+        let mut out = Vec::with_capacity(self.items.len());
+        let (mut next, mut calls) = (0, false);
+        for i in &self.items {
+            let call = matches!(i.function, Some(Function::Call { .. }));
+            if !(call && calls) {
+                next += 1;
+            }
+            out.push((i.id.clone(), next - 1));
+            calls = call;
+        }
+        out
+    }
+
+    /// The turns a response's prompt left out (`started.truncated`: `messages` from message
+    /// `from` of its conversation, the instructions first): their items leave the conversation,
+    /// each with `conversation.item.deleted`.
+    fn drop_items(&mut self, from: usize, messages: usize) -> Vec<Value> {
+        let Some(r) = &self.response else {
+            return Vec::new();
+        };
+        let lead = usize::from(r.instructions);
+        let range = from.saturating_sub(lead)..(from + messages).saturating_sub(lead);
+        let gone: std::collections::HashSet<String> = (r.item_messages.iter())
+            .filter(|(_, m)| range.contains(m))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let mut events = Vec::new();
+        for id in self
+            .items
+            .iter()
+            .map(|i| &i.id)
+            .filter(|id| gone.contains(*id))
+        {
+            events.push(id.clone());
+        }
+        self.items.retain(|i| !gone.contains(&i.id));
+        events
+            .into_iter()
+            .map(|id| self.event("conversation.item.deleted", json!({ "item_id": id })))
+            .collect()
+    }
+
     /// The chat messages the items make: each item a message, but calls in a row one assistant
     /// message (joined as a model that writes calls as `syntax` writes several).
     pub fn messages(&self, syntax: &CallSyntax) -> Vec<Message> {
@@ -670,6 +723,7 @@ mod tests {
             id: id.clone(),
             prompt_tokens: 30,
             cached_tokens: 12,
+            truncated: None,
         }));
         for (i, t) in reply.iter().enumerate() {
             out.extend(rt.on_frame(&ServerFrame::Delta {
@@ -901,6 +955,7 @@ mod tests {
             id: id.clone(),
             prompt_tokens: 1,
             cached_tokens: 0,
+            truncated: None,
         });
         rt.on_frame(&ServerFrame::Done {
             id,
@@ -1013,6 +1068,7 @@ mod tests {
             id: id.clone(),
             prompt_tokens: 9,
             cached_tokens: 0,
+            truncated: None,
         };
         assert!(rt.on_frame(&started).is_empty());
         let reply = r#"{"name": "order_status", "arguments": {"order": "A-1"}}"#;

@@ -33,6 +33,7 @@ impl Realtime {
         if let Some(i) = settings.instructions.as_deref().filter(|i| !i.is_empty()) {
             want.push(Message::new("system", i));
         }
+        let instructions = !want.is_empty();
         let generic = generic_syntax();
         want.extend(self.messages(tools.map_or(&generic, |t| &t.syntax)));
         let same = want
@@ -60,6 +61,8 @@ impl Realtime {
             output: None,
             calls: tools.map(CallParser::new),
             max_output_tokens: max.clone(),
+            item_messages: self.item_messages(),
+            instructions,
         });
         let created = self.event(
             "response.created",
@@ -87,6 +90,16 @@ impl Realtime {
     /// dialect has no event for).
     pub fn on_frame(&mut self, frame: &ServerFrame) -> Vec<Value> {
         let mut out = Vec::new();
+        if let ServerFrame::Started {
+            id,
+            truncated: Some(t),
+            ..
+        } = frame
+        {
+            if self.is_active(id) {
+                out.extend(self.drop_items(t.from, t.messages));
+            }
+        }
         match frame {
             ServerFrame::Ready { .. } => out.push(self.created()),
             // Without tools the reply is a message from its first token.

@@ -23,6 +23,10 @@ pub enum Field {
     Priority,
     Window,
     ResponseFormat,
+    /// The overflow policy (`params.overflow`; OpenAI's and the Realtime API's `truncation`),
+    /// and its retention ratio.
+    Overflow,
+    RetentionRatio,
     /// A field only one dialect has, as that dialect names it (`n`, `stream_options`, `index`).
     Wire(String),
 }
@@ -56,12 +60,19 @@ impl Field {
             Field::Priority => "priority".into(),
             Field::Window => "window".into(),
             Field::ResponseFormat => "response_format".into(),
+            Field::Overflow => "overflow".into(),
+            Field::RetentionRatio => "retention_ratio".into(),
         };
         // A generation parameter: under `params` on `/ws`, bare over HTTP, inside the event's
         // object on the Realtime API, with the two names the dialects spell their own way.
         match (self, d) {
             (Field::MaxTokens, Dialect::Realtime(within)) => format!("{within}.max_output_tokens"),
             (Field::CacheKey, Dialect::OpenAi) => "prompt_cache_key".into(),
+            (Field::Overflow, Dialect::OpenAi) => "truncation".into(),
+            (Field::Overflow, Dialect::Realtime(within)) => format!("{within}.truncation"),
+            (Field::RetentionRatio, Dialect::Realtime(within)) => {
+                format!("{within}.truncation.retention_ratio")
+            }
             (_, Dialect::Native) => format!("params.{param}"),
             (_, Dialect::OpenAi) => param,
             (_, Dialect::Realtime(within)) => format!("{within}.{param}"),

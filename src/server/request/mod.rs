@@ -4,6 +4,7 @@
 //! the field (`Field`, which each dialect spells in its own words) and the limit.
 
 pub mod error;
+pub mod overflow;
 pub mod prompt;
 pub mod reply;
 pub mod stop;
@@ -45,6 +46,13 @@ pub struct GenerateParams {
     /// schema), or text a regular expression or Lark grammar matches. Held as JSON until
     /// `validate` parses it, so a wrong shape is refused naming the field as other values are.
     pub response_format: Option<serde_json::Value>,
+    /// What the conversation does when it outgrows the context (`overflow::Overflow`): `error`
+    /// or `drop_oldest`; absent: the client's default (`limits.overflow`, its tenant's or
+    /// widget's).
+    pub overflow: Option<String>,
+    /// With `drop_oldest`: the share of the room the kept conversation fills (default
+    /// `limits.overflow_retention`).
+    pub retention_ratio: Option<f32>,
 }
 
 /// The largest `params.window`.
@@ -68,6 +76,8 @@ pub struct Limits {
     /// Seconds a `tool_call` waits for its `tool_result`; calls one turn may make.
     pub tool_timeout_s: u64,
     pub max_tool_calls: usize,
+    /// The share of the room a conversation keeps when `drop_oldest` drops its turns.
+    pub overflow_retention: f32,
     /// Text frames a session may send a second on average, and at once.
     pub frames_per_s: f64,
     pub frame_burst: u32,
@@ -92,6 +102,7 @@ impl Limits {
             max_id_chars: 64,
             tool_timeout_s: 30,
             max_tool_calls: 4,
+            overflow_retention: 0.8,
             frames_per_s: 10.0,
             frame_burst: 20,
             rejected_frames_per_s: 1.0,
@@ -115,6 +126,8 @@ pub struct ValidRequest {
     pub window: Option<usize>,
     /// Checked for size, compiled where the prompt is built (`prompt::chat_prompt`).
     pub format: ResponseFormat,
+    /// The request's own overflow policy; `None`: its client's.
+    pub overflow: Option<overflow::Overflow>,
     /// Functions the reply may call (`format` is then their grammar): the reply's text is
     /// parsed into calls as it streams (`tools::CallParser`).
     pub tools: Option<std::sync::Arc<tools::Tools>>,
@@ -129,6 +142,8 @@ pub struct Prompt {
     pub ids: Vec<u32>,
     pub scope: CacheScope,
     pub constraint: Option<crate::engine::constraint::Constraint>,
+    /// The turns the overflow policy left out, if any.
+    pub dropped: Option<overflow::Dropped>,
 }
 
 /// The rule every text limit reads the same way in: "`field` must be at most N characters
@@ -187,8 +202,10 @@ impl Limits {
             ));
         }
         let format = self.response_format(p.response_format)?;
+        let overflow = self.overflow(p.overflow.as_deref(), p.retention_ratio)?;
         Ok(ValidRequest {
             format,
+            overflow,
             id,
             messages,
             sampling,
@@ -250,6 +267,34 @@ impl Limits {
         })?;
         format.check(self.max_schema_bytes).map_err(bad)?;
         Ok(format)
+    }
+
+    /// A request's overflow policy: `error` or `drop_oldest`, a retention ratio only with
+    /// `drop_oldest`.
+    pub fn overflow(
+        &self,
+        name: Option<&str>,
+        retention: Option<f32>,
+    ) -> Result<Option<overflow::Overflow>, RequestError> {
+        let given = retention.is_some();
+        let retention = match retention {
+            Some(r) => overflow::Overflow::check_retention(r)
+                .map_err(|e| RequestError::invalid(Field::RetentionRatio, e))?,
+            None => self.overflow_retention,
+        };
+        let policy = name
+            .map(|n| {
+                overflow::Overflow::parse(n, retention)
+                    .map_err(|e| RequestError::invalid(Field::Overflow, e))
+            })
+            .transpose()?;
+        if given && !matches!(policy, Some(overflow::Overflow::DropOldest { .. })) {
+            return Err(RequestError::invalid(
+                Field::RetentionRatio,
+                "is a share of what `drop_oldest` keeps: it needs the overflow policy drop_oldest",
+            ));
+        }
+        Ok(policy)
     }
 
     /// A message's text against `max_message_chars`.

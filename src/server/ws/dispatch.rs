@@ -29,6 +29,8 @@ pub struct View<'a> {
     pub preparing: bool,
     /// The call a reply waits on (`running` names that reply meanwhile): its `call_id`.
     pub tool_call: Option<&'a str>,
+    /// User turns the overflow policy dropped before `conversation`'s first.
+    pub dropped_turns: usize,
 }
 
 /// The reply in flight, as the dispatch needs it.
@@ -198,12 +200,22 @@ pub fn handle(frame: ClientFrame, view: &View) -> Result<Action, Refused> {
             messages,
             params,
         } => {
+            // Turns count from the session's first; those the overflow policy dropped are gone.
+            let first = view.dropped_turns;
+            if turn < first {
+                let e = RequestError::invalid(
+                    Field::Wire("turn".into()),
+                    format!("is {turn}; turns before {first} were dropped when the conversation outgrew the context (limits.overflow)"),
+                );
+                return Err(Refused::new(Some(&id), e));
+            }
             let mut users =
                 (view.conversation.iter().enumerate()).filter(|(_, m)| m.role == "user");
-            let Some((at, _)) = users.nth(turn) else {
-                let n = (view.conversation.iter())
-                    .filter(|m| m.role == "user")
-                    .count();
+            let Some((at, _)) = users.nth(turn - first) else {
+                let n = first
+                    + (view.conversation.iter())
+                        .filter(|m| m.role == "user")
+                        .count();
                 let e = RequestError::invalid(
                     Field::Wire("turn".into()),
                     format!("is {turn}; the conversation has {n} user turns (numbered from 0)"),
@@ -312,6 +324,7 @@ mod tests {
         last_reply: Option<String>,
         preparing: bool,
         tool_call: Option<String>,
+        dropped_turns: usize,
     }
 
     impl Session {
@@ -324,6 +337,7 @@ mod tests {
                 last_reply: None,
                 preparing: false,
                 tool_call: None,
+                dropped_turns: 0,
             }
         }
 
@@ -347,6 +361,7 @@ mod tests {
                 last_reply: self.last_reply.as_deref(),
                 preparing: self.preparing,
                 tool_call: self.tool_call.as_deref(),
+                dropped_turns: self.dropped_turns,
             };
             handle(parse(frame).map_err(|e| Refused::new(None, e))?, &view)
         }
@@ -437,6 +452,31 @@ mod tests {
         let (id, msg) = refused(s.handle(r#"{"type":"regenerate","id":"r"}"#));
         assert_eq!(id.as_deref(), Some("r"));
         assert!(msg.contains("no reply to regenerate"), "{msg}");
+    }
+
+    #[test]
+    fn edit_numbers_turns_from_the_first_even_after_the_oldest_were_dropped() {
+        let mut s = Session::new();
+        // Turns 0-2 were dropped: the conversation holds turns 3 and 4.
+        s.conversation = two_turns();
+        s.dropped_turns = 3;
+        let edit = |turn: usize| {
+            format!(
+                r#"{{"type":"edit","id":"e","turn":{turn},"messages":[{{"role":"user","content":"z"}}]}}"#
+            )
+        };
+        match s.handle(&edit(4)).unwrap() {
+            Action::Turn { replace_from, .. } => assert_eq!(replace_from, 2),
+            other => panic!("{other:?}"),
+        }
+        match s.handle(&edit(3)).unwrap() {
+            Action::Turn { replace_from, .. } => assert_eq!(replace_from, 0),
+            other => panic!("{other:?}"),
+        }
+        let (_, msg) = refused(s.handle(&edit(2)));
+        assert!(msg.contains("`turn`") && msg.contains("dropped"), "{msg}");
+        let (_, msg) = refused(s.handle(&edit(5)));
+        assert!(msg.contains("has 5 user turns"), "{msg}");
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct ParkedReply {
     /// A reply that may call the widget's functions: its turn's request and the calls the turn
     /// made before it.
     pub calling: Option<(Box<crate::server::request::ValidRequest>, usize)>,
+    /// The oldest turns its prompt left out.
+    pub dropped: Option<crate::server::request::overflow::Dropped>,
 }
 
 /// A reply that called one of the widget's functions, waiting for the client's `tool_result`.
@@ -73,6 +75,8 @@ pub struct ParkedSession {
     pub id: uuid::Uuid,
     pub identity: Identity,
     pub conversation: Vec<Message>,
+    /// User turns the overflow policy dropped before `conversation`'s first.
+    pub dropped_turns: usize,
     pub reply: Option<ParkedReply>,
     pub last: Option<LastReply>,
     /// A turn whose prompt was being built when the connection dropped: it starts on resume.
@@ -213,6 +217,7 @@ mod tests {
             id: uuid::Uuid::new_v4(),
             identity,
             conversation: vec![Message::new("user", "hi")],
+            dropped_turns: 0,
             reply: None,
             last: None,
             preparing: None,

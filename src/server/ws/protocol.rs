@@ -87,6 +87,22 @@ pub struct RestoredMessage {
     pub seal: Option<String>,
 }
 
+/// Turns the overflow policy dropped from a conversation (`started.truncated`).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct Truncated {
+    /// User turns this reply's prompt left out.
+    pub dropped_turns: usize,
+    /// The user turn the conversation now starts at, numbered from 0 as `edit` counts them
+    /// (from the first turn the session ever had).
+    pub first_kept_turn: usize,
+    /// The messages left out: `messages` from message `from` of the conversation the prompt was
+    /// built from (the Realtime dialect deletes their items).
+    #[serde(skip)]
+    pub from: usize,
+    #[serde(skip)]
+    pub messages: usize,
+}
+
 /// Frames the server sends.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -114,6 +130,10 @@ pub enum ServerFrame {
         id: String,
         prompt_tokens: usize,
         cached_tokens: usize,
+        /// The oldest turns this reply's prompt left out (the overflow policy `drop_oldest`):
+        /// the conversation goes on without them.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        truncated: Option<Truncated>,
     },
     Delta {
         id: String,

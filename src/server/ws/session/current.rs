@@ -32,6 +32,9 @@ pub(super) struct Current {
     pub(super) allowed: usize,
     /// A reply that may call the widget's functions (`session::tools`).
     pub(super) calling: Option<Calling>,
+    /// The oldest turns its prompt left out (the overflow policy): they leave the conversation
+    /// when the reply ends.
+    pub(super) dropped: Option<crate::server::request::overflow::Dropped>,
 }
 
 /// A reply that may call the widget's functions: its text split into text and a call as it
@@ -100,6 +103,7 @@ impl Current {
             acked: None,
             allowed: 0,
             calling: None,
+            dropped: None,
         }
     }
 

@@ -34,6 +34,7 @@ impl Session {
             last_reply: self.last.as_ref().map(|l| l.client_id.as_str()),
             preparing: self.preparing.is_some(),
             tool_call: self.tool_wait.as_ref().map(|w| w.call_id.as_str()),
+            dropped_turns: self.dropped_turns,
         };
         let action = match dispatch::handle(frame, &view) {
             Ok(a) => a,
@@ -84,11 +85,13 @@ impl Session {
                 tracing::info!(session = %self.id, conversation = ?self.conversation_id, messages = messages.len(), "conversation restored");
                 let n = messages.len();
                 self.conversation = messages;
+                self.dropped_turns = 0;
                 self.pending_draft = None;
                 self.send(ctx, &ServerFrame::Restored { messages: n });
             }
             Action::Reset => {
                 self.conversation.clear();
+                self.dropped_turns = 0;
                 self.pending_draft = None;
                 self.ready.batcher.do_send(EndLease {
                     lease: self.lease_key(),
@@ -241,6 +244,7 @@ impl Session {
     ) {
         let request = next_request_id();
         self.last = None;
+        let dropped = prompt.dropped;
         let submit = Submit {
             lease: Some(self.lease_key()),
             ..Submit::new(
@@ -259,6 +263,7 @@ impl Session {
             chat.stop.clone(),
         )
         .paced(chat.window);
+        current.dropped = dropped;
         // The Realtime dialect splits calls out of the text itself.
         if self.realtime.is_none() {
             current.calling = current::Calling::new(&chat, self.turn_calls);

@@ -40,7 +40,7 @@ use crate::server::request::{RequestError, ValidRequest};
 use crate::server::state::{AppState, Ready};
 use crate::server::ws::dispatch::{self, Action};
 use crate::server::ws::parked::{Found, LastReply, ParkedReply, ParkedSession, Takeover};
-use crate::server::ws::protocol::{ClientFrame, ServerFrame};
+use crate::server::ws::protocol::{ClientFrame, ServerFrame, Truncated};
 use crate::tokenizer::Message;
 
 mod current;
@@ -97,6 +97,9 @@ pub struct Session {
     tool_wait: Option<crate::server::ws::parked::ToolWait>,
     /// Function calls the turn being answered has made.
     turn_calls: usize,
+    /// User turns the overflow policy has dropped from the front of `conversation`: `edit`'s
+    /// turn numbers count from the first turn the session had.
+    dropped_turns: usize,
 }
 
 impl Session {
@@ -150,6 +153,7 @@ impl Session {
             realtime: None,
             tool_wait: None,
             turn_calls: 0,
+            dropped_turns: 0,
         };
         match place {
             Place::Permit(p) => session.permit = Some(p),
@@ -485,10 +489,17 @@ impl Session {
                 cached_tokens,
             } => {
                 c.prompt_tokens = Some(prompt_tokens);
+                let truncated = c.dropped.map(|d| Truncated {
+                    dropped_turns: d.turns,
+                    first_kept_turn: self.dropped_turns + d.turns,
+                    from: d.from,
+                    messages: d.messages,
+                });
                 let f = ServerFrame::Started {
                     id: c.client_id.clone(),
                     prompt_tokens,
                     cached_tokens,
+                    truncated,
                 };
                 c.started = Some(f.clone());
                 if c.skip.is_none() {
@@ -534,6 +545,13 @@ impl Session {
                 self.conversation.truncate(c.replace_from);
                 self.conversation.extend(c.new_messages);
                 self.conversation.push(reply);
+                // The turns the prompt left out leave the conversation: the next turn's prompt
+                // starts where this one's did, and finds it cached.
+                if let Some(d) = c.dropped {
+                    let end = (d.from + d.messages).min(self.conversation.len());
+                    self.conversation.drain(d.from.min(end)..end);
+                    self.dropped_turns += d.turns;
+                }
             }
             Update::Failed(e) => {
                 let id = c.client_id.clone();

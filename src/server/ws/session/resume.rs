@@ -30,6 +30,7 @@ impl Session {
             cancelled_at: c.cancelled_at,
             heard: c.heard,
             calling: c.calling.map(|k| (k.chat, k.made)),
+            dropped: c.dropped,
         });
         let request = reply.as_ref().map(|r| r.request);
         // A running reply keeps its place under the connection caps while parked (one client
@@ -44,6 +45,7 @@ impl Session {
             id: self.id,
             identity: self.identity.clone(),
             conversation: std::mem::take(&mut self.conversation),
+            dropped_turns: self.dropped_turns,
             reply,
             last: self.last.take(),
             preparing: self.preparing.take(),
@@ -197,6 +199,7 @@ impl Session {
         }
         self.id = p.id;
         self.conversation = p.conversation;
+        self.dropped_turns = p.dropped_turns;
         self.last = p.last;
         // A call still waiting: its timeout runs on this connection.
         if let Some(w) = p.tool_wait {
@@ -265,6 +268,7 @@ impl Session {
             r.stop,
         )
         .paced(r.window);
+        c.dropped = r.dropped;
         if let Some((chat, made)) = &r.calling {
             c.calling = current::Calling::new(chat, *made);
             self.turn_calls = *made;
