@@ -20,6 +20,10 @@ pub enum Workload {
     /// A support chat: a shared system prompt, several turns per user with think time; TTFT per
     /// turn. Without `--url`, against two servers: prefix caching on, then off.
     Chat(ChatArgs),
+    /// Conversations far past the context (`--turns` turns each, `limits.overflow`
+    /// `drop_oldest`): every turn answered; the TTFT of the turns that dropped old turns
+    /// against the others.
+    LongChat(LongChatArgs),
     /// One stream's inter-token gap through the server against the engine's own decode step for
     /// the same model and prompt, with `--idle-sessions` sessions holding KV leases meanwhile.
     Overhead(OverheadArgs),
@@ -60,6 +64,7 @@ impl Workload {
         match self {
             Workload::Throughput(a) => a.server.url.is_none(),
             Workload::Chat(a) => a.server.url.is_none(),
+            Workload::LongChat(a) => a.server.url.is_none(),
             Workload::Overhead(_) => true,
             Workload::Mixed(a) => a.server.url.is_none(),
             Workload::Flood(a) => a.server.url.is_none(),
@@ -76,6 +81,7 @@ impl Workload {
         match self {
             Workload::Throughput(a) => throughput(settings, opts, a),
             Workload::Chat(a) => chat(settings, opts, a),
+            Workload::LongChat(a) => long_chat(settings, opts, a),
             Workload::Overhead(a) => overhead(settings, opts, a),
             Workload::Mixed(a) => mixed(settings, opts, a),
             Workload::Flood(a) => flood(settings, opts, a),
@@ -164,6 +170,25 @@ pub struct ChatArgs {
     /// New tokens per reply.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+}
+
+#[derive(Args)]
+pub struct LongChatArgs {
+    #[command(flatten)]
+    pub server: Server,
+    #[arg(long, default_value_t = 16)]
+    pub users: usize,
+    #[arg(long, default_value_t = 200)]
+    pub turns: usize,
+    /// New tokens per reply.
+    #[arg(long, default_value_t = 48)]
+    pub max_tokens: usize,
+    /// Think time between turns, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    pub think_ms: u64,
+    /// The context of the server started here (0: the model's, capped by `engine.max_context`).
+    #[arg(long, default_value_t = 2048)]
+    pub max_context: usize,
 }
 
 #[derive(Args)]
@@ -525,6 +550,33 @@ fn chat(mut settings: Settings, opts: EngineOptions, a: ChatArgs) -> anyhow::Res
             }
         }
         Ok(())
+    })
+}
+
+fn long_chat(
+    mut settings: Settings,
+    mut opts: EngineOptions,
+    a: LongChatArgs,
+) -> anyhow::Result<()> {
+    settings.server.port = 0;
+    settings.limits.overflow = "drop_oldest".into();
+    settings.scheduler.max_waiting = settings.scheduler.max_waiting.max(a.users);
+    if a.max_context > 0 {
+        settings.engine.max_context = a.max_context;
+        opts.max_context = Some(a.max_context);
+    }
+    actix_web::rt::System::new().block_on(async move {
+        let url = server_url(&a.server, &settings, &opts).await?;
+        let cfg = load::LongChatConfig {
+            url,
+            users: a.users,
+            turns: a.turns,
+            max_tokens: a.max_tokens,
+            think: std::time::Duration::from_millis(a.think_ms),
+        };
+        load::run_long_chat(cfg, "drop_oldest")
+            .await
+            .map_err(|e| anyhow::anyhow!(e))
     })
 }
 

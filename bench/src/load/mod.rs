@@ -11,12 +11,14 @@
 
 mod chat;
 mod cluster;
+mod long;
 mod mixed;
 mod resume;
 mod typeahead;
 
 pub use chat::*;
 pub use cluster::{run_cluster, ClusterBenchConfig};
+pub use long::{run_long_chat, LongChatConfig};
 pub use mixed::*;
 pub use resume::*;
 pub use typeahead::*;
