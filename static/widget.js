@@ -10,6 +10,7 @@
 //
 // Every piece of user or model text goes through `renderText`, which sets text, never HTML:
 // a reply containing `<img src=x onerror=...>` shows those characters and runs nothing.
+// Replies render as Markdown (`Markdown`), built from elements and text nodes the same way.
 // The wire protocol is docs/protocol.md.
 (function (global) {
   "use strict";
@@ -60,6 +61,300 @@
     if (cls) { e.className = cls; }
     if (text != null) { renderText(e, text); }
     return e;
+  }
+
+  // ---- Markdown for replies ------------------------------------------------------------------
+  //
+  // Replies render as Markdown built from DOM nodes and text nodes only: model text never
+  // becomes HTML (`<b>` in a reply shows those characters). Paragraphs, headings, emphasis,
+  // inline code, links (http, https and mailto only; others show as text), bullet and numbered
+  // lists (nested by indent), block quotes, tables and fenced code blocks (a language label and
+  // a Copy button). Written by hand in a few hundred lines, as no parser this small builds DOM
+  // nodes without going through HTML strings, and the widget ships no dependencies.
+  //
+  // Incremental: each update splits the whole text into blocks and rebuilds only the blocks
+  // from the first one whose source changed (while a reply streams, the last one), so a delta
+  // costs the last block, not the reply, and nothing above it flickers. An unfinished fence
+  // shows as code so far; a table shows once its separator row has arrived.
+  //
+  // Bounds keep hostile text cheap: lists nest at most MD_MAX_DEPTH deep (deeper items join the
+  // deepest list), block quotes MD_MAX_DEPTH deep, tables at most MD_MAX_COLUMNS columns, and an
+  // emphasis or link looks at most MD_SCAN characters ahead for its end.
+  var MD_MAX_DEPTH = 6, MD_MAX_COLUMNS = 32, MD_SCAN = 2000;
+
+  var FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
+  var HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+  var ITEM = /^(\s*)([-*+]|\d{1,9}[.)])\s+(.*)$/;
+  var QUOTE = /^ {0,3}>\s?(.*)$/;
+  var RULE = /^ {0,3}([-*_])(\s*\1){2,}\s*$/;
+  var TABLE_SEP = /^\s*\|?\s*:?-{1,}:?\s*(\|\s*:?-{1,}:?\s*)*\|?\s*$/;
+
+  /** A link target the page may follow: http, https or mailto, or nothing. */
+  function safeHref(url) {
+    var u;
+    try { u = new URL(url); } catch (e) { return null; }
+    return (u.protocol === "http:" || u.protocol === "https:" || u.protocol === "mailto:") ? u.href : null;
+  }
+
+  /** Splits text into blocks: { type, lines, info? } (a block's source is its lines joined). */
+  function mdBlocks(text) {
+    var lines = text.split("\n"), blocks = [], i = 0;
+    var isTableStart = function (k) {
+      return lines[k].indexOf("|") >= 0 && k + 1 < lines.length && lines[k + 1].indexOf("-") >= 0 &&
+        TABLE_SEP.test(lines[k + 1]) && lines[k + 1].indexOf("|") >= 0;
+    };
+    while (i < lines.length) {
+      var line = lines[i], m;
+      if (!line.trim()) { i++; continue; }
+      if ((m = FENCE.exec(line))) {
+        var fence = m[1], body = [], j = i + 1, closed = false;
+        for (; j < lines.length; j++) {
+          var t = lines[j].trim();
+          if (t.length >= fence.length && t.charAt(0) === fence.charAt(0) && t.replace(new RegExp("\\" + fence.charAt(0), "g"), "") === "") {
+            closed = true;
+            break;
+          }
+          body.push(lines[j]);
+        }
+        blocks.push({ type: "code", lines: body, info: m[2], closed: closed });
+        i = closed ? j + 1 : j;
+        continue;
+      }
+      if ((m = HEADING.exec(line))) { blocks.push({ type: "heading", lines: [m[2]], info: m[1].length }); i++; continue; }
+      if (RULE.test(line)) { blocks.push({ type: "rule", lines: [] }); i++; continue; }
+      if (isTableStart(i)) {
+        var rows = [lines[i]];
+        for (i += 2; i < lines.length && lines[i].trim() && lines[i].indexOf("|") >= 0; i++) { rows.push(lines[i]); }
+        blocks.push({ type: "table", lines: rows });
+        continue;
+      }
+      var type = QUOTE.test(line) ? "quote" : ITEM.test(line) ? "list" : "para", own = [line];
+      // A list ends where an item at its first item's indent switches between bullets and numbers.
+      var first = type === "list" ? ITEM.exec(line) : null;
+      var kind = function (m) { return m[1].length + (/\d/.test(m[2]) ? "n" : "b"); };
+      for (i++; i < lines.length; i++) {
+        var next = lines[i];
+        if (!next.trim() || FENCE.test(next) || HEADING.test(next) || isTableStart(i)) { break; }
+        if (type === "quote" && !QUOTE.test(next)) { break; }
+        if (type === "para" && (QUOTE.test(next) || ITEM.test(next))) { break; }
+        if (type === "list" && !ITEM.test(next) && !/^\s/.test(next)) { break; }
+        var item = type === "list" ? ITEM.exec(next) : null;
+        if (item && item[1].length === first[1].length && kind(item) !== kind(first)) { break; }
+        own.push(next);
+      }
+      blocks.push({ type: type, lines: own });
+    }
+    return blocks;
+  }
+
+  /** Appends `text` with its inline Markdown (code, emphasis, links, line breaks) to `parent`. */
+  function mdInline(parent, text, depth) {
+    var buf = "", i = 0;
+    var flush = function () { if (buf) { parent.appendChild(doc.createTextNode(buf)); buf = ""; } };
+    while (i < text.length) {
+      var ch = text.charAt(i), j, m;
+      if (ch === "`") {
+        var ticks = /^`+/.exec(text.slice(i, i + 16))[0];
+        j = text.indexOf(ticks, i + ticks.length);
+        if (j > i && j - i < MD_SCAN) {
+          flush();
+          parent.appendChild(el("code", null, text.slice(i + ticks.length, j)));
+          i = j + ticks.length;
+          continue;
+        }
+        buf += ticks;
+        i += ticks.length;
+        continue;
+      }
+      if (ch === "*" || ch === "_") {
+        // A run of one (emphasis) or two (strong) markers, closed by a run of the same length
+        // after non-space text; `_` only at word edges (snake_case stays as it is).
+        var run = 1;
+        while (text.charAt(i + run) === ch) { run++; }
+        var before = i > 0 ? text.charAt(i - 1) : " ", open = text.charAt(i + run);
+        var word = /[A-Za-z0-9]/;
+        j = -1;
+        if (run <= 2 && depth < MD_MAX_DEPTH && open && !/\s/.test(open) && !(ch === "_" && word.test(before))) {
+          var mark = text.substr(i, run);
+          for (var from = i + run + 1; ; from = j + 1) {
+            j = text.indexOf(mark, from);
+            if (j < 0 || j - i > MD_SCAN) { j = -1; break; }
+            var after = text.charAt(j + run);
+            if (text.charAt(j - 1) !== ch && after !== ch && !/\s/.test(text.charAt(j - 1)) &&
+                !(ch === "_" && word.test(after))) { break; }
+          }
+        }
+        if (j > 0 && text.slice(i + run, j).indexOf("\n\n") < 0) {
+          flush();
+          var e = el(run === 2 ? "strong" : "em");
+          mdInline(e, text.slice(i + run, j), depth + 1);
+          parent.appendChild(e);
+          i = j + run;
+          continue;
+        }
+        buf += text.substr(i, run);
+        i += run;
+        continue;
+      }
+      if (ch === "[" && (m = /^\[([^\]\n]{1,500})\]\(([^()\s]{1,2000})\)/.exec(text.slice(i, i + 2600)))) {
+        flush();
+        var href = safeHref(m[2]);
+        if (href) {
+          var a = el("a");
+          a.href = href;
+          a.rel = "noopener noreferrer";
+          a.target = "_blank";
+          mdInline(a, m[1], MD_MAX_DEPTH);
+          parent.appendChild(a);
+        } else {
+          parent.appendChild(doc.createTextNode(m[0]));
+        }
+        i += m[0].length;
+        continue;
+      }
+      if (ch === "\n") { flush(); parent.appendChild(el("br")); i++; continue; }
+      if (ch === "\\" && i + 1 < text.length && /[\\`*_[\]()#>|-]/.test(text.charAt(i + 1))) {
+        buf += text.charAt(i + 1);
+        i += 2;
+        continue;
+      }
+      buf += ch;
+      i++;
+    }
+    flush();
+  }
+
+  /** A table row's cells (outer pipes dropped, escaped pipes kept), at most MD_MAX_COLUMNS. */
+  function mdCells(row) {
+    var s = row.trim().replace(/^\|/, "").replace(/\|$/, ""), cells = [], cur = "";
+    for (var i = 0; i < s.length; i++) {
+      if (s.charAt(i) === "\\" && s.charAt(i + 1) === "|") { cur += "|"; i++; continue; }
+      if (s.charAt(i) === "|" && cells.length < MD_MAX_COLUMNS - 1) { cells.push(cur.trim()); cur = ""; continue; }
+      cur += s.charAt(i);
+    }
+    cells.push(cur.trim());
+    return cells;
+  }
+
+  /** A fenced code block: its language label, a Copy button, the code as text. */
+  function mdCode(block) {
+    var code = block.lines.join("\n");
+    var box = el("div", "md-code");
+    var head = el("div", "md-code-head");
+    head.appendChild(el("span", "md-lang", block.info || "code"));
+    var copy = el("button", "md-copy", "Copy");
+    copy.type = "button";
+    copy.setAttribute("aria-label", "Copy the code");
+    copy.addEventListener("click", function () {
+      var done = function () { renderText(copy, "Copied"); global.setTimeout(function () { renderText(copy, "Copy"); }, 1500); };
+      var clip = global.navigator && global.navigator.clipboard;
+      if (clip && clip.writeText) { clip.writeText(code).then(done, function () { renderText(copy, "Copy failed"); }); } else { renderText(copy, "Copy failed"); }
+    });
+    head.appendChild(copy);
+    box.appendChild(head);
+    var pre = el("pre");
+    pre.appendChild(el("code", null, code));
+    box.appendChild(pre);
+    return box;
+  }
+
+  /** Bullet or numbered list items, nested by their indent (at most MD_MAX_DEPTH deep). */
+  function mdList(block) {
+    var stack = [], root = null;
+    block.lines.forEach(function (line) {
+      var m = ITEM.exec(line);
+      if (!m) {
+        var last = stack.length && stack[stack.length - 1].list.lastChild;
+        if (last) { last.appendChild(el("br")); mdInline(last, line.trim(), 0); }
+        return;
+      }
+      var indent = m[1].replace(/\t/g, "    ").length, ordered = /\d/.test(m[2]);
+      while (stack.length && indent < stack[stack.length - 1].indent) { stack.pop(); }
+      var top = stack[stack.length - 1];
+      if (!top || (indent > top.indent && stack.length < MD_MAX_DEPTH)) {
+        var list = el(ordered ? "ol" : "ul");
+        if (ordered && parseInt(m[2], 10) !== 1) { list.start = parseInt(m[2], 10); }
+        if (top && top.list.lastChild) { top.list.lastChild.appendChild(list); } else if (!root) { root = list; }
+        else { root.appendChild(list); }
+        top = { indent: indent, list: list };
+        stack.push(top);
+      }
+      var li = el("li");
+      mdInline(li, m[3], 0);
+      top.list.appendChild(li);
+    });
+    return root;
+  }
+
+  /** The DOM node of one block. */
+  function mdBlock(block, depth) {
+    var node, text = block.lines.join("\n");
+    switch (block.type) {
+      case "code": return mdCode(block);
+      case "heading":
+        node = el("h" + Math.min(6, block.info + 2), "md-h");
+        mdInline(node, text, 0);
+        return node;
+      case "rule": return el("hr");
+      case "list": return mdList(block) || el("p");
+      case "quote":
+        node = el("blockquote");
+        var inner = block.lines.map(function (l) { return QUOTE.exec(l) ? QUOTE.exec(l)[1] : l; }).join("\n");
+        if (depth < MD_MAX_DEPTH) {
+          mdBlocks(inner).forEach(function (b) { node.appendChild(mdBlock(b, depth + 1)); });
+        } else {
+          mdInline(node, inner, 0);
+        }
+        return node;
+      case "table":
+        var wrap = el("div", "md-table"), table = el("table"), head = el("thead"), body = el("tbody");
+        var header = el("tr");
+        mdCells(block.lines[0]).forEach(function (c) { var th = el("th"); mdInline(th, c, 0); header.appendChild(th); });
+        head.appendChild(header);
+        block.lines.slice(1).forEach(function (r) {
+          var tr = el("tr");
+          mdCells(r).forEach(function (c) { var td = el("td"); mdInline(td, c, 0); tr.appendChild(td); });
+          body.appendChild(tr);
+        });
+        table.appendChild(head);
+        table.appendChild(body);
+        wrap.appendChild(table);
+        return wrap;
+      default:
+        node = el("p");
+        mdInline(node, text, 0);
+        return node;
+    }
+  }
+
+  /** A reply's Markdown in `container`, rebuilt block by block as its text grows (`set`). */
+  function Markdown(container) {
+    this.root = container;
+    this.sources = [];
+    this.nodes = [];
+    container.classList.add("md");
+  }
+
+  Markdown.prototype.set = function (text) {
+    this.root.markdownSource = text;
+    var blocks = mdBlocks(text), i = 0;
+    var key = function (b) { return b.type + "\u0000" + (b.info || "") + "\u0000" + (b.closed ? 1 : 0) + "\u0000" + b.lines.join("\n"); };
+    while (i < blocks.length && i < this.sources.length && this.sources[i] === key(blocks[i])) { i++; }
+    for (var k = this.nodes.length - 1; k >= i; k--) { this.nodes[k].remove(); }
+    this.nodes.length = i;
+    this.sources.length = i;
+    for (; i < blocks.length; i++) {
+      var node = mdBlock(blocks[i], 0);
+      this.root.appendChild(node);
+      this.nodes.push(node);
+      this.sources.push(key(blocks[i]));
+    }
+  };
+
+  /** Shows `text` as the reply in `body`, as Markdown (only what changed is rebuilt). */
+  function showReply(body, text) {
+    if (!body.markdown) { body.textContent = ""; body.markdown = new Markdown(body); }
+    body.markdown.set(text);
   }
 
   /**
@@ -199,7 +494,7 @@
 
   Conversation.prototype.bubble = function (kind, text) {
     var div = el("div", "msg " + kind);
-    var body = el("span", "body", text);
+    var body = el(kind === "assistant" ? "div" : "span", "body", text);
     div.appendChild(body);
     this.els.log.appendChild(div);
     this.els.log.scrollTop = this.els.log.scrollHeight;
@@ -223,7 +518,7 @@
     if (c) {
       c.text = "";
       c.lastIndex = -1;
-      renderText(c.body, "");
+      showReply(c.body, "");
       renderText(c.stats, "reconnecting…");
     }
     if (this.isOpen()) { this.sendCarry(); }
@@ -353,7 +648,7 @@
         if (mine && !c.stopped && f.index > c.lastIndex) {
           c.lastIndex = f.index;
           c.text += f.text;
-          renderText(c.body, c.text);
+          showReply(c.body, c.text);
           renderText(this.els.live, f.text);
           this.els.log.scrollTop = this.els.log.scrollHeight;
         }
@@ -492,8 +787,9 @@
     var r = this.lastReply;
     if (!r || this.current || !this.isOpen()) { return; }
     this.current = { id: "m" + (++this.counter), text: "", body: r.body, div: r.div, stats: r.stats,
-      kind: "regenerate", oldText: r.body.textContent, oldStats: r.stats.textContent, lastIndex: -1 };
-    renderText(r.body, "");
+      kind: "regenerate", oldText: r.body.markdownSource != null ? r.body.markdownSource : r.body.textContent,
+      oldStats: r.stats.textContent, lastIndex: -1 };
+    showReply(r.body, "");
     renderText(r.stats, "");
     r.actions.remove();
     // The old reply's function calls go with it.
@@ -505,7 +801,7 @@
   /** What a refused request leaves on screen: the page as it was before it. */
   Conversation.prototype.undo = function (c) {
     if (c.kind === "regenerate") {
-      renderText(c.body, c.oldText);
+      showReply(c.body, c.oldText);
       renderText(c.stats, c.oldStats);
       this.showRegenerate();
       return;
@@ -652,6 +948,23 @@
     ".editing{outline:2px dashed var(--focus);outline-offset:2px}",
     // Turns the model no longer reads: marked by their outline, not by fading (contrast stays).
     ".dropped{border:1px dashed var(--field)}",
+    // Replies' Markdown.
+    ".md{white-space:normal}",
+    ".md>:first-child{margin-top:0}.md>:last-child{margin-bottom:0}",
+    ".md p,.md ul,.md ol,.md blockquote,.md .md-table,.md .md-code{margin:0 0 8px}",
+    ".md ul,.md ol{padding-left:20px}",
+    ".md .md-h{font-size:1em;margin:0 0 6px}",
+    ".md blockquote{padding-left:8px;border-left:3px solid var(--line);color:var(--muted)}",
+    ".md code{font:12px/1.4 ui-monospace,monospace;background:var(--panel);border-radius:3px;padding:0 3px}",
+    ".md a{color:inherit;text-decoration:underline}",
+    ".md-code{border:1px solid var(--line);border-radius:6px;overflow:hidden}",
+    ".md-code-head{display:flex;justify-content:space-between;align-items:center;padding:2px 6px;font-size:11px;color:var(--muted);background:var(--panel)}",
+    ".md-copy{font:inherit;font-size:11px;padding:0 6px;border-radius:4px;border:1px solid var(--field);background:var(--surface);color:var(--fg);cursor:pointer}",
+    ".md-code pre{margin:0;padding:6px;overflow-x:auto;white-space:pre}",
+    ".md-code pre code{background:none;padding:0}",
+    ".md-table{overflow-x:auto}",
+    ".md table{border-collapse:collapse;font-size:13px}",
+    ".md th,.md td{border:1px solid var(--line);padding:2px 6px;text-align:left;vertical-align:top}",
     ".call{display:block;margin-bottom:4px;font-size:12px;color:var(--muted);white-space:normal}",
     ".call summary{cursor:pointer;overflow-wrap:anywhere}",
     ".call pre{margin:4px 0 0;white-space:pre-wrap;overflow-wrap:anywhere;font:11px/1.4 ui-monospace,monospace}",
@@ -791,6 +1104,7 @@
   global.LlamaRelay = {
     version: "1",
     renderText: renderText,
+    Markdown: Markdown,
     Conversation: Conversation,
     mountWidget: mountWidget,
     onToolCall: onToolCall,

@@ -64,7 +64,8 @@ async function watchReply(page, rootSel, onFirstGrowth) {
   let shot = false;
   for (;;) {
     const s = await page.locator(rootSel).locator(".assistant").last().evaluate((div) => ({
-      text: div.querySelector(".body").textContent,
+      // The reply's text as it arrived (its body shows it as Markdown).
+      text: (b => (b.markdownSource != null ? b.markdownSource : b.textContent))(div.querySelector(".body")),
       stats: (div.querySelector(".stats") || {}).textContent || "",
     }));
     if (s.text.length && lengths[lengths.length - 1] !== s.text.length) { lengths.push(s.text.length); }
@@ -272,6 +273,133 @@ test("turns the server dropped lose Edit, leave a restore, and edits keep the se
   assert.deepEqual(out.restore.messages.map((m) => m.content), ["c2", ""]);
   assert.equal(out.after.type, "edit");
   assert.equal(out.after.turn, 0);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+/** A page with the widget script and a Conversation over a fake socket; `frame` feeds it. */
+const FAKE_CHAT = "<div id='log'></div><div id='live'></div>" +
+  "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>";
+
+test("replies render as Markdown from elements: structure, safe links, code blocks with Copy", async () => {
+  const { page, context, errors } = await newPage();
+  await page.setContent(FAKE_CHAT);
+  await page.addScriptTag({ path: WIDGET_JS });
+  const out = await page.evaluate(async () => {
+    const copied = [];
+    Object.defineProperty(navigator, "clipboard", { value: { writeText: (t) => { copied.push(t); return Promise.resolve(); } } });
+    const box = document.createElement("div");
+    document.body.appendChild(box);
+    const md = new window.LlamaRelay.Markdown(box);
+    md.set([
+      "## Your order",
+      "It **shipped** on *Monday*; track it [here](https://track.example/1?a=b) or [mail us](mailto:help@example.com).",
+      "",
+      "Not a link: [click](javascript:alert(1)) and [data](data:text/html,<b>x</b>); snake_case_name stays.",
+      "",
+      "- first",
+      "  - nested `code`",
+      "- second",
+      "3. three",
+      "",
+      "> quoted **text**",
+      "",
+      "| item | qty |",
+      "|---|---:|",
+      "| <img src=x onerror=\"window.__pwned=1\"> | 2 |",
+      "",
+      "```js",
+      "const x = \"<script>window.__pwned=2</script>\";",
+      "```",
+    ].join("\n"));
+    box.querySelector(".md-copy").click();
+    await new Promise((r) => setTimeout(r, 0));
+    const links = [...box.querySelectorAll("a")].map((a) => ({ href: a.getAttribute("href"), rel: a.rel, target: a.target, text: a.textContent }));
+    return {
+      tags: [...box.children].map((e) => e.tagName.toLowerCase() + (e.className ? "." + e.className : "")),
+      strong: box.querySelector("p strong").textContent, em: box.querySelector("p em").textContent,
+      links, paragraph2: box.querySelectorAll("p")[1].textContent,
+      nested: box.querySelectorAll("ul ul li").length, items: box.querySelectorAll("li").length,
+      quote: box.querySelector("blockquote strong").textContent,
+      cells: [...box.querySelectorAll("td")].map((td) => td.textContent),
+      lang: box.querySelector(".md-lang").textContent, code: box.querySelector("pre code").textContent,
+      copied, dangerous: box.querySelectorAll("img,script,iframe,svg,object").length,
+      pwned: window.__pwned === undefined ? null : window.__pwned, source: box.markdownSource.length,
+    };
+  });
+  assert.deepEqual(out.tags, ["h4.md-h", "p", "p", "ul", "ol", "blockquote", "div.md-table", "div.md-code"]);
+  assert.equal(out.strong, "shipped");
+  assert.equal(out.em, "Monday");
+  assert.deepEqual(out.links, [
+    { href: "https://track.example/1?a=b", rel: "noopener noreferrer", target: "_blank", text: "here" },
+    { href: "mailto:help@example.com", rel: "noopener noreferrer", target: "_blank", text: "mail us" }]);
+  assert.equal(out.paragraph2, "Not a link: [click](javascript:alert(1)) and [data](data:text/html,<b>x</b>); snake_case_name stays.");
+  assert.equal(out.nested, 1);
+  assert.equal(out.items, 4);
+  assert.equal(out.quote, "text");
+  assert.deepEqual(out.cells, ["<img src=x onerror=\"window.__pwned=1\">", "2"]);
+  assert.equal(out.lang, "js");
+  assert.equal(out.code, "const x = \"<script>window.__pwned=2</script>\";");
+  assert.deepEqual(out.copied, [out.code]);
+  assert.equal(out.dangerous, 0);
+  assert.equal(out.pwned, null);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("Markdown streams incrementally: finished blocks are kept, an open fence shows as code, hostile sizes stay bounded", async () => {
+  const { page, context, errors } = await newPage();
+  await page.setContent(FAKE_CHAT);
+  await page.addScriptTag({ path: WIDGET_JS });
+  const out = await page.evaluate(async () => {
+    const sent = [];
+    let sock;
+    class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
+    const $ = (id) => document.getElementById(id);
+    const c = new window.LlamaRelay.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
+      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
+    c.start();
+    await new Promise((r) => setTimeout(r, 0));
+    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    frame({ type: "ready", session_id: "s", model: "m", limits: {} });
+    $("input").value = "Show me";
+    c.send();
+    const id = sent[0].id;
+    const reply = "Here is the **plan**.\n\n```python\nprint('a')\nprint('b')\n```\n\nDone.";
+    const body = () => $("log").querySelector(".assistant .body");
+    let firstP = null, kept = true, openFence = null;
+    for (let i = 0; i < reply.length; i++) {
+      frame({ type: "delta", id, index: i, text: reply[i] });
+      const p = body().firstElementChild;
+      if (i > reply.indexOf("\n\n")) {
+        if (!firstP) { firstP = p; } else if (p !== firstP) { kept = false; }
+      }
+      if (i === reply.indexOf("print('b')") + 4 && !openFence) {
+        openFence = { tag: body().children[1].className, code: body().querySelector("pre code").textContent };
+      }
+    }
+    frame({ type: "done", id, finish_reason: "stop", seal: "ab".repeat(32),
+      usage: { prompt_tokens: 9, completion_tokens: 3, cached_tokens: 0 }, timings: { queue_ms: 1, ttft_ms: 5, decode_tokens_per_s: 40 } });
+    const done = [...body().children].map((e) => e.tagName.toLowerCase());
+    // Hostile sizes: a 2,000-row table of 100 columns and a list nested 300 deep.
+    const box = document.createElement("div");
+    document.body.appendChild(box);
+    const md = new window.LlamaRelay.Markdown(box);
+    const row = "|" + Array.from({ length: 100 }, (_, k) => "c" + k).join("|") + "|";
+    md.set([row, "|" + "---|".repeat(100), ...Array.from({ length: 2000 }, () => row)].join("\n"));
+    const columns = box.querySelector("tr").children.length, rows = box.querySelectorAll("tr").length;
+    md.set(Array.from({ length: 300 }, (_, k) => " ".repeat(k * 2) + "- level " + k).join("\n"));
+    let depth = 0;
+    for (let e = box.querySelector("ul"); e; e = e.querySelector("ul")) { depth++; }
+    return { kept, openFence, done, columns, rows, depth, items: box.querySelectorAll("li").length };
+  });
+  assert.ok(out.kept, "the first paragraph's node is kept while later blocks stream");
+  assert.deepEqual(out.openFence, { tag: "md-code", code: "print('a')\nprint" });
+  assert.deepEqual(out.done, ["p", "div", "p"]);
+  assert.equal(out.columns, 32);
+  assert.equal(out.rows, 2001);
+  assert.equal(out.depth, 6);
+  assert.equal(out.items, 300);
   assert.deepEqual(errors, []);
   await context.close();
 });
