@@ -175,8 +175,12 @@ fn default_overflow() -> String {
     "drop_oldest".into()
 }
 
+/// The share of the room a conversation keeps when `drop_oldest` drops its turns, unless
+/// `limits.overflow_retention` says otherwise.
+pub const DEFAULT_RETENTION: f32 = 0.8;
+
 fn default_retention() -> f32 {
-    crate::server::request::overflow::DEFAULT_RETENTION
+    DEFAULT_RETENTION
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -13,8 +13,7 @@
 
 use crate::tokenizer::Message;
 
-/// The default share of the room a conversation keeps when it drops turns.
-pub const DEFAULT_RETENTION: f32 = 0.8;
+pub use crate::settings::DEFAULT_RETENTION;
 
 /// What a prompt that does not fit does.
 #[derive(Debug, Clone, Copy, PartialEq)]
