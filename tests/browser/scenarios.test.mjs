@@ -218,12 +218,13 @@ test("Stop sends what was shown, Regenerate and Edit send their frames and undo 
   await context.close();
 });
 
-test("turns the server dropped lose Edit, leave a restore, and edits keep the server's numbering", async () => {
-  const { page, context, errors } = await newPage();
+/** The page's elements and the widget script, with `window.fakeChat()`: a started Conversation
+ * over a fake socket, as { c, sent (the frames it sent), frame (feeds it a server frame), $ }. */
+async function fakeChatPage(page) {
   await page.setContent("<div id='log'></div><div id='live'></div>" +
     "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>");
   await page.addScriptTag({ path: WIDGET_JS });
-  const out = await page.evaluate(async () => {
+  await page.addScriptTag({ content: `window.fakeChat = async () => {
     const sent = [];
     let sock;
     class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
@@ -232,7 +233,15 @@ test("turns the server dropped lose Edit, leave a restore, and edits keep the se
       els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
     c.start();
     await new Promise((r) => setTimeout(r, 0));
-    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    return { c, sent, frame: (f) => sock.onmessage({ data: JSON.stringify(f) }), $ };
+  };` });
+}
+
+test("turns the server dropped lose Edit, leave a restore, and edits keep the server's numbering", async () => {
+  const { page, context, errors } = await newPage();
+  await fakeChatPage(page);
+  const out = await page.evaluate(async () => {
+    const { c, sent, frame, $ } = await window.fakeChat();
     const turn = (text, truncated) => {
       $("input").value = text;
       c.send();
@@ -277,14 +286,9 @@ test("turns the server dropped lose Edit, leave a restore, and edits keep the se
   await context.close();
 });
 
-/** A page with the widget script and a Conversation over a fake socket; `frame` feeds it. */
-const FAKE_CHAT = "<div id='log'></div><div id='live'></div>" +
-  "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>";
-
 test("replies render as Markdown from elements: structure, safe links, code blocks with Copy", async () => {
   const { page, context, errors } = await newPage();
-  await page.setContent(FAKE_CHAT);
-  await page.addScriptTag({ path: WIDGET_JS });
+  await fakeChatPage(page);
   const out = await page.evaluate(async () => {
     const copied = [];
     Object.defineProperty(navigator, "clipboard", { value: { writeText: (t) => { copied.push(t); return Promise.resolve(); } } });
@@ -349,18 +353,9 @@ test("replies render as Markdown from elements: structure, safe links, code bloc
 
 test("Markdown streams incrementally: finished blocks are kept, an open fence shows as code, hostile sizes stay bounded", async () => {
   const { page, context, errors } = await newPage();
-  await page.setContent(FAKE_CHAT);
-  await page.addScriptTag({ path: WIDGET_JS });
+  await fakeChatPage(page);
   const out = await page.evaluate(async () => {
-    const sent = [];
-    let sock;
-    class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
-    const $ = (id) => document.getElementById(id);
-    const c = new window.LlamaRelay.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
-      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
-    c.start();
-    await new Promise((r) => setTimeout(r, 0));
-    const frame = (f) => sock.onmessage({ data: JSON.stringify(f) });
+    const { c, sent, frame, $ } = await window.fakeChat();
     frame({ type: "ready", session_id: "s", model: "m", limits: {} });
     $("input").value = "Show me";
     c.send();

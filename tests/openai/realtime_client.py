@@ -43,14 +43,17 @@ async def add_user(conn, text):
     )
 
 
-async def respond(conn, max_tokens, cancel_after_first_delta=False):
-    """response.create, then every event to response.done: (text, types, done event)."""
+async def respond(conn, max_tokens, cancel_after_first_delta=False, deleted=None):
+    """response.create, then every event to response.done: (text, types, done event); the ids of
+    items the server deleted meanwhile go to `deleted`."""
     await conn.response.create(response={"max_output_tokens": max_tokens})
     text, types = "", []
     while True:
         ev = await conn.recv()
         types.append(ev.type)
-        if ev.type == "response.output_text.delta":
+        if ev.type == "conversation.item.deleted" and deleted is not None:
+            deleted.append(ev.item_id)
+        elif ev.type == "response.output_text.delta":
             if not text and cancel_after_first_delta:
                 await conn.response.cancel()
             text += ev.delta
@@ -275,16 +278,8 @@ async def truncation():
             await add_user(conn, f"Turn {turn}: {question}")
             added = await until(conn, "conversation.item.done")
             out["users"].append(field(added, "item", "id"))
-            await conn.response.create(response={"max_output_tokens": 16})
-            deleted, done = [], None
-            while done is None:
-                ev = await conn.recv()
-                if ev.type == "conversation.item.deleted":
-                    deleted.append(ev.item_id)
-                elif ev.type == "response.done":
-                    done = ev
-                elif ev.type == "error":
-                    raise RuntimeError(ev.error.message)
+            deleted = []
+            _, _, done = await respond(conn, 16, deleted=deleted)
             usage = done.response.usage
             out["turns"].append(
                 {

@@ -37,7 +37,7 @@ pub fn chat_prompt(
         chat.cache_key.as_deref(),
         chat.described.as_deref(),
         false,
-        (policy(identity, Some(chat)), chat.max_tokens),
+        (chat.overflow.unwrap_or(identity.overflow), chat.max_tokens),
     )?;
     // Compiled within the request's principal: a grammar cached for another is never found.
     prompt.constraint = (ready.grammars)
@@ -73,13 +73,8 @@ pub fn draft_prompt(
     )
 }
 
-/// The policy a request's overflow follows: its own, else its client's (`Identity::overflow`).
-fn policy(identity: &Identity, chat: Option<&ValidRequest>) -> Overflow {
-    chat.and_then(|c| c.overflow).unwrap_or(identity.overflow)
-}
-
 /// The room a reply keeps when turns are dropped: its `max_tokens`, at most half the context.
-pub fn reply_room(max_context: usize, max_tokens: usize) -> usize {
+fn reply_room(max_context: usize, max_tokens: usize) -> usize {
     max_tokens.min(max_context / 2)
 }
 

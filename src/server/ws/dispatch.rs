@@ -454,17 +454,19 @@ mod tests {
         assert!(msg.contains("no reply to regenerate"), "{msg}");
     }
 
+    /// An `edit` frame replacing user turn `turn` with "z".
+    fn edit(turn: usize) -> String {
+        format!(
+            r#"{{"type":"edit","id":"e","turn":{turn},"messages":[{{"role":"user","content":"z"}}]}}"#
+        )
+    }
+
     #[test]
     fn edit_numbers_turns_from_the_first_even_after_the_oldest_were_dropped() {
         let mut s = Session::new();
         // Turns 0-2 were dropped: the conversation holds turns 3 and 4.
         s.conversation = two_turns();
         s.dropped_turns = 3;
-        let edit = |turn: usize| {
-            format!(
-                r#"{{"type":"edit","id":"e","turn":{turn},"messages":[{{"role":"user","content":"z"}}]}}"#
-            )
-        };
         match s.handle(&edit(4)).unwrap() {
             Action::Turn { replace_from, .. } => assert_eq!(replace_from, 2),
             other => panic!("{other:?}"),
@@ -483,11 +485,6 @@ mod tests {
     fn edit_cuts_at_the_user_turn_it_names() {
         let mut s = Session::new();
         s.conversation = two_turns();
-        let edit = |turn: usize| {
-            format!(
-                r#"{{"type":"edit","id":"e","turn":{turn},"messages":[{{"role":"user","content":"z"}}]}}"#
-            )
-        };
         match s.handle(&edit(1)).unwrap() {
             Action::Turn { replace_from, .. } => assert_eq!(replace_from, 2),
             a => panic!("{a:?}"),
