@@ -142,7 +142,12 @@ impl Rules<'_> {
     fn check_settings(&self, s: &Settings, what: &str) -> Result<(), EventError> {
         let cfg = self.session;
         let params = chat_params(s)?;
-        if let Err(e) = (cfg.limits).settings(&params, &cfg.sampling, cfg.default_max_tokens) {
+        let checked = (cfg.limits)
+            .settings(&params, &cfg.sampling, cfg.default_max_tokens)
+            .and_then(|_| {
+                (cfg.limits).overflow(params.overflow.as_deref(), params.retention_ratio)
+            });
+        if let Err(e) = checked {
             let param = match &e {
                 RequestError::InvalidParam { field, .. } => field.name(Dialect::Realtime(what)),
                 _ => what.to_string(),
@@ -1151,6 +1156,46 @@ mod tests {
         // A call item can be truncated no more than it can be cut short by a client.
         let call_item = rt.items[1].id.clone();
         assert!(rt.truncate_item(&call_item, 1).is_err());
+    }
+
+    /// `session.truncation` is checked when it is set, by the request seam's rule, the field
+    /// named as the Realtime API names it.
+    #[test]
+    fn truncation_is_checked_at_session_update() {
+        let session = shipped();
+        let rules = Rules {
+            session: &session,
+            roles: Roles::ALL,
+            syntax: None,
+        };
+        let mut rt = Realtime::new("m".into());
+        let mut handle = |event: &str| rt.handle(event, &rules, &[], false);
+        for (value, param) in [
+            (r#""middle""#, "session.truncation"),
+            (
+                r#"{"type":"retention_ratio","retention_ratio":5}"#,
+                "session.truncation.retention_ratio",
+            ),
+            (
+                r#"{"type":"retention_ratio","retention_ratio":0.5,"token_limits":{"post_instructions":100}}"#,
+                "session.truncation.token_limits",
+            ),
+        ] {
+            let e = handle(&format!(
+                r#"{{"type":"session.update","session":{{"truncation":{value}}}}}"#
+            ))
+            .unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{value}");
+        }
+        for value in [
+            r#""auto""#,
+            r#""disabled""#,
+            r#"{"type":"retention_ratio","retention_ratio":0.5}"#,
+        ] {
+            let event =
+                format!(r#"{{"type":"session.update","session":{{"truncation":{value}}}}}"#);
+            assert!(handle(&event).is_ok(), "{value}");
+        }
     }
 
     #[test]
