@@ -173,7 +173,18 @@ fn widget_clients_send_user_messages_only_and_cache_keys_are_for_api_keys() {
     let _g = model_lock();
     let app = spawn_app(Tiny::Tied.dir(), tenants);
     run(async {
-        let mut w = connect(&app, Who::Widget).await;
+        // `ready` names the roles each client may send (the page offers a system prompt by it).
+        let (mut w, ready) = app
+            .connect_ready("/ws?widget=acme-help", &[("Origin", WIDGET_ORIGIN)])
+            .await
+            .unwrap();
+        assert_eq!(ready["roles"], json!(["user"]), "{ready}");
+        let auth = format!("Bearer {KEY1}");
+        let (_, ready) = app
+            .connect_ready("/ws", &[("Authorization", auth.as_str())])
+            .await
+            .unwrap();
+        assert_eq!(ready["roles"], json!(["system", "user", "assistant"]), "{ready}");
         for role in ["system", "assistant"] {
             w.send(json!({"type": "chat", "id": "x", "messages": [
                 {"role": "user", "content": "hi"},

@@ -79,12 +79,17 @@ impl Roles {
         ))
     }
 
-    /// "system, user" (for error messages).
-    pub fn names(self) -> String {
-        let v: Vec<&str> = (0..3)
+    /// The allowed roles' names, in the order system, user, assistant.
+    pub fn list(self) -> Vec<&'static str> {
+        (0..3)
             .filter(|i| self.0 & (1 << i) != 0)
             .map(|i| ROLE_NAMES[i])
-            .collect();
+            .collect()
+    }
+
+    /// "system, user" (for error messages).
+    pub fn names(self) -> String {
+        let v = self.list();
         if v.is_empty() {
             "none".into()
         } else {

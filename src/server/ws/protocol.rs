@@ -111,6 +111,9 @@ pub enum ServerFrame {
         session_id: String,
         model: String,
         limits: serde_json::Value,
+        /// The message roles this client may send (a page offers a system prompt only where
+        /// `system` is among them).
+        roles: Vec<&'static str>,
         /// Sent with a `resume` frame after the connection drops (absent when resuming is off).
         #[serde(skip_serializing_if = "Option::is_none")]
         resume_token: Option<String>,

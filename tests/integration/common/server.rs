@@ -134,6 +134,15 @@ impl App {
 
     /// A WebSocket upgrade of `path` with extra headers: the client, or the refusal's status.
     pub async fn connect_with(&self, path: &str, headers: &[(&str, &str)]) -> Result<Client, u16> {
+        self.connect_ready(path, headers).await.map(|(c, _)| c)
+    }
+
+    /// `connect_with`, also returning the `ready` frame.
+    pub async fn connect_ready(
+        &self,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Result<(Client, serde_json::Value), u16> {
         let mut req = awc::Client::new()
             .ws(format!("ws://{}{path}", self.addr))
             .max_frame_size(1 << 20);
@@ -143,8 +152,9 @@ impl App {
         match req.connect().await {
             Ok((_, framed)) => {
                 let mut c = Client::from_framed(framed);
-                assert_eq!(c.recv().await["type"], "ready");
-                Ok(c)
+                let ready = c.recv().await;
+                assert_eq!(ready["type"], "ready", "{ready}");
+                Ok((c, ready))
             }
             Err(awc::error::WsClientError::InvalidResponseStatus(s)) => Err(s.as_u16()),
             Err(e) => panic!("{e}"),

@@ -573,6 +573,7 @@ impl Session {
             session_id: self.id.to_string(),
             model: self.ready.model.clone(),
             limits: serde_json::to_value(&cfg.limits).unwrap_or_default(),
+            roles: self.identity.roles.list(),
             resume_token: (!cfg.resume_grace.is_zero()).then(|| self.token.clone()),
             resumed,
         };
