@@ -360,7 +360,12 @@
   /**
    * One conversation over one WebSocket (reconnecting with backoff), wired to a set of elements:
    * els = { log, live, input, send, stop, conn, model?, newChat? }.
-   * opts = { url, els, greeting?, precheck?() -> Promise<{ok, fatal?, message?}>, WebSocket? }.
+   * opts = { url, els, greeting?, precheck?() -> Promise<{ok, fatal?, message?}>, WebSocket?,
+   *   params?() -> the turn's `params` (throws an Error whose message the page shows when a
+   *     setting is out of range: nothing is sent),
+   *   system?() -> a system prompt for the conversation's first turn ("" for none),
+   *   onChange?(reason) -> told "ready", "send", "turn", "restored", "error" and "new", so a
+   *     page can keep the conversation (`saved()`) and the session's resume token }.
    */
   function Conversation(opts) {
     this.opts = opts;
@@ -386,6 +391,10 @@
     this.transcript = [];
     this.carry = null;
     this.limits = {};
+    // The roles this client may send (from `ready`), and the conversation's system prompt
+    // (sent with its first turn, and leading every restore).
+    this.roles = null;
+    this.system = "";
     // The first turn the model still reads (the server drops the oldest when the conversation
     // outgrows its context: `started.truncated`), and the first turn the server's session was
     // given (a `restore` carries the turns from `firstKept` on): edits count turns from there.
@@ -533,12 +542,16 @@
       all.push({ role: "user", content: t.user });
       all.push({ role: "assistant", content: t.reply, seal: t.seal });
     }
+    // The system prompt leads, and stays when old turns must go.
+    var lead = 0;
+    if (this.system) { all.unshift({ role: "system", content: this.system }); lead = 1; }
     var maxMessages = this.limits.max_messages || 64, maxBytes = (this.limits.max_frame_bytes || 65536) - 256;
-    while (all.length && (all.length > maxMessages ||
+    while (all.length > lead && (all.length > maxMessages ||
         new TextEncoder().encode(JSON.stringify({ type: "restore", messages: all })).length > maxBytes)) {
-      all.splice(0, 2);
+      all.splice(lead, 2);
       base++;
     }
+    if (all.length === lead) { all = []; }
     this.restoreBase = base;
     return all;
   };
@@ -583,7 +596,29 @@
   Conversation.prototype.reask = function (c) {
     if (!c || this.current !== c || !this.isOpen()) { return; }
     renderText(c.stats, "");
-    this.ws.send(JSON.stringify({ type: "chat", id: c.id, messages: [{ role: "user", content: c.userText }] }));
+    this.ws.send(JSON.stringify(this.chatFrame(c)));
+  };
+
+  /** The `chat` frame of reply `c`: its question, after the conversation's system prompt when
+   * it is the first turn. */
+  Conversation.prototype.chatFrame = function (c) {
+    var messages = [{ role: "user", content: c.userText }];
+    if (c.system) { messages.unshift({ role: "system", content: c.system }); }
+    var frame = { type: "chat", id: c.id, messages: messages };
+    if (c.params) { frame.params = c.params; }
+    return frame;
+  };
+
+  /** The page's `onChange` hook, told why. */
+  Conversation.prototype.changed = function (reason) {
+    if (this.opts.onChange && !this.loading) { this.opts.onChange(reason); }
+  };
+
+  /** The turn's `params` from the page's settings (null for none); throws when one is out of
+   * range. */
+  Conversation.prototype.params = function () {
+    var p = this.opts.params ? this.opts.params() : null;
+    return p && Object.keys(p).length ? p : null;
   };
 
   Conversation.prototype.handle = function (f) {
@@ -592,8 +627,7 @@
     if (f.type === "error" && f.error_type === "resume_failed") {
       if (mine && c.kind === "chat" && c.lastIndex < 0 && this.isOpen()) {
         // The session came back but the question never reached it: ask again.
-        this.ws.send(JSON.stringify({ type: "chat", id: c.id,
-          messages: [{ role: "user", content: c.userDiv.querySelector(".body").textContent }] }));
+        this.ws.send(JSON.stringify(this.chatFrame(c)));
         return;
       }
       this.lostSession();
@@ -606,6 +640,7 @@
         if (this.els.model) { renderText(this.els.model, f.model || ""); }
         this.resumeToken = f.resume_token || null;
         this.limits = f.limits || {};
+        this.roles = f.roles || null;
         if (f.resumed) {
           if (c) { renderText(c.stats, ""); }
         } else if (this.pendingResume) {
@@ -616,6 +651,7 @@
           this.sendCarry();
         }
         this.pendingResume = null;
+        this.changed("ready");
         break;
       case "restored":
         // The restored conversation holds the turns' questions and replies only, from
@@ -628,6 +664,7 @@
           this.carry = null;
           this.reask(again);
         }
+        this.changed("restored");
         break;
       case "queued":
         if (mine) {
@@ -668,6 +705,7 @@
         }
         if (mine) { this.undo(c); this.current = null; this.setBusy(false); }
         this.bubble("error", (f.error_type || "error") + ": " + (f.message || ""));
+        this.changed("error");
         break;
     }
   };
@@ -747,6 +785,10 @@
   Conversation.prototype.send = function () {
     var text = this.els.input.value;
     if (!text.trim() || this.current || !this.isOpen()) { return false; }
+    var params;
+    try { params = this.params(); } catch (err) { this.bubble("error", err.message); return false; }
+    // The system prompt goes with the conversation's first turn (the session keeps it).
+    var system = !this.transcript.length && this.opts.system ? this.opts.system() : "";
     var edit = this.editing, removed = [];
     this.setEditing(null);
     if (edit) {
@@ -760,8 +802,8 @@
     b.div.appendChild(stats);
     this.current = { id: "m" + (++this.counter), text: "", body: b.body, div: b.div, stats: stats,
       userDiv: u.div, userText: text, kind: edit ? "edit" : "chat", turn: edit ? edit.turn : this.turns.length,
-      removed: removed, lastIndex: -1 };
-    var frame = { type: "chat", id: this.current.id, messages: [{ role: "user", content: text }] };
+      removed: removed, lastIndex: -1, params: params, system: edit ? "" : system };
+    var frame = this.chatFrame(this.current);
     if (edit) { frame.type = "edit"; frame.turn = this.serverTurn(edit.turn); }
     clearTimeout(this.draftTimer);
     this.draftTimer = null;
@@ -769,6 +811,7 @@
     this.ws.send(JSON.stringify(frame));
     this.els.input.value = "";
     this.setBusy(true);
+    this.changed("send");
     return true;
   };
 
@@ -786,6 +829,8 @@
   Conversation.prototype.regenerate = function () {
     var r = this.lastReply;
     if (!r || this.current || !this.isOpen()) { return; }
+    var params;
+    try { params = this.params(); } catch (err) { this.bubble("error", err.message); return; }
     this.current = { id: "m" + (++this.counter), text: "", body: r.body, div: r.div, stats: r.stats,
       kind: "regenerate", oldText: r.body.markdownSource != null ? r.body.markdownSource : r.body.textContent,
       oldStats: r.stats.textContent, lastIndex: -1 };
@@ -794,8 +839,11 @@
     r.actions.remove();
     // The old reply's function calls go with it.
     Array.prototype.forEach.call(r.div.querySelectorAll(".call"), function (e) { e.remove(); });
-    this.ws.send(JSON.stringify({ type: "regenerate", id: this.current.id }));
+    var frame = { type: "regenerate", id: this.current.id };
+    if (params) { frame.params = params; }
+    this.ws.send(JSON.stringify(frame));
     this.setBusy(true);
+    this.changed("send");
   };
 
   /** What a refused request leaves on screen: the page as it was before it. */
@@ -828,6 +876,7 @@
     } else {
       this.transcript = this.transcript.slice(0, c.turn);
       this.transcript.push(turn);
+      if (c.system) { this.system = c.system; }
     }
     if (c.kind !== "regenerate") {
       this.turns = this.turns.slice(0, c.turn);
@@ -841,6 +890,7 @@
       this.lastReply = { div: c.div, body: c.body, stats: c.stats };
     }
     this.showRegenerate();
+    this.changed("turn");
   };
 
   Conversation.prototype.showRegenerate = function () {
@@ -886,6 +936,7 @@
     this.transcript = [];
     this.firstKept = 0;
     this.sessionBase = 0;
+    this.system = "";
     this.setEditing(null);
   };
 
@@ -903,6 +954,46 @@
     this.carry = null;
     this.greet();
     this.els.input.focus();
+    this.changed("new");
+  };
+
+  /** The conversation as a page keeps it: { turns: [{ user, reply, seal, calls }], firstKept,
+   * sessionBase, system }. */
+  Conversation.prototype.saved = function () {
+    return { turns: this.transcript.map(function (t) { return { user: t.user, reply: t.reply, seal: t.seal, calls: t.calls || 0 }; }),
+      firstKept: this.firstKept, sessionBase: this.sessionBase, system: this.system };
+  };
+
+  /** Shows a conversation `saved()` earlier in place of this one, its turns ready to edit and
+   * regenerate, and moves the server's session to it: with `resumeToken`, by resuming the
+   * session that holds it (a reload: its cached prompt is still there), else by a `reset` and
+   * a `restore` of its transcript. Not while a reply runs (returns false). */
+  Conversation.prototype.load = function (saved, resumeToken) {
+    if (this.current) { return false; }
+    if (this.isOpen() && !resumeToken) { this.ws.send(JSON.stringify({ type: "reset" })); }
+    this.els.log.textContent = "";
+    this.forgetTurns();
+    this.carry = null;
+    this.pendingResume = resumeToken || null;
+    this.greet();
+    var turns = (saved && saved.turns) || [];
+    this.loading = true;
+    for (var i = 0; i < turns.length; i++) {
+      var t = turns[i], u = this.bubble("user", t.user), b = this.bubble("assistant", "");
+      showReply(b.body, t.reply);
+      var stats = el("span", "stats");
+      b.div.appendChild(stats);
+      this.recordTurn({ userText: t.user, text: t.reply, userDiv: u.div, div: b.div, body: b.body, stats: stats,
+        kind: "chat", turn: i, calls: new Array(t.calls || 0), system: i === 0 ? (saved.system || "") : "" }, { seal: t.seal });
+    }
+    this.loading = false;
+    this.dropTurns(Math.min((saved && saved.firstKept) || 0, turns.length));
+    this.sessionBase = Math.min((saved && saved.sessionBase) || 0, this.firstKept);
+    if (!resumeToken && this.transcript.length) {
+      this.carry = { messages: this.transcriptMessages(), reask: null, sent: false };
+      this.sendCarry();
+    }
+    return true;
   };
 
   // ---- The embeddable widget -------------------------------------------------------------

@@ -8,7 +8,7 @@
 // Run alone: node --test --test-concurrency=1 tests/browser/scenarios.test.mjs (with those set).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { mkdirSync } from "node:fs";
+import { mkdirSync, readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import path from "node:path";
 import { chromium } from "playwright-core";
@@ -18,6 +18,7 @@ const HOST_PORT = process.env.HOST_PORT;
 const ARTIFACTS = process.env.ARTIFACTS || "target/browser-artifacts";
 const CHROMIUM = process.env.CHROMIUM || "/usr/bin/chromium";
 const WIDGET_JS = fileURLToPath(new URL("../../static/widget.js", import.meta.url));
+const AXE_JS = fileURLToPath(new URL("./node_modules/axe-core/axe.min.js", import.meta.url));
 const ALLOWED = `http://allowed.test:${HOST_PORT}/`;
 const BLOCKED = `http://blocked.test:${HOST_PORT}/`;
 /** A reply should start streaming well within this (cold default model on 2 shared cores). */
@@ -94,6 +95,21 @@ async function kvIdle(timeout = 15_000) {
     assert.ok(Date.now() - t0 < timeout, `KV pool never idle: ${JSON.stringify(m)}`);
     await new Promise((r) => setTimeout(r, 50));
   }
+}
+
+/** Runs axe-core in the page (evaluated, so the page's CSP does not stop it) over `include`
+ * (selectors; shadow roots are checked, null for the whole page) and fails on any violation of
+ * the `impacts` named. */
+async function axeCheck(page, what, include, impacts = ["minor", "moderate", "serious", "critical"]) {
+  await page.evaluate(readFileSync(AXE_JS, "utf8"));
+  const found = await page.evaluate(async (inc) => {
+    const r = await window.axe.run(inc ? { include: inc } : document, { resultTypes: ["violations"] });
+    return r.violations.map((v) => ({ id: v.id, impact: v.impact, help: v.help,
+      nodes: v.nodes.slice(0, 3).map((n) => `${JSON.stringify(n.target)} ${n.failureSummary}`) }));
+  }, include || null);
+  const bad = found.filter((v) => impacts.includes(v.impact));
+  assert.deepEqual(bad, [], `${what}: axe-core found ${JSON.stringify(bad, null, 1)}`);
+  return found;
 }
 
 const HOSTILE = [
@@ -224,13 +240,14 @@ async function fakeChatPage(page) {
   await page.setContent("<div id='log'></div><div id='live'></div>" +
     "<textarea id='input'></textarea><button id='send'></button><button id='stop'></button><span id='conn'></span>");
   await page.addScriptTag({ path: WIDGET_JS });
-  await page.addScriptTag({ content: `window.fakeChat = async () => {
+  await page.addScriptTag({ content: `window.fakeChat = async (extra) => {
     const sent = [];
     let sock;
     class FakeSocket { constructor(url) { this.url = url; this.readyState = 1; sock = this; } send(m) { sent.push(JSON.parse(m)); } }
     const $ = (id) => document.getElementById(id);
     const c = new window.LlamaRelay.Conversation({ url: "ws://fake/ws", WebSocket: FakeSocket,
-      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") } });
+      els: { log: $("log"), live: $("live"), input: $("input"), send: $("send"), stop: $("stop"), conn: $("conn") },
+      ...(extra || {}) });
     c.start();
     await new Promise((r) => setTimeout(r, 0));
     return { c, sent, frame: (f) => sock.onmessage({ data: JSON.stringify(f) }), $ };
@@ -282,6 +299,112 @@ test("turns the server dropped lose Edit, leave a restore, and edits keep the se
   assert.deepEqual(out.restore.messages.map((m) => m.content), ["c2", ""]);
   assert.equal(out.after.type, "edit");
   assert.equal(out.after.turn, 0);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("page settings reach the frames: params every turn, the system prompt with the first and in restores; a bad setting sends nothing", async () => {
+  const { page, context, errors } = await newPage();
+  await fakeChatPage(page);
+  const out = await page.evaluate(async () => {
+    let params = { temperature: 0.3, max_tokens: 12 };
+    const changes = [];
+    const { c, sent, frame, $ } = await window.fakeChat({
+      params: () => { if (!params) { throw new Error("Temperature must be a number from 0 to 2."); } return params; },
+      system: () => "Answer in French.",
+      onChange: (why) => changes.push(why),
+    });
+    const answer = (id, text) => {
+      frame({ type: "delta", id, index: 0, text });
+      frame({ type: "done", id, finish_reason: "stop", seal: text.length.toString(16).padStart(64, "0"),
+        usage: { prompt_tokens: 9, completion_tokens: 1, cached_tokens: 0 }, timings: {} });
+    };
+    frame({ type: "ready", session_id: "s", model: "m", limits: {}, roles: ["system", "user", "assistant"], resume_token: "t1" });
+    $("input").value = "Bonjour";
+    c.send();
+    const first = sent[sent.length - 1];
+    answer(first.id, "Salut");
+    $("input").value = "Encore";
+    c.send();
+    const second = sent[sent.length - 1];
+    answer(second.id, "Oui");
+    params = null;
+    $("input").value = "Trop chaud";
+    const refused = c.send();
+    const count = sent.length;
+    const error = $("log").querySelector(".error .body").textContent;
+    const input = $("input").value;
+    c.regenerate();
+    const afterRegenerate = sent.length;
+    params = { max_tokens: 5 };
+    c.regenerate();
+    const regenerate = sent[sent.length - 1];
+    answer(regenerate.id, "Oui oui");
+    c.lostSession();
+    const restore = sent[sent.length - 1];
+    return { first, second, refused, count, afterRegenerate, error, input, regenerate, restore, saved: c.saved(), changes };
+  });
+  assert.deepEqual(out.first.messages, [{ role: "system", content: "Answer in French." }, { role: "user", content: "Bonjour" }]);
+  assert.deepEqual(out.first.params, { temperature: 0.3, max_tokens: 12 });
+  assert.deepEqual(out.second.messages, [{ role: "user", content: "Encore" }]);
+  assert.deepEqual(out.second.params, { temperature: 0.3, max_tokens: 12 });
+  // Out of range: an error on screen naming the setting, the question kept, nothing sent.
+  assert.equal(out.refused, false);
+  assert.match(out.error, /^Temperature must be/);
+  assert.equal(out.input, "Trop chaud");
+  assert.equal(out.afterRegenerate, out.count);
+  assert.deepEqual(out.regenerate, { type: "regenerate", id: out.regenerate.id, params: { max_tokens: 5 } });
+  // The system prompt leads the restore of a lost session; the regenerated reply replaced the last.
+  assert.deepEqual(out.restore.messages.map((m) => [m.role, m.content]), [
+    ["system", "Answer in French."], ["user", "Bonjour"], ["assistant", "Salut"], ["user", "Encore"], ["assistant", "Oui oui"]]);
+  assert.deepEqual(out.saved, { system: "Answer in French.", firstKept: 0, sessionBase: 0, turns: [
+    { user: "Bonjour", reply: "Salut", seal: "5".padStart(64, "0"), calls: 0 },
+    { user: "Encore", reply: "Oui oui", seal: "7".padStart(64, "0"), calls: 0 }] });
+  assert.deepEqual(out.changes, ["ready", "send", "turn", "send", "turn", "send", "turn"]);
+  assert.deepEqual(errors, []);
+  await context.close();
+});
+
+test("a saved conversation loads with Edit and Regenerate, by a reset and restore or by resuming its session", async () => {
+  const { page, context, errors } = await newPage();
+  await fakeChatPage(page);
+  const out = await page.evaluate(async () => {
+    const { c, sent, frame, $ } = await window.fakeChat();
+    const saved = { system: "Sys", firstKept: 1, sessionBase: 0, turns: [
+      { user: "a", reply: "**A**", seal: "1".repeat(64), calls: 0 },
+      { user: "b", reply: "B", seal: "2".repeat(64), calls: 0 }] };
+    frame({ type: "ready", session_id: "s", model: "m", limits: {}, resume_token: "t1" });
+    c.load(saved, null);
+    const reset = sent[sent.length - 2], restore = sent[sent.length - 1];
+    frame({ type: "restored", messages: 3 });
+    const users = [...$("log").querySelectorAll(".user")];
+    const shown = {
+      users: users.map((u) => [u.querySelector(".body").textContent, u.classList.contains("dropped"), !!u.querySelector("button.edit")]),
+      strong: $("log").querySelector(".assistant .body strong").textContent,
+      regenerate: $("log").querySelectorAll(".assistant")[1].querySelector("button.regenerate") !== null,
+    };
+    users[1].querySelector("button.edit").click();
+    $("input").value = "b2";
+    c.send();
+    const edit = sent[sent.length - 1];
+    frame({ type: "done", id: edit.id, finish_reason: "stop", seal: "3".repeat(64), usage: {}, timings: {} });
+    // Loaded with the token of the session that holds it: nothing is restored, and the next
+    // connection's `ready` resumes that session.
+    const before = sent.length;
+    c.load(saved, "t-saved");
+    const quiet = sent.slice(before);
+    frame({ type: "ready", session_id: "s2", model: "m", limits: {}, resume_token: "t2" });
+    return { reset, restore, shown, edit, quiet, resume: sent[sent.length - 1], turns: $("log").querySelectorAll(".user").length };
+  });
+  assert.deepEqual(out.reset, { type: "reset" });
+  assert.deepEqual(out.restore.messages, [{ role: "system", content: "Sys" }, { role: "user", content: "b" },
+    { role: "assistant", content: "B", seal: "2".repeat(64) }]);
+  assert.deepEqual(out.shown, { users: [["a", true, false], ["b", false, true]], strong: "A", regenerate: true });
+  assert.equal(out.edit.type, "edit");
+  assert.equal(out.edit.turn, 0, "the restored session numbers from its first turn");
+  assert.deepEqual(out.quiet, []);
+  assert.deepEqual(out.resume, { type: "resume", token: "t-saved" });
+  assert.equal(out.turns, 2);
   assert.deepEqual(errors, []);
   await context.close();
 });
@@ -600,6 +723,99 @@ test("a session lost with its replica: the page restores the conversation and as
   await context.close();
 });
 
+test("history survives a reload and reopens with the server's prompt cache hit; settings apply; rename, export, delete", async () => {
+  const { page, context, errors } = await newPage();
+  await captureSockets(page);
+  const cachedOf = (stats) => Number(stats.match(/(\d+) cached tokens/)[1]);
+  const ask = async (text) => {
+    await page.locator("#input").fill(text);
+    await page.locator("#input").press("Enter");
+    return watchReply(page, "#log");
+  };
+  await page.goto(RELAY + "/");
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  // Settings for this conversation: short greedy replies and a system prompt (an anonymous
+  // client of the page may send one).
+  await page.locator("#settings summary").click();
+  await page.locator("#temperature").fill("0");
+  await page.locator("#max-tokens").fill("12");
+  await page.locator("#system").fill("You are a terse assistant.");
+  const a1 = await ask("My name is Ada.");
+  await ask("What is my name?");
+  const chats = (await page.evaluate(() => window.__out)).filter((f) => f.type === "chat");
+  assert.deepEqual(chats[0].messages, [{ role: "system", content: "You are a terse assistant." }, { role: "user", content: "My name is Ada." }]);
+  assert.deepEqual(chats[0].params, { temperature: 0, max_tokens: 12 });
+  assert.deepEqual(chats[1].messages, [{ role: "user", content: "What is my name?" }]);
+  const dones = (await page.evaluate(() => window.__in)).filter((f) => f.type === "done");
+  assert.ok(dones.every((d) => d.usage.completion_tokens <= 12), JSON.stringify(dones.map((d) => d.usage)));
+  assert.equal(await page.locator("#system").isDisabled(), true, "the system prompt is set once the conversation starts");
+  assert.deepEqual(await page.locator("#history-list li .open").allTextContents(), ["My name is Ada."]);
+  const shownBefore = await page.evaluate(() => [...document.querySelectorAll("#log .assistant .body")].map((b) => b.markdownSource));
+
+  // A reload shows the conversation again and resumes the session that holds it: the next
+  // turn's prompt is cached up to the new question.
+  await page.reload();
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await until(page, () => document.querySelectorAll("#log .user").length === 2 && window.__in.some((f) => f.type === "ready" && f.resumed));
+  assert.deepEqual(await page.evaluate(() => [...document.querySelectorAll("#log .assistant .body")].map((b) => b.markdownSource)), shownBefore);
+  assert.equal(shownBefore[0], a1.text);
+  assert.equal(await page.locator("#max-tokens").inputValue(), "12");
+  assert.equal(await page.locator("#system").inputValue(), "You are a terse assistant.");
+  const a3 = await ask("And my name again?");
+  const prior = dones[1].usage.prompt_tokens + dones[1].usage.completion_tokens;
+  assert.ok(cachedOf(a3.stats) >= prior - 2, `resumed: ${a3.stats}; the last turn held ${prior} tokens`);
+  assert.equal((await page.evaluate(() => window.__out)).filter((f) => f.type === "restore").length, 0);
+
+  // A second conversation, then the first reopened from the panel: its transcript is restored
+  // on this session, whose cache still holds it.
+  await page.locator("#new-chat").click();
+  assert.equal(await page.locator("#system").isDisabled(), false);
+  await ask("Hello there.");
+  assert.deepEqual(await page.locator("#history-list li .open").allTextContents(), ["Hello there.", "My name is Ada."]);
+  await page.locator("#history-list li .open", { hasText: "My name is Ada." }).click();
+  await until(page, () => document.querySelectorAll("#log .user").length === 3 && window.__in.some((f) => f.type === "restored"));
+  const restore = (await page.evaluate(() => window.__out)).filter((f) => f.type === "restore").pop();
+  assert.deepEqual(restore.messages.map((m) => m.role), ["system", "user", "assistant", "user", "assistant", "user", "assistant"]);
+  const a4 = await ask("Thanks, bye.");
+  const last = (await page.evaluate(() => window.__in)).filter((f) => f.type === "done").pop().usage;
+  assert.ok(cachedOf(a4.stats) > last.prompt_tokens / 2, `reopened: ${a4.stats} of ${last.prompt_tokens}`);
+  assert.equal(await page.locator("#history-list li.current .open").textContent(), "My name is Ada.");
+
+  // Renamed, exported as Markdown and JSON.
+  await page.locator("#history-list li.current .rename").click();
+  await page.locator("#history-list li input").fill("Ada's chat");
+  await page.locator("#history-list li input").press("Enter");
+  assert.equal(await page.locator("#history-list li.current .open").textContent(), "Ada's chat");
+  const exported = async (sel) => {
+    const [d] = await Promise.all([page.waitForEvent("download"), page.locator(sel).click()]);
+    return { name: d.suggestedFilename(), text: readFileSync(await d.path(), "utf8") };
+  };
+  const md = await exported("#export-md");
+  assert.equal(md.name, "ada-s-chat.md");
+  assert.match(md.text, /^# Ada's chat\n/);
+  assert.ok(md.text.includes("## System\n\nYou are a terse assistant.\n"), md.text);
+  assert.ok(md.text.includes("## You\n\nMy name is Ada.\n\n## Assistant\n\n" + a1.text + "\n"), md.text);
+  const json = await exported("#export-json");
+  assert.equal(json.name, "ada-s-chat.json");
+  const doc = JSON.parse(json.text);
+  assert.equal(doc.title, "Ada's chat");
+  assert.deepEqual(doc.messages.map((m) => m.role), ["system", ...Array(4).fill(["user", "assistant"]).flat()]);
+  assert.equal(doc.messages[8].content, a4.text);
+  assert.equal(doc.settings.max_tokens, "12");
+
+  // Deleted: gone from the panel, and after a reload too.
+  await page.locator("#history-list li", { hasText: "Hello there." }).locator(".delete").click();
+  assert.deepEqual(await page.locator("#history-list li .open").allTextContents(), ["Ada's chat"]);
+  await page.reload();
+  await page.locator("#conn", { hasText: "connected" }).waitFor();
+  await until(page, () => document.querySelectorAll("#log .user").length === 4);
+  assert.deepEqual(await page.locator("#history-list li .open").allTextContents(), ["Ada's chat"]);
+  await page.screenshot({ path: path.join(ARTIFACTS, "chat-history.png") });
+  assert.deepEqual(errors, []);
+  await context.close();
+  await kvIdle();
+});
+
 test("hostile user text shows as characters on the chat page", async () => {
   const { page, context, errors } = await newPage();
   await page.goto(RELAY + "/");
@@ -649,6 +865,18 @@ test("chat page fits a phone-sized screen", async () => {
   });
   assert.deepEqual(fit, { overflow: 0, input: true, send: true, stop: true, newChat: true });
   await page.screenshot({ path: path.join(ARTIFACTS, "chat-phone.png") });
+  // The history panel starts closed on a phone; the keyboard opens it over the conversation,
+  // inside the screen, and Escape closes it, focus back on its button.
+  const toggle = page.locator("#history-toggle");
+  assert.equal(await page.locator("#history").isVisible(), false);
+  await toggle.focus();
+  await page.keyboard.press("Enter");
+  assert.equal(await toggle.getAttribute("aria-expanded"), "true");
+  const panel = await page.locator("#history").boundingBox();
+  assert.ok(panel && panel.x >= 0 && panel.x + panel.width <= 390, JSON.stringify(panel));
+  await page.keyboard.press("Escape");
+  assert.equal(await page.locator("#history").isVisible(), false);
+  assert.equal(await page.evaluate(() => document.activeElement.id), "history-toggle");
   await context.close();
 });
 
@@ -698,6 +926,10 @@ test("the chat page follows the system's light or dark theme, readable in both, 
     for (const [what, [fg, bg]] of Object.entries(c)) {
       assert.ok(contrast(fg, bg) >= 4.5, `${colorScheme} ${what}: ${fg} on ${bg} is ${contrast(fg, bg).toFixed(2)}:1`);
     }
+    // The page with a reply, the history panel and the settings open: no accessibility
+    // violation axe-core knows (contrast included) in either theme.
+    await page.locator("#settings summary").click();
+    await axeCheck(page, `chat page, ${colorScheme}`);
     await page.screenshot({ path: path.join(ARTIFACTS, `chat-${colorScheme}.png`) });
     assert.deepEqual(failed, []);
     assert.deepEqual(errors, []);
@@ -774,6 +1006,9 @@ test("the widget follows the visitor's light or dark theme, readable in both, it
       const [fg, bg] = c[what];
       assert.ok(contrast(fg, bg) >= 4.5, `${colorScheme} ${what}: ${fg} on ${bg} is ${contrast(fg, bg).toFixed(2)}:1`);
     }
+    // The widget's own elements: no serious or critical violation (landmarks are the host
+    // page's to give).
+    await axeCheck(page, `widget, ${colorScheme}`, [["llama-relay-widget"]], ["serious", "critical"]);
     await page.screenshot({ path: path.join(ARTIFACTS, `widget-${colorScheme}.png`) });
     await context.close();
   }

@@ -5,7 +5,8 @@
 //! `target/browser-artifacts/`.
 //!
 //! Needs node, npm and chromium (`apt-get install chromium`; `.ci/run` installs it). The
-//! playwright-core package is installed here from tests/browser/package-lock.json when missing.
+//! playwright-core and axe-core packages are installed here from tests/browser/package-lock.json
+//! when missing.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -67,12 +68,12 @@ fn require(cmd: &str, hint: &str) {
     assert!(ok, "`{cmd}` is needed for the browser tests: {hint}");
 }
 
-/// Installs playwright-core from the lock file when it is not there yet (no browser download:
-/// the tests use Debian's chromium).
+/// Installs playwright-core and axe-core (the accessibility checks) from the lock file when they
+/// are not there yet (no browser download: the tests use Debian's chromium).
 fn ensure_node_modules(dir: &Path) {
-    if dir
-        .join("node_modules/playwright-core/package.json")
-        .exists()
+    if ["playwright-core", "axe-core"]
+        .iter()
+        .all(|p| dir.join("node_modules").join(p).join("package.json").exists())
     {
         return;
     }
