@@ -48,6 +48,8 @@ async function newPage(viewport = { width: 1100, height: 760 }) {
   const errors = [];
   page.on("pageerror", (e) => errors.push(e.message));
   page.on("dialog", (d) => { errors.push("dialog: " + d.message()); d.dismiss(); });
+  // The console too: a failed load, a CSP violation or a script's console.error.
+  page.on("console", (m) => { if (m.type() === "error") { errors.push("console: " + m.text() + " " + (m.location() || {}).url); } });
   return { page, context, errors };
 }
 
