@@ -71,10 +71,12 @@ fn require(cmd: &str, hint: &str) {
 /// Installs playwright-core and axe-core (the accessibility checks) from the lock file when they
 /// are not there yet (no browser download: the tests use Debian's chromium).
 fn ensure_node_modules(dir: &Path) {
-    if ["playwright-core", "axe-core"]
-        .iter()
-        .all(|p| dir.join("node_modules").join(p).join("package.json").exists())
-    {
+    if ["playwright-core", "axe-core"].iter().all(|p| {
+        dir.join("node_modules")
+            .join(p)
+            .join("package.json")
+            .exists()
+    }) {
         return;
     }
     require("npm", "install Node.js and npm");

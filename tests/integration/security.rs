@@ -184,7 +184,11 @@ fn widget_clients_send_user_messages_only_and_cache_keys_are_for_api_keys() {
             .connect_ready("/ws", &[("Authorization", auth.as_str())])
             .await
             .unwrap();
-        assert_eq!(ready["roles"], json!(["system", "user", "assistant"]), "{ready}");
+        assert_eq!(
+            ready["roles"],
+            json!(["system", "user", "assistant"]),
+            "{ready}"
+        );
         for role in ["system", "assistant"] {
             w.send(json!({"type": "chat", "id": "x", "messages": [
                 {"role": "user", "content": "hi"},
