@@ -44,6 +44,7 @@ fn per_step(blocks: usize, leased: u64, steps: usize) -> f64 {
         prefix_caching: true,
         lease_tokens_per_session: 4096,
         lease_tokens_total: usize::MAX / 2,
+        context_shift: false,
     };
     let cfg = SchedulerConfig {
         max_running: 64,

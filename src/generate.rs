@@ -95,6 +95,7 @@ pub fn generate(
         prefix_caching: false,
         lease_tokens_per_session: 0,
         lease_tokens_total: 0,
+        context_shift: false,
     };
     let mut core = Core::new(&mut *engine, sched, kv, context);
     let result = run(&mut core, prompt, params, &mut on_token);

@@ -128,6 +128,9 @@ pub struct CacheSettings {
     pub lease_tokens_total: usize,
     pub lease_grace_s: u64,
     pub pin_widget_prompts: bool,
+    /// When a conversation's oldest turns are dropped, move the kept turns' K/V to their new
+    /// positions instead of prefilling them again (`kv_cache::manager`, "Context shift").
+    pub context_shift: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

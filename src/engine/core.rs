@@ -494,6 +494,11 @@ impl<E: BorrowMut<Engine>> Core<E> {
             sch.copies
                 .iter()
                 .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
+                .and_then(|_| {
+                    sch.shifts.iter().try_for_each(|s| {
+                        (e.cache).shift_slots(&s.src, &s.dst, |k| e.model.unrotate_keys(k, s.delta))
+                    })
+                })
                 .and_then(|_| e.model.forward(&sch.batch, &e.cache))
                 .and_then(|l| {
                     l.map(|l| l.to_vec2::<f32>())

@@ -20,6 +20,13 @@
 //! - **Truncation** (`truncate`): a request cut back to the tokens it keeps (speculative drafts
 //!   the target rejected) frees the blocks past them; a kept partial block that is registered is
 //!   copied rather than written again, so a block another request shares never changes.
+//! - **Context shift** (with `context_shift` on): when a conversation outgrew the context and its
+//!   oldest turns were dropped (`limits.overflow`), the request's tokens after its cached run
+//!   continue a *later* run of its session's lease. Fresh blocks take those slots' K/V moved back
+//!   by the dropped length (`SlotShift`: V copied, K re-rotated by -delta, llama.cpp's context
+//!   shift), instead of prefilling the kept turns again. Only the session's own lease is looked at.
+//!   It is an approximation: past the first layer, the kept turns' K/V were computed while the
+//!   dropped turns were in view (docs/performance.md measures what it costs on real text).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -41,6 +48,9 @@ pub struct KvConfig {
     pub lease_tokens_per_session: usize,
     /// Tokens all leases together may keep.
     pub lease_tokens_total: usize,
+    /// Move a lease's kept run to its new positions when the request continues a later part of
+    /// it (see the module doc) rather than prefill it again.
+    pub context_shift: bool,
 }
 
 /// A request's blocks: its block table (position `p` lives in block `table[p / block_size]`), the
@@ -98,6 +108,18 @@ pub struct BlockCopy {
     pub slots: usize,
 }
 
+/// Move the K/V of slots `src` to slots `dst` (same length, every layer) before the step runs:
+/// V as it is, K re-rotated from position p to p - `delta` (RoPE by -delta).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotShift {
+    pub src: Vec<u32>,
+    pub dst: Vec<u32>,
+    pub delta: usize,
+}
+
+/// A shifted run shorter than this many blocks is prefilled instead (the copy's fixed cost).
+const MIN_SHIFT_BLOCKS: usize = 1;
+
 /// The partly filled last block of a pinned prefix.
 #[derive(Debug, Clone)]
 struct PinTail {
@@ -138,6 +160,7 @@ pub struct KvManager {
     /// the references that keep their sources (a lease's blocks, which the lease may give up in
     /// the same step) until then.
     copies: Vec<BlockCopy>,
+    shifts: Vec<SlotShift>,
     copy_sources: Vec<u32>,
     /// How many references leases and pins hold on each block they hold, and in all: kept on
     /// every change, so that reading them costs nothing however many sessions hold leases
@@ -157,6 +180,7 @@ impl KvManager {
             pinned: Vec::new(),
             pin_tails: Vec::new(),
             copies: Vec::new(),
+            shifts: Vec::new(),
             copy_sources: Vec::new(),
             holds: HashMap::new(),
             held: HeldBlocks::default(),
@@ -222,6 +246,7 @@ impl KvManager {
         if let Some(key) = lease {
             computed = self.continue_lease_tail(key, tokens, &mut blocks, computed);
             computed = self.fork_lease_block(key, tokens, &mut blocks, computed);
+            computed = self.shift_lease_run(key, tokens, &mut blocks, computed);
             self.drop_lease(key);
         }
         computed = self.continue_pin_tail(tokens, &mut blocks, computed);
@@ -307,6 +332,65 @@ impl KvManager {
         }
         let src = lease.table[n];
         computed + self.copy_into_fresh_block(src, slots, blocks)
+    }
+
+    /// The context shift (see the module doc): when the request's next tokens continue a run of
+    /// its lease's tokens that lies further on (the turns between were dropped), fresh blocks take
+    /// the longest such run's K/V moved back to the request's positions, always leaving a token
+    /// to compute. Returns the tokens computed.
+    fn shift_lease_run(
+        &mut self,
+        key: LeaseKey,
+        tokens: &[u32],
+        blocks: &mut SeqBlocks,
+        computed: usize,
+    ) -> usize {
+        let bs = self.cfg.block_size;
+        let want = tokens.len().saturating_sub(1);
+        if !self.cfg.context_shift
+            || computed >= want
+            || blocks.table.len() != blocks_for(computed, bs)
+        {
+            return computed;
+        }
+        let Some(lease) = self.lease_order.get(&key).and_then(|o| self.leases.get(o)) else {
+            return computed;
+        };
+        let rest = &tokens[computed..want];
+        let (mut from, mut len) = (0, 0);
+        for b in computed + 1..lease.tokens.len() {
+            if lease.tokens[b] != rest[0] || lease.tokens.len() - b <= len {
+                continue;
+            }
+            let m = (lease.tokens[b..].iter().zip(rest))
+                .take_while(|(a, c)| a == c)
+                .count();
+            if m > len {
+                (from, len) = (b, m);
+            }
+        }
+        if len < MIN_SHIFT_BLOCKS * bs {
+            return computed;
+        }
+        let need = blocks_for(computed + len, bs) - blocks.table.len();
+        let Some(fresh) = self.pool.allocate(need) else {
+            return computed;
+        };
+        blocks.table.extend(fresh);
+        let slot = |table: &[u32], p: usize| table[p / bs] * bs as u32 + (p % bs) as u32;
+        let src: Vec<u32> = (from..from + len).map(|p| slot(&lease.table, p)).collect();
+        let dst: Vec<u32> = (computed..computed + len)
+            .map(|p| slot(&blocks.table, p))
+            .collect();
+        let sources: Vec<u32> = lease.table[from / bs..=(from + len - 1) / bs].to_vec();
+        self.pool.retain(&sources);
+        self.copy_sources.extend(sources);
+        self.shifts.push(SlotShift {
+            src,
+            dst,
+            delta: from - computed,
+        });
+        computed + len
     }
 
     /// When the cached run ends exactly where a pinned prefix's full blocks end and the pin's
@@ -439,6 +523,8 @@ impl KvManager {
     /// copy still pending into them.
     pub fn free(&mut self, blocks: SeqBlocks) {
         self.copies.retain(|c| !blocks.table.contains(&c.dst));
+        let bs = self.cfg.block_size as u32;
+        (self.shifts).retain(|s| !blocks.table.contains(&(s.dst[0] / bs)));
         self.pool.release_table(&blocks.table);
     }
 
@@ -573,9 +659,16 @@ impl KvManager {
     /// The copies the next step must make before it runs. Their sources' extra references go:
     /// nothing allocates between now and the step that makes the copies.
     pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        debug_assert!(self.shifts.is_empty(), "take_shifts comes first");
         let sources = std::mem::take(&mut self.copy_sources);
         self.pool.release(&sources);
         std::mem::take(&mut self.copies)
+    }
+
+    /// The context shifts the next step must make, after the copies (a shift may fill the rest
+    /// of a block a copy began). Taken before `take_copies`, which lets their sources go.
+    pub fn take_shifts(&mut self) -> Vec<SlotShift> {
+        std::mem::take(&mut self.shifts)
     }
 
     /// Distinct blocks referenced by leases and pins (the idle level of the pool).
@@ -675,6 +768,7 @@ mod tests {
             prefix_caching: true,
             lease_tokens_per_session: lease,
             lease_tokens_total: lease,
+            context_shift: false,
         };
         KvManager::new(cfg, BlockPool::new(blocks))
     }
@@ -686,6 +780,61 @@ mod tests {
         assert!(kv.allocate_slots(&mut b, tokens.len()));
         kv.cache_full_blocks(&mut b, tokens, tokens.len());
         b
+    }
+
+    /// A session whose turns 6..14 were dropped: the new request's tokens after its cached run
+    /// continue the lease at 14, so fresh blocks take those slots moved back by 8; the partly
+    /// matching block is copied as before, and the lease's blocks live until the step has them.
+    #[test]
+    fn a_request_that_skips_part_of_its_lease_shifts_the_rest_back() {
+        let (sys, dropped, kept) = (
+            vec![1, 2, 3, 4, 5, 6],
+            vec![100; 8],
+            (200..210).collect::<Vec<u32>>(),
+        );
+        let lease_tokens = [sys.clone(), dropped, kept.clone()].concat();
+        let request = [sys, kept, vec![300, 301, 302]].concat();
+        for shift in [false, true] {
+            let mut kv = manager(32, 64);
+            kv.cfg.context_shift = shift;
+            let scope = CacheScope::private(Salt(1));
+            let b = computed(&mut kv, &lease_tokens, scope);
+            let lease_table = b.table().to_vec();
+            kv.finish(b, &lease_tokens, 24, Some(LeaseKey(7)));
+            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(7)));
+            kv.check().unwrap();
+            let shifts = kv.take_shifts();
+            let copies = kv.take_copies();
+            // Block 0 cached; slots 4..6 copied from the lease's block 1 (`5, 6` then `100`).
+            assert_eq!(copies.len(), 1);
+            assert_eq!((copies[0].src, copies[0].slots), (lease_table[1], 2));
+            if !shift {
+                assert_eq!((c.tokens, shifts.len()), (6, 0));
+                continue;
+            }
+            // Positions 6..16 from the lease's 14..24, one token left to compute.
+            assert_eq!(c.tokens, 16);
+            let table = c.blocks.table();
+            assert_eq!(table.len(), 4);
+            let slot = |t: &[u32], p: usize| t[p / 4] * 4 + (p % 4) as u32;
+            assert_eq!(
+                shifts,
+                vec![SlotShift {
+                    src: (14..24).map(|p| slot(&lease_table, p)).collect(),
+                    dst: (6..16).map(|p| slot(table, p)).collect(),
+                    delta: 8,
+                }]
+            );
+            // The lease's blocks went back to the cache once the step took the copies; the
+            // request's own blocks are all its own.
+            assert_eq!(kv.leases(), 0);
+            for &b in &table[1..] {
+                assert_eq!(kv.pool().refs(b), 1, "block {b}");
+            }
+            kv.free(c.blocks);
+            kv.check().unwrap();
+            assert_eq!(kv.pool().used_count(), 0);
+        }
     }
 
     #[test]

@@ -139,6 +139,31 @@ impl KvCache {
         Ok(())
     }
 
+    /// Moves the K/V of rows `src` to rows `dst` in every layer, K through `rotate` (in F32):
+    /// the context shift's copy (`kv_cache::manager::SlotShift`). The rows are read before any is
+    /// written, so the two may overlap.
+    pub fn shift_slots(
+        &self,
+        src: &[u32],
+        dst: &[u32],
+        rotate: impl Fn(&Tensor) -> Result<Tensor>,
+    ) -> Result<()> {
+        let device = self.k.device();
+        let from = Tensor::from_slice(src, src.len(), device)?;
+        let to = Tensor::from_slice(dst, dst.len(), device)?
+            .reshape((dst.len(), 1))?
+            .broadcast_as((dst.len(), self.kv_dim))?
+            .contiguous()?;
+        for layer in 0..self.layers {
+            let (kc, vc) = self.layer(layer)?;
+            let k = rotate(&kc.index_select(&from, 0)?.to_dtype(DType::F32)?)?;
+            let v = vc.index_select(&from, 0)?;
+            kc.scatter_set(&to, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
+            vc.scatter_set(&to, &v.contiguous()?, 0)?;
+        }
+        Ok(())
+    }
+
     /// Writes `k`, `v` (`[tokens, kv_dim]`) into the rows `slot_index` (`[tokens, kv_dim]` u32, each
     /// row filled with its slot id, as candle's scatter wants).
     pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {

@@ -462,6 +462,23 @@ impl Llama {
         self.max_positions
     }
 
+    /// K rows (`[n, kv_heads * head_dim]`, F32) rotated from position p to p - `delta`, each:
+    /// RoPE by -`delta` (the context shift, `kv_cache::manager`). Exact up to rounding, since
+    /// RoPE turns each pair of dimensions by an angle proportional to the position.
+    pub fn unrotate_keys(&self, k: &Tensor, delta: usize) -> Result<Tensor> {
+        let n = k.dim(0)?;
+        let half = self.cfg.head_dim / 2;
+        let row = |t: &Tensor| t.narrow(0, delta, 1);
+        let cos = row(&self.rotary.cos)?
+            .broadcast_as((n, half))?
+            .contiguous()?;
+        let sin = row(&self.rotary.sin)?
+            .neg()?
+            .broadcast_as((n, half))?
+            .contiguous()?;
+        RotaryEmbedding::forward(k, self.cfg.num_kv_heads, &cos, &sin)
+    }
+
     pub fn attention(&self) -> AttentionImpl {
         self.attention
     }

@@ -280,6 +280,7 @@ impl Settings {
                 prefix_caching: self.cache.prefix_caching,
                 lease_tokens_per_session: self.cache.lease_tokens_per_session,
                 lease_tokens_total: self.cache.lease_tokens_total,
+                context_shift: self.cache.context_shift,
             },
             lease_grace: std::time::Duration::from_secs(self.cache.lease_grace_s),
             speculation: (self.scheduler.speculation == "auto").then_some(

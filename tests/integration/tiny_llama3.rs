@@ -329,6 +329,7 @@ fn core_configs(
         prefix_caching,
         lease_tokens_per_session: 0,
         lease_tokens_total: 0,
+        context_shift: false,
     };
     (sched, kv)
 }
@@ -541,4 +542,87 @@ fn speculation_leaves_every_reply_as_it_was() {
         fast_steps < plain_steps,
         "kept drafts save steps: {fast_steps} vs {plain_steps}"
     );
+}
+
+/// The context shift's copy (`KvCache::shift_slots` with `Llama::unrotate_keys`): a run of K/V
+/// moved back by the length of the tokens dropped before it equals, in the first layer, the K/V
+/// of the same tokens prefilled at their new positions (that layer sees only each token and its
+/// position), within the KV type's rounding. Every layer's V moves unchanged. Deeper layers'
+/// K/V differ from a fresh prefill: they saw the dropped tokens (the shift's approximation,
+/// measured on real text by `llama-relay perplexity --shift`).
+#[test]
+fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load_as_served(16);
+    let vocab = e.model.config().vocab_size as u32;
+    let toks = |seed: u32, n: u32| -> Vec<u32> {
+        (0..n)
+            .map(|i| (seed * 7919 + i * 104_729) % vocab)
+            .collect()
+    };
+    let (sys, dropped, kept) = (toks(1, 5), toks(2, 37), toks(3, 40));
+    let long = [sys.clone(), dropped.clone(), kept.clone()].concat();
+    let short = [sys.clone(), kept.clone()].concat();
+    let bs = e.cache.block_size();
+    let table = |e: &mut Engine, n: usize| {
+        let mut t = Vec::new();
+        assert!(e.pool.ensure_capacity(&mut t, n, bs));
+        t
+    };
+    let (a, b, c) = (
+        table(&mut e, long.len()),
+        table(&mut e, short.len()),
+        table(&mut e, short.len()),
+    );
+    for (tokens, t) in [(&long, &a), (&short, &b)] {
+        let batch = StepBatch {
+            seqs: vec![SeqChunk {
+                tokens: tokens.clone(),
+                start_pos: 0,
+                block_table: t.clone(),
+                logits: Logits::None,
+            }],
+        };
+        e.model.forward(&batch, &e.cache).unwrap();
+    }
+    let slot = |t: &[u32], p: usize| t[p / bs] * bs as u32 + (p % bs) as u32;
+    let (s, d, k) = (sys.len(), dropped.len(), kept.len());
+    let src: Vec<u32> = (s + d..s + d + k).map(|p| slot(&a, p)).collect();
+    let dst: Vec<u32> = (s..s + k).map(|p| slot(&c, p)).collect();
+    let fresh: Vec<u32> = (s..s + k).map(|p| slot(&b, p)).collect();
+    e.cache
+        .shift_slots(&src, &dst, |x| e.model.unrotate_keys(x, d))
+        .unwrap();
+    let rows = |t: &candle_core::Tensor, r: &[u32]| -> Vec<f32> {
+        let i = candle_core::Tensor::from_slice(r, r.len(), t.device()).unwrap();
+        let x = t.index_select(&i, 0).unwrap();
+        let x = x.to_dtype(candle_core::DType::F32).unwrap();
+        x.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let scale = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let mut deeper = 0f32;
+    for layer in 0..e.model.config().num_layers {
+        let (kc, vc) = e.cache.layer(layer).unwrap();
+        assert_eq!(
+            rows(&vc, &dst),
+            rows(&vc, &src),
+            "layer {layer}: V moves as it is"
+        );
+        let (got, want) = (rows(&kc, &dst), rows(&kc, &fresh));
+        let rel = max_abs_diff(&got, &want) / scale(&want);
+        if layer == 0 {
+            // F16 keeps 11 bits: each value is off by at most 2^-11 of itself, twice rounded.
+            assert!(rel < 2e-3, "layer 0: shifted K vs fresh K, relative {rel}");
+            assert!(max_abs_diff(&rows(&vc, &dst), &rows(&vc, &fresh)) == 0.0);
+        } else {
+            deeper = deeper.max(rel);
+        }
+    }
+    assert!(
+        deeper > 1e-2,
+        "deeper layers saw the dropped tokens, so they differ: {deeper}"
+    );
+    for t in [a, b, c] {
+        e.pool.release(&t);
+    }
 }

@@ -287,8 +287,10 @@ impl Scheduler {
             let mut again = self.plan();
             out.preempted.append(&mut again.preempted);
             out.copies.append(&mut again.copies);
+            out.shifts.append(&mut again.shifts);
             again.preempted = out.preempted;
             again.copies = out.copies;
+            again.shifts = out.shifts;
             out = again;
         }
         (!out.batch.seqs.is_empty()).then_some(out)
@@ -368,6 +370,7 @@ impl Scheduler {
         let drafted: usize = out.drafted.iter().map(|(_, d)| d.len()).sum();
         self.prefill_tokens += (out.batch.num_tokens() - decoding.len() - drafted) as u64;
         out.shape = b.shape;
+        out.shifts = self.kv.take_shifts();
         out.copies = self.kv.take_copies();
         out
     }

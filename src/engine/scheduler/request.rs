@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::engine::cost::StepShape;
-use crate::kv_cache::manager::{BlockCopy, LeaseKey, SeqBlocks};
+use crate::kv_cache::manager::{BlockCopy, LeaseKey, SeqBlocks, SlotShift};
 use crate::kv_cache::{CacheScope, Salt};
 use crate::model::batch::StepBatch;
 
@@ -179,8 +179,9 @@ pub struct Scheduled {
     pub started: Vec<Started>,
     /// Requests preempted while scheduling this step (back in the queue).
     pub preempted: Vec<RequestId>,
-    /// Slots to copy between blocks before the step runs.
+    /// Slots to copy between blocks before the step runs, then the context shifts to make.
     pub copies: Vec<BlockCopy>,
+    pub shifts: Vec<SlotShift>,
     /// Prefill-only requests whose prompt this step completes (they end after it).
     pub prefilled: Vec<RequestId>,
     /// The step's shape, for the cost model (`Scheduler::observe_step` with its measured time).

@@ -38,6 +38,7 @@ fn kv_manager(blocks: usize, caching: bool, lease: (usize, usize)) -> KvManager 
         prefix_caching: caching,
         lease_tokens_per_session: lease.0,
         lease_tokens_total: lease.1,
+        context_shift: false,
     };
     KvManager::new(kv, BlockPool::new(blocks))
 }
