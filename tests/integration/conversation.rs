@@ -7,8 +7,8 @@ use serde_json::{json, Value};
 
 use crate::common::*;
 
-fn run<F: std::future::Future<Output = ()>>(f: F) {
-    actix_web::rt::System::new().block_on(f);
+fn run<T>(f: impl std::future::Future<Output = T>) -> T {
+    actix_web::rt::System::new().block_on(f)
 }
 
 fn greedy(max_tokens: u64) -> Value {
@@ -865,19 +865,37 @@ fn paced_replies_that_are_never_acked_cannot_hold_the_running_slots() {
 
 /// A conversation that outgrows the context (`limits.overflow = "drop_oldest"`) goes on: the
 /// turn that would not fit drops whole oldest turns (`started.truncated` names them), keeps at
-/// most the retention ratio of the room, and its prompt and reply are exactly those of a fresh
-/// session sent the kept turns; the next turn finds that prefix cached and drops nothing; an
-/// edit of a dropped turn is refused naming `turn`, one of a kept turn (numbered as before)
-/// works; a retention ratio without the policy is refused naming it.
+/// most the retention ratio of the room, and its prompt is exactly that of a fresh session sent
+/// the kept turns; re-prefilled (`cache.context_shift` off), so is its reply; with the context
+/// shift, the kept turns' K/V come from the session's cache (all but the new turn is cached).
+/// The next turn finds that prefix cached and drops nothing; an edit of a dropped turn is refused
+/// naming `turn`, one of a kept turn (numbered as before) works; a retention ratio without the
+/// policy is refused naming it.
 #[test]
 fn a_conversation_past_the_context_drops_its_oldest_turns_and_goes_on() {
     let _g = model_lock();
+    let prefilled = dropping_conversation(false);
+    let shifted = dropping_conversation(true);
+    assert_eq!(prefilled.0, shifted.0, "the same turns were dropped");
+    let (prompt, cached) = shifted.1;
+    assert!(
+        cached + 32 >= prompt && cached > prefilled.1 .1 + 24,
+        "shifted: {cached} of {prompt} cached; re-prefilled: {:?}",
+        prefilled.1
+    );
+}
+
+/// The conversation of `a_conversation_past_the_context_drops_its_oldest_turns_and_goes_on`;
+/// returns the turn that dropped the oldest with what it dropped, and its (prompt, cached)
+/// tokens.
+fn dropping_conversation(shift: bool) -> ((usize, Value), (u64, u64)) {
     const CONTEXT: u64 = 192;
     const MAX: u64 = 16;
     let app = spawn_app(Tiny::Tied.dir(), |s| {
         s.engine.max_context = CONTEXT as usize;
         s.limits.overflow = "drop_oldest".into();
         s.limits.overflow_retention = 0.5;
+        s.cache.context_shift = shift;
     });
     run(async {
         let mut c = app.connect().await;
@@ -921,7 +939,10 @@ fn a_conversation_past_the_context_drops_its_oldest_turns_and_goes_on() {
         kept.push(user(&users[at]));
         let fresh = explicit(&app, Value::Array(kept), MAX).await;
         assert_eq!(started(&fresh).0, prompt);
-        assert_eq!(fresh.text, r.text);
+        if !shift {
+            assert_eq!(fresh.text, r.text);
+        }
+        let cut_at = (at, truncated.clone(), started(&r));
 
         // Edits count turns from the session's first.
         let edit = |turn: usize, id: &str| json!({"type": "edit", "id": id, "turn": turn, "messages": [user("Turn again.")], "params": greedy(4)});
@@ -943,5 +964,7 @@ fn a_conversation_past_the_context_drops_its_oldest_turns_and_goes_on() {
                 .contains("`params.retention_ratio`"),
             "{e}"
         );
-    });
+        app.wait_idle().await;
+        ((cut_at.0, cut_at.1), cut_at.2)
+    })
 }
