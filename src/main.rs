@@ -69,6 +69,15 @@ struct PerplexityArgs {
     /// Compare with a reference file: KL divergence and top-1 agreement.
     #[arg(long)]
     reference: Option<PathBuf>,
+    /// Score each chunk after its context dropped this many tokens of other text and was
+    /// shifted back over them (the server's context shift; compare with a reference run
+    /// without it).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    shift: Option<u32>,
+    /// With --shift: the chunk's first tokens that stay where they are (what the server always
+    /// keeps: the system prompt's head; a model's first tokens anchor its attention).
+    #[arg(long, default_value_t = 16, requires = "shift")]
+    shift_keep: u32,
 }
 
 #[derive(Args)]
@@ -302,7 +311,11 @@ fn run_perplexity(
     }
     let mut div = Divergence::default();
     let started = std::time::Instant::now();
-    let this = run(&mut engine, &prepared, |i, s, row| {
+    let shift = a.shift.map(|d| llama_relay::perplexity::Shift {
+        dropped: d as usize,
+        keep: a.shift_keep as usize,
+    });
+    let this = run(&mut engine, &prepared, shift, |i, s, row| {
         if let Some(r) = reference.as_ref().and_then(|r| r.scored.get(i)) {
             div.add(r, s, row);
         }

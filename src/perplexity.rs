@@ -10,6 +10,15 @@
 //! `ctx / 2` tokens of context, as llama.cpp scores. Perplexity is `exp` of the mean negative
 //! log-likelihood, reported with its standard error.
 //!
+//! With a `Shift` (`--shift D`), each chunk is scored as a conversation that outgrew its context
+//! and dropped its oldest part: the chunk's first `keep` tokens (`--shift-keep`, standing in for
+//! the system prompt the server always keeps) are followed by `D` tokens of other text (the
+//! previous chunk's last `D`; the last chunk's for the first), then the rest of the chunk's
+//! unscored first half; that is prefilled, the part after the dropped text is moved back by `D`
+//! with the server's context shift (`KvCache::shift_slots`, `Llama::unrotate_keys`), and the
+//! second half is scored on that cache. Against a reference run without the shift (the same
+//! context prefilled afresh, what a re-prefill gives), the KL divergence is what the shift costs.
+//!
 //! The reference file keeps, for each scored position, the negative log-likelihood and the `TOP`
 //! most likely tokens' log-probabilities (~2 KB a position, where the whole vocabulary would be
 //! ~200 KB). KL divergence is taken over those tokens plus one bucket for the rest of the
@@ -177,17 +186,46 @@ pub fn prepare(
     })
 }
 
-/// Runs the model over a prepared text (see the module doc); `on_position` gets each scored
-/// position's index, its entry and its full log-softmax row (for the KL divergence).
+/// A scored chunk's context shifted back (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shift {
+    /// Tokens of other text dropped after the head.
+    pub dropped: usize,
+    /// The chunk's first tokens, kept where they are (at least its BOS).
+    pub keep: usize,
+}
+
+/// Runs the model over a prepared text (see the module doc), each chunk's context shifted as
+/// `shift` says; `on_position` gets each scored position's index, its entry and its full
+/// log-softmax row (for the KL divergence).
 pub fn run(
     engine: &mut Engine,
     text: &Prepared,
+    shift: Option<Shift>,
     mut on_position: impl FnMut(usize, &Scored, &[f64]),
 ) -> Result<Run> {
     let (ctx, vocab) = (text.ctx, text.vocab);
     let first_scored = ctx / 2;
+    let prefix = engine.tokenizer.encode_prompt("")?.len();
+    if let Some(s) = shift {
+        let most = ctx - prefix;
+        if !(1..=most).contains(&s.dropped) {
+            return Err(EngineError::InvalidSetting {
+                key: "--shift".into(),
+                value: s.dropped.to_string(),
+                allowed: format!("from 1 to a chunk's text, {most}"),
+            });
+        }
+        if s.keep >= first_scored {
+            return Err(EngineError::InvalidSetting {
+                key: "--shift-keep".into(),
+                value: s.keep.to_string(),
+                allowed: format!("below the first scored position, {first_scored}"),
+            });
+        }
+    }
     let mut scored = Vec::new();
-    for chunk in &text.chunks {
+    for (c, chunk) in text.chunks.iter().enumerate() {
         let mut table = Vec::new();
         if !engine
             .pool
@@ -199,6 +237,13 @@ pub fn run(
         }
         let result: Result<()> = (|| {
             let mut start = 0;
+            if let Some(s) = shift {
+                let before = &text.chunks[(c + text.chunks.len() - 1) % text.chunks.len()];
+                let dropped = &before[before.len() - s.dropped..];
+                let keep = s.keep.max(prefix);
+                shifted_context(engine, chunk, keep, dropped, first_scored, &table)?;
+                start = first_scored;
+            }
             while start < ctx {
                 let end = (start + PIECE).min(ctx);
                 // Logits from the first scored position on, for each position but the last
@@ -238,6 +283,57 @@ pub fn run(
         text_hash: text.text_hash,
         scored,
     })
+}
+
+/// Fills `table` with the K/V of `chunk[..upto]` as the context shift leaves them: the chunk's
+/// first `keep` tokens, then `dropped`, then the rest up to `upto` prefilled in a scratch
+/// sequence, and moved to `table` with the rest shifted back by `dropped.len()`.
+fn shifted_context(
+    engine: &mut Engine,
+    chunk: &[u32],
+    keep: usize,
+    dropped: &[u32],
+    upto: usize,
+    table: &[u32],
+) -> Result<()> {
+    let bs = engine.cache.block_size();
+    let long = [&chunk[..keep], dropped, &chunk[keep..upto]].concat();
+    let mut scratch = Vec::new();
+    if !engine.pool.ensure_capacity(&mut scratch, long.len(), bs) {
+        return Err(EngineError::KvCache(
+            "the shifted context does not fit the KV cache; lower --ctx or --shift".into(),
+        ));
+    }
+    let result = (|| {
+        for start in (0..long.len()).step_by(PIECE) {
+            let end = (start + PIECE).min(long.len());
+            let batch = StepBatch {
+                seqs: vec![SeqChunk {
+                    tokens: long[start..end].to_vec(),
+                    start_pos: start,
+                    block_table: scratch.clone(),
+                    logits: Logits::None,
+                }],
+            };
+            engine.model.forward(&batch, &engine.cache)?;
+        }
+        let slot = |t: &[u32], p: usize| t[p / bs] * bs as u32 + (p % bs) as u32;
+        let d = dropped.len();
+        let moves = [(0..keep, 0), (keep..upto, d)];
+        for (positions, delta) in moves {
+            let src: Vec<u32> = positions
+                .clone()
+                .map(|p| slot(&scratch, p + delta))
+                .collect();
+            let dst: Vec<u32> = positions.map(|p| slot(table, p)).collect();
+            if !src.is_empty() {
+                (engine.cache).shift_slots(&src, &dst, |k| engine.model.unrotate_keys(k, delta))?;
+            }
+        }
+        Ok(())
+    })();
+    engine.pool.release(&scratch);
+    result
 }
 
 impl Run {

@@ -23,7 +23,7 @@ fn scored_positions_equal_the_last_token_logits_of_each_prefix() {
     let ctx = 40;
     let mut seen = Vec::new();
     let text = prepare(&e, &ids, ctx, Some(2)).unwrap();
-    let r = run(&mut e, &text, |_, s, _| seen.push(s.nll)).unwrap();
+    let r = run(&mut e, &text, None, |_, s, _| seen.push(s.nll)).unwrap();
     assert_eq!(r.chunks, 2);
     // Scored: positions ctx/2 .. ctx-2 of each chunk, predicting the next token.
     assert_eq!(r.scored.len(), 2 * (ctx - 1 - ctx / 2));
@@ -130,6 +130,35 @@ fn a_saved_reference_compares_runs_and_refuses_another_text() {
     assert_eq!(code, Some(0), "{err}");
     let kl = figure(&out, "KL divergence mean");
     assert!(kl < 1e-4, "{out}");
+    // The context shift against it: the same positions scored, their context moved back over
+    // 24 dropped tokens; it moves the predictions (deeper layers saw the dropped text), a
+    // little when the chunk's head stays. A shift past the chunk is refused naming the flag.
+    let shifted = |keep: &str| {
+        let (code, out, err) = perplexity_cli(
+            &[
+                "--ctx",
+                "64",
+                "--chunks",
+                "3",
+                "--reference",
+                r,
+                "--shift",
+                "24",
+                "--shift-keep",
+                keep,
+            ],
+            &[],
+        );
+        assert_eq!(code, Some(0), "{err}");
+        assert!(out.contains("3 chunks of 64, 93 scored"), "{out}");
+        figure(&out, "KL divergence mean")
+    };
+    let (kept, lost) = (shifted("8"), shifted("0"));
+    assert!(kept > 0.0 && kept.is_finite(), "{kept}");
+    assert!(lost > kept, "keeping the head: {kept}, not: {lost}");
+    let (code, _, err) = perplexity_cli(&["--ctx", "64", "--shift", "65"], &[]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--shift"), "{err}");
     // Another cut of the text: refused before the run, naming why, with the usage status.
     let (code, _, err) = perplexity_cli(&["--ctx", "32", "--chunks", "3", "--reference", r], &[]);
     assert_eq!(code, Some(2), "{err}");
