@@ -119,6 +119,10 @@ pub struct SlotShift {
 
 /// A shifted run shorter than this many blocks is prefilled instead (the copy's fixed cost).
 const MIN_SHIFT_BLOCKS: usize = 1;
+/// A shift keeps at least this many of the request's first tokens where they were computed: a
+/// model's first tokens anchor its attention (StreamingLLM's "attention sinks"), and a run
+/// shifted to the very start loses them (`llama-relay perplexity --shift-keep 0` shows it).
+const KEPT_HEAD: usize = 4;
 
 /// The partly filled last block of a pinned prefix.
 #[derive(Debug, Clone)]
@@ -348,6 +352,7 @@ impl KvManager {
         let bs = self.cfg.block_size;
         let want = tokens.len().saturating_sub(1);
         if !self.cfg.context_shift
+            || computed < KEPT_HEAD
             || computed >= want
             || blocks.table.len() != blocks_for(computed, bs)
         {
