@@ -327,7 +327,8 @@ fn shifted_context(
                 .collect();
             let dst: Vec<u32> = positions.map(|p| slot(table, p)).collect();
             if !src.is_empty() {
-                (engine.cache).shift_slots(&src, &dst, |k| engine.model.unrotate_keys(k, delta))?;
+                let turn = engine.model.key_rotation(delta)?;
+                engine.cache.shift_slots(&src, &dst, &turn)?;
             }
         }
         Ok(())

@@ -496,7 +496,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
                 .and_then(|_| {
                     sch.shifts.iter().try_for_each(|s| {
-                        (e.cache).shift_slots(&s.src, &s.dst, |k| e.model.unrotate_keys(k, s.delta))
+                        let turn = e.model.key_rotation(s.delta)?;
+                        e.cache.shift_slots(&s.src, &s.dst, &turn)
                     })
                 })
                 .and_then(|_| e.model.forward(&sch.batch, &e.cache))

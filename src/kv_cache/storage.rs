@@ -139,24 +139,57 @@ impl KvCache {
         Ok(())
     }
 
-    /// Moves the K/V of rows `src` to rows `dst` in every layer, K through `rotate` (in F32):
-    /// the context shift's copy (`kv_cache::manager::SlotShift`). The rows are read before any is
-    /// written, so the two may overlap.
-    pub fn shift_slots(
-        &self,
-        src: &[u32],
-        dst: &[u32],
-        rotate: impl Fn(&Tensor) -> Result<Tensor>,
-    ) -> Result<()> {
+    /// Moves the K/V of rows `src` to rows `dst` in every layer, K turned by `rot`: the context
+    /// shift's copy (`kv_cache::manager::SlotShift`). On the CPU one pass over the rows, in place
+    /// (an in-place custom op: candle's gather, convert and scatter cost ~80x more); elsewhere
+    /// candle's ops (`shift_slots_generic`). `src` and `dst` must not share a row.
+    pub fn shift_slots(&self, src: &[u32], dst: &[u32], rot: &KeyRotation) -> Result<()> {
+        if src.len() != dst.len() || rot.heads * rot.cos.len() * 2 != self.kv_dim {
+            return Err(EngineError::KvCache(format!(
+                "a shift of {} rows to {} with a rotation of {} heads x {} pairs on rows of {}",
+                src.len(),
+                dst.len(),
+                rot.heads,
+                rot.cos.len(),
+                self.kv_dim
+            )));
+        }
+        if !self.k.device().is_cpu() {
+            return self.shift_slots_generic(src, dst, rot);
+        }
+        let op = |turn| ShiftRows {
+            src,
+            dst,
+            width: self.kv_dim,
+            layers: self.layers,
+            slots: self.spec.num_slots(),
+            turn,
+        };
+        self.k.inplace_op1(&op(Some(rot)))?;
+        self.v.inplace_op1(&op(None))?;
+        Ok(())
+    }
+
+    /// `shift_slots` with candle's tensor operations, for every device.
+    pub fn shift_slots_generic(&self, src: &[u32], dst: &[u32], rot: &KeyRotation) -> Result<()> {
         let device = self.k.device();
         let from = Tensor::from_slice(src, src.len(), device)?;
         let to = Tensor::from_slice(dst, dst.len(), device)?
             .reshape((dst.len(), 1))?
             .broadcast_as((dst.len(), self.kv_dim))?
             .contiguous()?;
+        let half = rot.cos.len();
+        let cos = Tensor::from_slice(&rot.cos, (1, 1, 1, half), device)?;
+        let sin = Tensor::from_slice(&rot.sin, (1, 1, 1, half), device)?;
+        let n = src.len();
         for layer in 0..self.layers {
             let (kc, vc) = self.layer(layer)?;
-            let k = rotate(&kc.index_select(&from, 0)?.to_dtype(DType::F32)?)?;
+            let k = kc.index_select(&from, 0)?.to_dtype(DType::F32)?;
+            let k = k.reshape((n, rot.heads, 2, half))?;
+            let (x1, x2) = (k.narrow(2, 0, 1)?, k.narrow(2, 1, 1)?);
+            let y1 = (x1.broadcast_mul(&cos)? + x2.broadcast_mul(&sin)?)?;
+            let y2 = (x2.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
+            let k = Tensor::cat(&[y1, y2], 2)?.reshape((n, self.kv_dim))?;
             let v = vc.index_select(&from, 0)?;
             kc.scatter_set(&to, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
             vc.scatter_set(&to, &v.contiguous()?, 0)?;
@@ -170,6 +203,104 @@ impl KvCache {
         let (kc, vc) = self.layer(layer)?;
         kc.scatter_set(slot_index, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
         vc.scatter_set(slot_index, &v.to_dtype(self.dtype)?.contiguous()?, 0)?;
+        Ok(())
+    }
+}
+
+/// Half-split RoPE (Hugging Face layout: dimension `i` of a head pairs with `i + head_dim/2`)
+/// turned back by an angle per pair: the context shift's rotation of cached K from position p to
+/// p - delta, where `cos`/`sin` are those of delta times each pair's frequency (the model's
+/// tables give them: `Llama::key_rotation`). Pair (x1, x2) becomes
+/// (x1 cos + x2 sin, x2 cos - x1 sin).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeyRotation {
+    pub heads: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl KeyRotation {
+    /// Turns one row (`heads * 2 * cos.len()` values) in place.
+    pub fn apply(&self, row: &mut [f32]) {
+        let half = self.cos.len();
+        for head in row.chunks_exact_mut(2 * half) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2, c, s) = (a[i], b[i], self.cos[i], self.sin[i]);
+                a[i] = x1 * c + x2 * s;
+                b[i] = x2 * c - x1 * s;
+            }
+        }
+    }
+}
+
+/// The CPU in-place op of `KvCache::shift_slots` over one of the cache's tensors
+/// (`[layers, slots, width]`): each layer's row `src[i]` copied to row `dst[i]`, turned by `turn`
+/// when given (K) or as it is (V).
+struct ShiftRows<'a> {
+    src: &'a [u32],
+    dst: &'a [u32],
+    width: usize,
+    layers: usize,
+    slots: usize,
+    turn: Option<&'a KeyRotation>,
+}
+
+impl ShiftRows<'_> {
+    fn run<T: Copy>(&self, data: &mut [T], to_f32: fn(T) -> f32, from_f32: fn(f32) -> T) {
+        let w = self.width;
+        let mut row = vec![0f32; w];
+        for layer in 0..self.layers {
+            let base = layer * self.slots * w;
+            for (&s, &d) in self.src.iter().zip(self.dst) {
+                let (s, d) = (base + s as usize * w, base + d as usize * w);
+                match self.turn {
+                    None => data.copy_within(s..s + w, d),
+                    Some(turn) => {
+                        for (r, x) in row.iter_mut().zip(&data[s..s + w]) {
+                            *r = to_f32(*x);
+                        }
+                        turn.apply(&mut row);
+                        for (x, r) in data[d..d + w].iter_mut().zip(&row) {
+                            *x = from_f32(*r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl candle_core::InplaceOp1 for ShiftRows<'_> {
+    fn name(&self) -> &'static str {
+        "kv-shift-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage;
+        let (start, end) = layout
+            .contiguous_offsets()
+            .ok_or_else(|| candle_core::Error::Msg("the KV cache is contiguous".into()))?;
+        if end - start != self.layers * self.slots * self.width {
+            return Err(candle_core::Error::Msg(
+                "a KV cache tensor of another shape".into(),
+            ));
+        }
+        match storage {
+            CpuStorage::F16(v) => {
+                self.run(&mut v[start..end], half::f16::to_f32, half::f16::from_f32)
+            }
+            CpuStorage::F32(v) => self.run(&mut v[start..end], |x| x, |x| x),
+            _ => {
+                return Err(candle_core::Error::Msg(
+                    "the KV cache holds F16 or F32".into(),
+                ))
+            }
+        }
         Ok(())
     }
 }

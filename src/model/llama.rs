@@ -31,6 +31,7 @@ use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use super::profile::{time, Part};
 use crate::error::{EngineError, Result};
+use crate::kv_cache::storage::KeyRotation;
 use crate::kv_cache::KvCache;
 use crate::model::batch::{StepBatch, StepPlan};
 
@@ -462,21 +463,17 @@ impl Llama {
         self.max_positions
     }
 
-    /// K rows (`[n, kv_heads * head_dim]`, F32) rotated from position p to p - `delta`, each:
-    /// RoPE by -`delta` (the context shift, `kv_cache::manager`). Exact up to rounding, since
-    /// RoPE turns each pair of dimensions by an angle proportional to the position.
-    pub fn unrotate_keys(&self, k: &Tensor, delta: usize) -> Result<Tensor> {
-        let n = k.dim(0)?;
-        let half = self.cfg.head_dim / 2;
-        let row = |t: &Tensor| t.narrow(0, delta, 1);
-        let cos = row(&self.rotary.cos)?
-            .broadcast_as((n, half))?
-            .contiguous()?;
-        let sin = row(&self.rotary.sin)?
-            .neg()?
-            .broadcast_as((n, half))?
-            .contiguous()?;
-        RotaryEmbedding::forward(k, self.cfg.num_kv_heads, &cos, &sin)
+    /// The rotation that moves cached K from position p to p - `delta` (the context shift,
+    /// `kv_cache::manager`): RoPE by -`delta`, from the model's own tables (so rope scaling
+    /// applies). Exact up to rounding: RoPE turns each pair of dimensions by an angle
+    /// proportional to the position.
+    pub fn key_rotation(&self, delta: usize) -> Result<KeyRotation> {
+        let row = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.get(delta)?.to_vec1::<f32>()?) };
+        Ok(KeyRotation {
+            heads: self.cfg.num_kv_heads,
+            cos: row(&self.rotary.cos)?,
+            sin: row(&self.rotary.sin)?,
+        })
     }
 
     pub fn attention(&self) -> AttentionImpl {

@@ -544,7 +544,7 @@ fn speculation_leaves_every_reply_as_it_was() {
     );
 }
 
-/// The context shift's copy (`KvCache::shift_slots` with `Llama::unrotate_keys`): a run of K/V
+/// The context shift's copy (`KvCache::shift_slots` with `Llama::key_rotation`): a run of K/V
 /// moved back by the length of the tokens dropped before it equals, in the first layer, the K/V
 /// of the same tokens prefilled at their new positions (that layer sees only each token and its
 /// position), within the KV type's rounding. Every layer's V moves unchanged. Deeper layers'
@@ -569,8 +569,9 @@ fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
         assert!(e.pool.ensure_capacity(&mut t, n, bs));
         t
     };
-    let (a, b, c) = (
+    let (a, b, c, g) = (
         table(&mut e, long.len()),
+        table(&mut e, short.len()),
         table(&mut e, short.len()),
         table(&mut e, short.len()),
     );
@@ -590,9 +591,11 @@ fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
     let src: Vec<u32> = (s + d..s + d + k).map(|p| slot(&a, p)).collect();
     let dst: Vec<u32> = (s..s + k).map(|p| slot(&c, p)).collect();
     let fresh: Vec<u32> = (s..s + k).map(|p| slot(&b, p)).collect();
-    e.cache
-        .shift_slots(&src, &dst, |x| e.model.unrotate_keys(x, d))
-        .unwrap();
+    let turn = e.model.key_rotation(d).unwrap();
+    e.cache.shift_slots(&src, &dst, &turn).unwrap();
+    // The generic path (every device) moves the same values.
+    let generic: Vec<u32> = (s..s + k).map(|p| slot(&g, p)).collect();
+    e.cache.shift_slots_generic(&src, &generic, &turn).unwrap();
     let rows = |t: &candle_core::Tensor, r: &[u32]| -> Vec<f32> {
         let i = candle_core::Tensor::from_slice(r, r.len(), t.device()).unwrap();
         let x = t.index_select(&i, 0).unwrap();
@@ -608,6 +611,16 @@ fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
             rows(&vc, &src),
             "layer {layer}: V moves as it is"
         );
+        assert_eq!(
+            rows(&vc, &generic),
+            rows(&vc, &src),
+            "layer {layer}: generic V"
+        );
+        let apart = max_abs_diff(&rows(&kc, &dst), &rows(&kc, &generic));
+        assert!(
+            apart <= 1e-3 * scale(&rows(&kc, &dst)),
+            "layer {layer}: generic K {apart}"
+        );
         let (got, want) = (rows(&kc, &dst), rows(&kc, &fresh));
         let rel = max_abs_diff(&got, &want) / scale(&want);
         if layer == 0 {
@@ -622,7 +635,7 @@ fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
         deeper > 1e-2,
         "deeper layers saw the dropped tokens, so they differ: {deeper}"
     );
-    for t in [a, b, c] {
+    for t in [a, b, c, g] {
         e.pool.release(&t);
     }
 }
