@@ -495,29 +495,12 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 .iter()
                 .try_for_each(|c| e.cache.copy_slots(c.src, c.dst, c.slots))
                 .and_then(|_| {
-                    let t0 = std::time::Instant::now();
-                    let r = sch.shifts.iter().try_for_each(|s| {
+                    sch.shifts.iter().try_for_each(|s| {
                         let turn = e.model.key_rotation(s.delta)?;
                         e.cache.shift_slots(&s.src, &s.dst, &turn)
-                    });
-                    if !sch.shifts.is_empty() {
-                        eprintln!("SHIFTDBG {:?}", t0.elapsed());
-                    }
-                    r
+                    })
                 })
-                .and_then(|_| {
-                    let t1 = std::time::Instant::now();
-                    let r = e.model.forward(&sch.batch, &e.cache);
-                    if !sch.shifts.is_empty() || sch.batch.num_tokens() > 30 {
-                        eprintln!(
-                            "FWDDBG tokens {} seqs {} {:?}",
-                            sch.batch.num_tokens(),
-                            sch.batch.seqs.len(),
-                            t1.elapsed()
-                        );
-                    }
-                    r
-                })
+                .and_then(|_| e.model.forward(&sch.batch, &e.cache))
                 .and_then(|l| {
                     l.map(|l| l.to_vec2::<f32>())
                         .transpose()
