@@ -725,6 +725,27 @@ test("a session lost with its replica: the page restores the conversation and as
   await context.close();
 });
 
+/** Waits until the conversations the page keeps in IndexedDB ([{ title, turns }]) satisfy
+ * `want` (its writes commit a moment after the screen changes). */
+async function savedUntil(page, want, timeout = 5_000) {
+  for (const t0 = Date.now(); ;) {
+    const saved = await page.evaluate(() => new Promise((resolve, reject) => {
+      const open = indexedDB.open("llama-relay");
+      open.onerror = () => reject(open.error);
+      open.onsuccess = () => {
+        const all = open.result.transaction("conversations").objectStore("conversations").getAll();
+        all.onsuccess = () => {
+          open.result.close();
+          resolve(all.result.map((r) => ({ title: r.title, turns: r.turns.length })));
+        };
+      };
+    }));
+    if (want(saved)) { return saved; }
+    assert.ok(Date.now() - t0 < timeout, `saved conversations: ${JSON.stringify(saved)}`);
+    await page.waitForTimeout(20);
+  }
+}
+
 test("history survives a reload and reopens with the server's prompt cache hit; settings apply; rename, export, delete", async () => {
   const { page, context, errors } = await newPage();
   await captureSockets(page);
@@ -756,6 +777,7 @@ test("history survives a reload and reopens with the server's prompt cache hit; 
 
   // A reload shows the conversation again and resumes the session that holds it: the next
   // turn's prompt is cached up to the new question.
+  await savedUntil(page, (r) => r.length === 1 && r[0].turns === 2);
   await page.reload();
   await page.locator("#conn", { hasText: "connected" }).waitFor();
   await until(page, () => document.querySelectorAll("#log .user").length === 2 && window.__in.some((f) => f.type === "ready" && f.resumed));
@@ -805,9 +827,10 @@ test("history survives a reload and reopens with the server's prompt cache hit; 
   assert.equal(doc.messages[8].content, a4.text);
   assert.equal(doc.settings.max_tokens, "12");
 
-  // Deleted: gone from the panel, and after a reload too.
+  // Deleted: gone from the panel, and (once IndexedDB has committed it) after a reload too.
   await page.locator("#history-list li", { hasText: "Hello there." }).locator(".delete").click();
   assert.deepEqual(await page.locator("#history-list li .open").allTextContents(), ["Ada's chat"]);
+  await savedUntil(page, (r) => r.length === 1 && r[0].title === "Ada's chat");
   await page.reload();
   await page.locator("#conn", { hasText: "connected" }).waitFor();
   await until(page, () => document.querySelectorAll("#log .user").length === 4);
