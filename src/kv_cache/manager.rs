@@ -922,6 +922,58 @@ mod tests {
             kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
             proptest::prop_assert_eq!(kv.pool().free_count(), blocks);
         }
+
+        /// A session's conversation (head, middle, tail) leased, then a request of the head, the
+        /// tail and a new message (the middle dropped): whatever the lengths and tokens, every
+        /// shifted slot moves the lease's K/V of the very token the request has at its new
+        /// position, back by the dropped length; a token is left to compute; the shift starts
+        /// only after the kept head; the invariants hold and every block comes back.
+        #[test]
+        fn a_shift_moves_each_kept_token_to_its_new_position(
+            head in 0usize..12,
+            middle in 1usize..20,
+            tail in 0usize..24,
+            new in 1usize..6,
+            alphabet in 2u32..50,
+            seed in 0u32..1000,
+        ) {
+            let mut kv = manager(64, 256);
+            kv.cfg.context_shift = true;
+            let scope = CacheScope::private(Salt(1));
+            let mut next = seed;
+            let mut token = || { next = next.wrapping_mul(1_103_515_245).wrapping_add(12_345); (next >> 8) % alphabet };
+            let (h, m, t): (Vec<u32>, Vec<u32>, Vec<u32>) = (
+                (0..head).map(|_| token()).collect(),
+                (0..middle).map(|_| token()).collect(),
+                (0..tail).map(|_| token()).collect(),
+            );
+            let leased = [h.clone(), m, t.clone()].concat();
+            let request = [h, t, (0..new).map(|_| token()).collect()].concat();
+            let b = computed(&mut kv, &leased, scope);
+            let lease_table = b.table().to_vec();
+            kv.finish(b, &leased, leased.len(), Some(LeaseKey(1)));
+            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(1)));
+            let table = c.blocks.table().to_vec();
+            let shifts = kv.take_shifts();
+            kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
+            proptest::prop_assert!(c.tokens < request.len());
+            proptest::prop_assert!(shifts.len() <= 1);
+            if let Some(sh) = shifts.first() {
+                let start = c.tokens - sh.dst.len();
+                proptest::prop_assert!(start >= KEPT_HEAD);
+                proptest::prop_assert_eq!(sh.src.len(), sh.dst.len());
+                for (i, (&src, &dst)) in sh.src.iter().zip(&sh.dst).enumerate() {
+                    let (p, q) = (start + i, start + i + sh.delta);
+                    proptest::prop_assert_eq!(dst, table[p / 4] * 4 + (p % 4) as u32);
+                    proptest::prop_assert_eq!(src, lease_table[q / 4] * 4 + (q % 4) as u32);
+                    proptest::prop_assert_eq!(request[p], leased[q]);
+                }
+            }
+            kv.take_copies();
+            kv.free(c.blocks);
+            kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
+            proptest::prop_assert_eq!(kv.pool().free_count(), 64);
+        }
     }
 
     #[test]
