@@ -89,25 +89,8 @@ pub(super) async fn chat_user(
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens}});
         let sent = Instant::now();
         send_json(&mut ws, &frame).await?;
-        let mut ttft = None;
-        let (mut prompt, mut cached) = (0, 0);
-        loop {
-            let f = next_frame(&mut ws).await?;
-            match f["type"].as_str() {
-                Some("started") => {
-                    prompt = f["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-                    cached = f["cached_tokens"].as_u64().unwrap_or(0) as usize;
-                }
-                Some("delta") if ttft.is_none() => ttft = Some(sent.elapsed().as_secs_f64()),
-                Some("done") => {
-                    let n = f["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
-                    out.push((ttft.unwrap_or(f64::NAN), prompt, cached, n));
-                    break;
-                }
-                Some("error") => return Err(format!("server error: {f}")),
-                _ => {}
-            }
-        }
+        let r = read_reply(&mut ws).await?;
+        out.push((r.ttft(sent), r.prompt, r.cached, r.completion));
         actix_web::rt::time::sleep(cfg.think).await;
     }
     Ok(out)

@@ -35,26 +35,12 @@ async fn long_user(cfg: LongChatConfig, user: usize) -> Result<Vec<Turn>, String
             "params": {"temperature": 0, "max_tokens": cfg.max_tokens}});
         let sent = Instant::now();
         send_json(&mut ws, &frame).await?;
-        let (mut ttft, mut prompt, mut cached, mut truncated) = (None, 0, 0, false);
-        loop {
-            let f = next_frame(&mut ws).await?;
-            match f["type"].as_str() {
-                Some("started") => {
-                    prompt = f["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-                    cached = f["cached_tokens"].as_u64().unwrap_or(0) as usize;
-                    truncated = f.get("truncated").is_some();
-                }
-                Some("delta") if ttft.is_none() => ttft = Some(sent.elapsed().as_secs_f64()),
-                Some("done") => break,
-                Some("error") => return Err(format!("user {user} turn {turn}: {f}")),
-                _ => {}
-            }
-        }
+        let r = (read_reply(&mut ws).await).map_err(|e| format!("user {user} turn {turn}: {e}"))?;
         out.push(Turn {
-            ttft: ttft.unwrap_or(f64::NAN),
-            prompt,
-            cached,
-            truncated,
+            ttft: r.ttft(sent),
+            prompt: r.prompt,
+            cached: r.cached,
+            truncated: r.truncated,
         });
         actix_web::rt::time::sleep(cfg.think).await;
     }

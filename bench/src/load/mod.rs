@@ -370,6 +370,62 @@ pub(crate) async fn send_fresh(ws: &mut Socket, chat: &Value) -> Result<(), Stri
     send_json(ws, chat).await
 }
 
+/// What a reply's frames said, read up to its `done`.
+pub(crate) struct ReplyFrames {
+    /// When the first and the last delta arrived, and how many did.
+    pub first: Option<Instant>,
+    pub last: Option<Instant>,
+    pub deltas: usize,
+    /// `started`'s prompt and cached tokens, and whether it dropped old turns.
+    pub prompt: usize,
+    pub cached: usize,
+    pub truncated: bool,
+    /// `done`'s completion tokens.
+    pub completion: usize,
+}
+
+impl ReplyFrames {
+    /// Seconds from `sent` to the first delta (NaN without one).
+    pub fn ttft(&self, sent: Instant) -> f64 {
+        self.first.map_or(f64::NAN, |f| (f - sent).as_secs_f64())
+    }
+}
+
+/// Reads one reply's frames up to its `done`; an `error` frame ends it with the error.
+pub(crate) async fn read_reply(ws: &mut Socket) -> Result<ReplyFrames, String> {
+    let mut r = ReplyFrames {
+        first: None,
+        last: None,
+        deltas: 0,
+        prompt: 0,
+        cached: 0,
+        truncated: false,
+        completion: 0,
+    };
+    loop {
+        let f = next_frame(ws).await?;
+        match f["type"].as_str() {
+            Some("started") => {
+                r.prompt = f["prompt_tokens"].as_u64().unwrap_or(0) as usize;
+                r.cached = f["cached_tokens"].as_u64().unwrap_or(0) as usize;
+                r.truncated = f.get("truncated").is_some();
+            }
+            Some("delta") => {
+                let now = Instant::now();
+                r.first.get_or_insert(now);
+                r.last = Some(now);
+                r.deltas += 1;
+            }
+            Some("done") => {
+                r.completion = f["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
+                return Ok(r);
+            }
+            Some("error") => return Err(format!("server error: {f}")),
+            _ => {}
+        }
+    }
+}
+
 /// Reads frames until one of type `kind`; an `error` frame ends it with the error.
 async fn until(ws: &mut Socket, kind: &str) -> Result<Value, String> {
     loop {

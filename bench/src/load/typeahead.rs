@@ -127,43 +127,23 @@ pub(super) async fn typist(
         "params": {"temperature": 0, "max_tokens": cfg.max_tokens, "ignore_eos": true}});
     let sent = Instant::now();
     send_json(&mut ws, &frame).await?;
-    let (mut first, mut last, mut deltas) = (None, sent, 0usize);
-    let (mut prompt, mut cached) = (0, 0);
-    loop {
-        let f = next_frame(&mut ws).await?;
-        match f["type"].as_str() {
-            Some("started") => {
-                prompt = f["prompt_tokens"].as_u64().unwrap_or(0) as usize;
-                cached = f["cached_tokens"].as_u64().unwrap_or(0) as usize;
-            }
-            Some("delta") => {
-                last = Instant::now();
-                first.get_or_insert(last);
-                deltas += 1;
-            }
-            Some("done") => {
-                let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
-                let first = first.ok_or("a reply without deltas")?;
-                let decode = (last - first).as_secs_f64();
-                let rate = if decode > 0.0 && deltas > 1 {
-                    (tokens as f64 - 1.0) / decode
-                } else {
-                    f64::NAN
-                };
-                return Ok(TypedReply {
-                    ttft: (first - sent).as_secs_f64(),
-                    decode_tok_s: rate,
-                    prompt,
-                    cached,
-                    tokens,
-                    sent,
-                    done: Instant::now(),
-                });
-            }
-            Some("error") => return Err(format!("server error: {f}")),
-            _ => {}
-        }
-    }
+    let r = read_reply(&mut ws).await?;
+    let (first, last) = r.first.zip(r.last).ok_or("a reply without deltas")?;
+    let decode = (last - first).as_secs_f64();
+    let rate = if decode > 0.0 && r.deltas > 1 {
+        (r.completion as f64 - 1.0) / decode
+    } else {
+        f64::NAN
+    };
+    Ok(TypedReply {
+        ttft: (first - sent).as_secs_f64(),
+        decode_tok_s: rate,
+        prompt: r.prompt,
+        cached: r.cached,
+        tokens: r.completion,
+        sent,
+        done: Instant::now(),
+    })
 }
 
 /// Runs the type-ahead workload once and prints its TTFT, decode rates and cache share.
