@@ -120,6 +120,7 @@ fn run(
         priority: Default::default(),
         scope: CacheScope::private(Salt(0)),
         lease: None,
+        shift: false,
         logprobs: None,
         forks: Vec::new(),
         quota: Default::default(),

@@ -42,6 +42,9 @@ pub struct Request {
     pub scope: CacheScope,
     /// The session lease it continues and leaves its blocks to.
     pub lease: Option<LeaseKey>,
+    /// Its prompt dropped turns its lease holds (the overflow policy): the kept ones that follow
+    /// may be shifted from the lease (`cache.context_shift`) rather than prefilled again.
+    pub shift: bool,
     /// Report each token's log-probability and this many alternatives (`None`: none).
     pub logprobs: Option<usize>,
     /// More choices of the same prompt: each forks from this request's prefill (sharing its
@@ -261,7 +264,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
             .collect();
         let position = (self.sched).add_with(r.id, r.prompt, max_total, r.scope, r.quota)?;
         if let Some(k) = r.lease {
-            self.sched.set_lease(r.id, k);
+            self.sched.set_lease(r.id, k, r.shift);
         }
         self.sched.set_priority(r.id, r.priority);
         if r.max_tokens == 0 {

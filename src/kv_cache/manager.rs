@@ -230,13 +230,15 @@ impl KvManager {
     /// The blocks a request starts from (vLLM's `get_computed_blocks`): the longest cached run of
     /// its full blocks in its scope, then the session lease's partly filled block or a pinned
     /// prefix's partly filled block when the tokens continue it, always leaving the last token to
-    /// compute. The session's previous lease has then served: its blocks are this request's now.
-    /// Without prefix caching, nothing.
+    /// compute; with `shift` (its prompt dropped turns the lease holds), a later run of the lease
+    /// that the request continues, shifted (see the module doc). The session's previous lease has
+    /// then served: its blocks are this request's now. Without prefix caching, nothing.
     pub fn computed_blocks(
         &mut self,
         tokens: &[u32],
         scope: CacheScope,
         lease: Option<LeaseKey>,
+        shift: bool,
     ) -> Computed {
         let mut blocks = SeqBlocks::new(scope);
         if !self.cfg.prefix_caching || tokens.is_empty() {
@@ -250,7 +252,9 @@ impl KvManager {
         if let Some(key) = lease {
             computed = self.continue_lease_tail(key, tokens, &mut blocks, computed);
             computed = self.fork_lease_block(key, tokens, &mut blocks, computed);
-            computed = self.shift_lease_run(key, tokens, &mut blocks, computed);
+            if shift {
+                computed = self.shift_lease_run(key, tokens, &mut blocks, computed);
+            }
             self.drop_lease(key);
         }
         computed = self.continue_pin_tail(tokens, &mut blocks, computed);
@@ -780,7 +784,7 @@ mod tests {
 
     /// A request that has computed all of `tokens` (their K/V written).
     fn computed(kv: &mut KvManager, tokens: &[u32], scope: CacheScope) -> SeqBlocks {
-        let c = kv.computed_blocks(tokens, scope, None);
+        let c = kv.computed_blocks(tokens, scope, None, false);
         let mut b = c.blocks;
         assert!(kv.allocate_slots(&mut b, tokens.len()));
         kv.cache_full_blocks(&mut b, tokens, tokens.len());
@@ -799,14 +803,17 @@ mod tests {
         );
         let lease_tokens = [sys.clone(), dropped, kept.clone()].concat();
         let request = [sys, kept, vec![300, 301, 302]].concat();
-        for shift in [false, true] {
+        // Shifted only with the setting on and the request saying its prompt dropped turns (an
+        // edit whose text a later turn repeats is prefilled, as ever).
+        for (setting, dropped) in [(false, true), (true, false), (true, true)] {
+            let shift = setting && dropped;
             let mut kv = manager(32, 64);
-            kv.cfg.context_shift = shift;
+            kv.cfg.context_shift = setting;
             let scope = CacheScope::private(Salt(1));
             let b = computed(&mut kv, &lease_tokens, scope);
             let lease_table = b.table().to_vec();
             kv.finish(b, &lease_tokens, 24, Some(LeaseKey(7)));
-            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(7)));
+            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(7)), dropped);
             kv.check().unwrap();
             let shifts = kv.take_shifts();
             let copies = kv.take_copies();
@@ -909,7 +916,7 @@ mod tests {
                 len = got;
                 kv.take_copies();
                 if sharer.is_none() && len >= 8 {
-                    let c = kv.computed_blocks(&tokens[..len + 1], scope, None);
+                    let c = kv.computed_blocks(&tokens[..len + 1], scope, None, false);
                     proptest::prop_assert!(c.tokens >= 4);
                     sharer = Some(c.blocks);
                 }
@@ -952,7 +959,7 @@ mod tests {
             let b = computed(&mut kv, &leased, scope);
             let lease_table = b.table().to_vec();
             kv.finish(b, &leased, leased.len(), Some(LeaseKey(1)));
-            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(1)));
+            let c = kv.computed_blocks(&request, scope, Some(LeaseKey(1)), true);
             let table = c.blocks.table().to_vec();
             let shifts = kv.take_shifts();
             kv.check().map_err(proptest::test_runner::TestCaseError::fail)?;
@@ -1016,11 +1023,11 @@ mod tests {
         let tokens: Vec<u32> = (0..12).collect();
         let first = computed(&mut kv, &tokens, a);
         // Same scope: two full blocks (the third would leave no token to compute).
-        let c = kv.computed_blocks(&tokens, a, None);
+        let c = kv.computed_blocks(&tokens, a, None, false);
         assert_eq!((c.tokens, c.blocks.table()), (8, &first.table()[..2]));
         kv.free(c.blocks);
         // Another scope: nothing.
-        let c = kv.computed_blocks(&tokens, CacheScope::private(Salt(2)), None);
+        let c = kv.computed_blocks(&tokens, CacheScope::private(Salt(2)), None, false);
         assert_eq!(c.tokens, 0);
         kv.free(c.blocks);
         kv.free(first);
@@ -1040,7 +1047,7 @@ mod tests {
         kv.check().unwrap();
         let mut turn2 = turn1.clone();
         turn2.extend([50, 51]);
-        let c = kv.computed_blocks(&turn2, scope, Some(LeaseKey(7)));
+        let c = kv.computed_blocks(&turn2, scope, Some(LeaseKey(7)), false);
         assert_eq!(c.tokens, 10, "the partial block continues the request");
         assert_eq!(kv.held_blocks().leased, 0, "the lease has served");
         assert_eq!(kv.pool().used_count(), 3);
@@ -1085,18 +1092,18 @@ mod tests {
             principal: Salt(9),
             shared_tokens: sys.len(),
         };
-        let c = kv.computed_blocks(&prompt, visitor, None);
+        let c = kv.computed_blocks(&prompt, visitor, None, false);
         assert_eq!(c.tokens, 9);
         let copies = kv.take_copies();
         assert_eq!(copies.len(), 1);
         assert_eq!((copies[0].dst, copies[0].slots), (c.blocks.table()[2], 1));
         // Freed before its step ran: the pending copy goes with it.
         kv.free(c.blocks);
-        let c = kv.computed_blocks(&prompt, visitor, None);
+        let c = kv.computed_blocks(&prompt, visitor, None, false);
         kv.free(c.blocks);
         assert!(kv.take_copies().is_empty());
         // Another tenant finds nothing.
-        let c = kv.computed_blocks(&prompt, CacheScope::private(Salt(6)), None);
+        let c = kv.computed_blocks(&prompt, CacheScope::private(Salt(6)), None, false);
         assert_eq!(c.tokens, 0);
         kv.free(c.blocks);
         kv.check().unwrap();
@@ -1116,7 +1123,7 @@ mod tests {
         assert_eq!(lease_blocks, 3);
         // Regenerate: the same prompt again. One full block is cached; the lease's second block
         // starts with tokens 4, 5: one copied slot, the last token left to compute.
-        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(7)));
+        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(7)), false);
         assert_eq!(c.tokens, prompt.len() - 1);
         let copies = kv.take_copies();
         assert_eq!(copies.len(), 1);
@@ -1135,7 +1142,7 @@ mod tests {
         kv.finish(b, &turn, turn.len(), Some(LeaseKey(7)));
         let mut edited = turn[..9].to_vec();
         edited.extend([200, 201, 202]);
-        let c = kv.computed_blocks(&edited, scope, Some(LeaseKey(7)));
+        let c = kv.computed_blocks(&edited, scope, Some(LeaseKey(7)), false);
         assert_eq!(c.tokens, 9, "everything before the fork");
         let copies = kv.take_copies();
         assert_eq!((copies[0].dst, copies[0].slots), (c.blocks.table()[2], 1));
@@ -1144,7 +1151,7 @@ mod tests {
         // Another session's lease is never a source.
         let b = computed(&mut kv, &turn, scope);
         kv.finish(b, &turn, turn.len(), Some(LeaseKey(7)));
-        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(8)));
+        let c = kv.computed_blocks(&prompt, scope, Some(LeaseKey(8)), false);
         assert_eq!(c.tokens, 4, "the shared full block only");
         assert!(kv.take_copies().is_empty());
         kv.free(c.blocks);

@@ -366,6 +366,7 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
         priority: Default::default(),
         scope: CacheScope::private(Salt(1)),
         lease: None,
+        shift: false,
         logprobs: Some(5),
         forks: [2, 3]
             .map(|i| Fork {
@@ -483,6 +484,7 @@ fn speculation_leaves_every_reply_as_it_was() {
                 priority: Default::default(),
                 scope: CacheScope::private(Salt(i as u64)),
                 lease: None,
+                shift: false,
                 logprobs: *logprobs,
                 forks: Vec::new(),
                 quota: Default::default(),

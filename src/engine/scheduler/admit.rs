@@ -114,7 +114,7 @@ impl Scheduler {
         if s.blocks.is_empty() {
             let c = self
                 .kv
-                .computed_blocks(&s.tokens, *s.blocks.scope(), s.lease.take());
+                .computed_blocks(&s.tokens, *s.blocks.scope(), s.lease.take(), s.shift);
             s.blocks = c.blocks;
             s.computed = c.tokens;
             if !s.started {

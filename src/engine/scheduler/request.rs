@@ -65,8 +65,10 @@ pub struct Sequence {
     pub started: bool,
     /// Tokens taken from the prefix cache at first admission.
     pub cached_tokens: usize,
-    /// The session lease this request continues (handed over at admission).
+    /// The session lease this request continues (handed over at admission), and whether the
+    /// manager may shift a later run of it (`KvManager::computed_blocks`).
     pub lease: Option<LeaseKey>,
+    pub(super) shift: bool,
     pub priority: Priority,
     /// Its tenant's share.
     pub(super) quota: Quota,
@@ -106,6 +108,7 @@ impl Sequence {
             started: kind == SeqKind::Pin,
             cached_tokens: 0,
             lease: None,
+            shift: false,
             priority: Priority::Interactive,
             quota: Quota::default(),
             kind,
@@ -271,10 +274,12 @@ impl Scheduler {
         }
     }
 
-    /// Sets the session lease a queued request continues.
-    pub fn set_lease(&mut self, id: RequestId, lease: LeaseKey) {
+    /// Sets the session lease a queued request continues; `shift`: its prompt dropped turns the
+    /// lease holds, so a later run of it may be shifted.
+    pub fn set_lease(&mut self, id: RequestId, lease: LeaseKey, shift: bool) {
         if let Some(s) = self.waiting.iter_mut().find(|s| s.id == id) {
             s.lease = Some(lease);
+            s.shift = shift;
         }
     }
 

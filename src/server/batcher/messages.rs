@@ -155,6 +155,9 @@ pub struct Submit {
     pub scope: crate::kv_cache::CacheScope,
     /// The session's lease key: its conversation's blocks stay cached for its next turn.
     pub lease: Option<LeaseKey>,
+    /// Its prompt dropped the conversation's oldest turns (`Prompt::dropped`): the kept ones may
+    /// be shifted from the lease rather than prefilled again (`cache.context_shift`).
+    pub shift: bool,
     /// Report log-probabilities with this many alternatives.
     pub logprobs: Option<usize>,
     /// More choices of the same prompt (one prefill); their events go to `reply_to` too.
@@ -188,6 +191,7 @@ impl Submit {
             priority: valid.priority,
             scope: prompt.scope,
             lease: None,
+            shift: prompt.dropped.is_some(),
             logprobs: None,
             forks: Vec::new(),
             reply_to,

@@ -62,7 +62,7 @@ fn a_lease_keeps_a_conversation_for_the_next_turn_and_hands_it_over() {
     let mut turn2 = s_tokens(&turn1, 3);
     turn2.extend([50, 51, 52]);
     s.add(id(2), turn2, 20, scope(0)).unwrap();
-    s.set_lease(id(2), LeaseKey(42));
+    s.set_lease(id(2), LeaseKey(42), false);
     assert_eq!(started(&step(&mut s)), vec![(2, 12)]);
     assert_eq!(s.kv().held_blocks().leased, 0);
     s.finish(id(2), None);
@@ -89,7 +89,7 @@ fn a_lease_keeps_its_partly_filled_block_and_the_next_turn_continues_it() {
     let mut turn2 = s_tokens(&turn1, 3);
     turn2.extend([50, 51, 52]);
     s.add(id(2), turn2.clone(), 20, scope(0)).unwrap();
-    s.set_lease(id(2), LeaseKey(42));
+    s.set_lease(id(2), LeaseKey(42), false);
     assert_eq!(started(&step(&mut s)), vec![(2, 14)]);
     assert_eq!(s.kv().held_blocks().leased, 0);
     assert_eq!(
@@ -105,7 +105,7 @@ fn a_lease_keeps_its_partly_filled_block_and_the_next_turn_continues_it() {
     let mut turn3 = turn2[..13].to_vec();
     turn3.extend([90, 91, 92, 93]);
     s.add(id(3), turn3, 20, scope(0)).unwrap();
-    s.set_lease(id(3), LeaseKey(42));
+    s.set_lease(id(3), LeaseKey(42), false);
     let out = step(&mut s);
     assert_eq!(started(&out), vec![(3, 13)]);
     assert_eq!(out.copies.len(), 1);
@@ -137,7 +137,7 @@ fn a_turn_that_waits_a_step_for_room_keeps_its_leased_partial_block() {
     let mut turn2 = s_tokens(&turn1, 3);
     turn2.extend([50, 51, 52]);
     s.add(id(3), turn2, 20, scope(0)).unwrap();
-    s.set_lease(id(3), LeaseKey(42));
+    s.set_lease(id(3), LeaseKey(42), false);
     assert_eq!(started(&step(&mut s)), vec![(2, 0)]);
     assert_eq!(s.kv().held_blocks().leased, 4, "the lease is still whole");
     // Request 2 has more than a step left: turn 2, short by what it needs to prefill (4 tokens

@@ -275,7 +275,7 @@ proptest! {
                     if s.add(id(next), vec![4; a], a, scope(next % 2)).is_ok() {
                         s.set_priority(id(next), Priority::Batch);
                         s.set_prefill_only(id(next));
-                        s.set_lease(id(next), LeaseKey(next % 3));
+                        s.set_lease(id(next), LeaseKey(next % 3), false);
                     }
                     next += 1;
                 }
