@@ -1032,14 +1032,19 @@ mod tests {
             .session_config()
     }
 
+    /// The rules for a client that may send every role, with the generic call format.
+    fn any_role(session: &SessionConfig) -> Rules<'_> {
+        Rules {
+            session,
+            roles: Roles::ALL,
+            syntax: None,
+        }
+    }
+
     #[test]
     fn a_function_call_streams_as_its_item_and_its_output_continues_the_conversation() {
         let session = shipped();
-        let rules = Rules {
-            session: &session,
-            roles: Roles::ALL,
-            syntax: None,
-        };
+        let rules = any_role(&session);
         let mut rt = Realtime::new("m".into());
         let mut conversation: Vec<Message> = Vec::new();
         let tools = r#"{"type":"session.update","session":{"tools":[{"type":"function","name":"order_status","description":"Looks up an order.","parameters":{"type":"object","properties":{"order":{"type":"string"}},"required":["order"]}}],"tool_choice":"auto"}}"#;
@@ -1163,11 +1168,7 @@ mod tests {
     #[test]
     fn truncation_is_checked_at_session_update() {
         let session = shipped();
-        let rules = Rules {
-            session: &session,
-            roles: Roles::ALL,
-            syntax: None,
-        };
+        let rules = any_role(&session);
         let mut rt = Realtime::new("m".into());
         let mut handle = |event: &str| rt.handle(event, &rules, &[], false);
         for (value, param) in [
@@ -1201,11 +1202,7 @@ mod tests {
     #[test]
     fn tools_are_checked_with_the_field_named_as_realtime_names_it() {
         let session = shipped();
-        let rules = Rules {
-            session: &session,
-            roles: Roles::ALL,
-            syntax: None,
-        };
+        let rules = any_role(&session);
         let mut rt = Realtime::new("m".into());
         let mut refused = |event: &str| rt.handle(event, &rules, &[], false).unwrap_err();
         let e = refused(
