@@ -126,16 +126,15 @@
 
   function changed(reason) {
     if (reason === "ready" && conversation.limits.max_tokens) { maxTokens.max = conversation.limits.max_tokens; }
-    // The resume token names a session whose conversation matches what is saved only while no
-    // reply runs.
-    writeSession({ id: currentId, token: conversation.current ? null : conversation.resumeToken });
     if (reason === "new") {
       currentId = null;
       system.value = "";
-      writeSession({ id: null, token: conversation.resumeToken });
       renderList();
     }
     if (reason === "turn" || reason === "restored") { save(); }
+    // The resume token names a session whose conversation matches what is saved only while no
+    // reply runs.
+    writeSession({ id: currentId, token: conversation.current ? null : conversation.resumeToken });
     showSystem();
   }
 
@@ -157,7 +156,6 @@
     rec.sessionBase = s.sessionBase;
     rec.system = s.system;
     rec.settings = settingsOf();
-    writeSession({ id: currentId, token: conversation.current ? null : conversation.resumeToken });
     put(rec);
     renderList();
   }
