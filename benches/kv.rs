@@ -66,7 +66,7 @@ fn per_step(blocks: usize, leased: u64, steps: usize) -> f64 {
         *id += 1;
         s.add(r, prompt(session, 40), 40 + 64, scope(session))
             .unwrap();
-        s.set_lease(r, LeaseKey(session));
+        s.set_lease(r, LeaseKey(session), false);
         r
     };
     for session in leased..leased + RUNNING {
