@@ -3,7 +3,7 @@
 //! latency), with peak RSS. Medians over repeated runs.
 //!
 //!     cargo bench --bench engine -- [--threads 2] [--model PATH] [--reps 5] [--no-malloc-tuning]
-//!                                   [--weights auto|keep|f32] [--kv f16|f32] [--no-cpu-layers]
+//!                                   [--weights auto|keep|f32] [--kv f16|f32|q8_0] [--no-cpu-layers]
 //!                                   [--device cpu|cuda|cuda:N]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
@@ -17,7 +17,8 @@
 //!                                   # beside 8 streams: alone, the decodes alone, one step
 //!     cargo bench --bench engine -- --attention 64 --context 1000 [--chunk 1] [--device cuda:0]
 //!                                   # one layer's attention alone, each implementation the
-//!                                   # device has (fast: CPU only; generic: any device)
+//!                                   # device has (fast: CPU only; generic: any device;
+//!                                   # ATTENTION_FAST_ONLY=1: the fast one alone)
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -43,7 +44,7 @@ struct Args {
     chunk: Option<usize>,
     seqs: usize,
     decodes: usize,
-    kv_f16: bool,
+    kv: llama_relay::kv_cache::KvDtype,
     no_cpu_layers: bool,
     weights: llama_relay::model::loader::WeightMode,
     device: candle_core::Device,
@@ -67,7 +68,7 @@ fn parse() -> Args {
         seqs: 1,
         decodes: 0,
         // The server's default (`engine.kv_dtype` in config/default.toml).
-        kv_f16: true,
+        kv: llama_relay::kv_cache::KvDtype::F16,
         no_cpu_layers: false,
         weights: llama_relay::model::loader::WeightMode::Auto,
         device: candle_core::Device::Cpu,
@@ -92,11 +93,11 @@ fn parse() -> Args {
                 )
             }
             "--kv" => {
-                a.kv_f16 = match it.next().as_deref() {
-                    Some("f16") => true,
-                    Some("f32") => false,
-                    _ => panic!("--kv f16|f32"),
-                }
+                a.kv = it
+                    .next()
+                    .as_deref()
+                    .and_then(llama_relay::kv_cache::KvDtype::parse)
+                    .expect("--kv f16|f32|q8_0")
             }
             "--no-cpu-layers" => a.no_cpu_layers = true,
             "--device" => {
@@ -251,17 +252,27 @@ fn prefilled(e: &mut Engine, n: usize, ctx: usize, room: usize, seed: u64) -> Ve
             t
         })
         .collect();
-    let batch = StepBatch {
-        seqs: (tables.iter().enumerate())
-            .map(|(i, t)| SeqChunk {
-                tokens: tokens(ctx, seed + i as u64, vocab),
-                start_pos: 0,
-                block_table: t.clone(),
-                logits: Logits::None,
-            })
-            .collect(),
-    };
-    e.model.forward(&batch, &e.cache).unwrap();
+    // In steps of at most ~4,096 tokens (a whole 16 x 4,000 step would hold gigabytes of
+    // activations).
+    let per_step = (4096 / ctx.max(1)).max(1);
+    for (c, group) in tables.chunks(per_step).enumerate() {
+        for from in (0..ctx).step_by(4096) {
+            let len = 4096.min(ctx - from);
+            let batch = StepBatch {
+                seqs: (group.iter().enumerate())
+                    .map(|(i, t)| SeqChunk {
+                        tokens: tokens(ctx, seed + (c * per_step + i) as u64, vocab)
+                            [from..from + len]
+                            .to_vec(),
+                        start_pos: from,
+                        block_table: t.clone(),
+                        logits: Logits::None,
+                    })
+                    .collect(),
+            };
+            e.model.forward(&batch, &e.cache).unwrap();
+        }
+    }
     tables
 }
 
@@ -436,11 +447,12 @@ fn attention(
     seqs: usize,
     ctx: usize,
     q_len: usize,
-    f16: bool,
+    kv: llama_relay::kv_cache::KvDtype,
     reps: usize,
     dev: &candle_core::Device,
 ) {
-    use candle_core::{DType, Tensor};
+    use candle_core::Tensor;
+    use llama_relay::kv_cache::{KvCache, KvCacheSpec};
     use llama_relay::model::attention::{paged_attention, AttentionImpl, AttnDims};
     use llama_relay::model::batch::SeqMeta;
     let (h, kvh, hd, bs) = (9, 3, 64, 16);
@@ -455,16 +467,27 @@ fn attention(
             .wrapping_add(1442695040888963407);
         order.swap(i, (r >> 33) as usize % (i + 1));
     }
-    let dt = if f16 { DType::F16 } else { DType::F32 };
+    // A one-layer cache as the server makes it (huge pages where the kernel allows), filled with
+    // random rows.
+    let shape = llama_relay::kv_cache::KvShape {
+        layers: 1,
+        kv_dim: kvh * hd,
+        heads: kvh,
+    };
+    let spec = KvCacheSpec {
+        block_size: bs,
+        num_blocks: total_blocks,
+    };
+    let cache = KvCache::new(shape, spec, kv, dev).unwrap();
     let slots = total_blocks * bs;
-    let kc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), dev)
-        .unwrap()
-        .to_dtype(dt)
-        .unwrap();
-    let vc = Tensor::randn(0f32, 1.0, (slots, kvh * hd), dev)
-        .unwrap()
-        .to_dtype(dt)
-        .unwrap();
+    for from in (0..slots).step_by(1 << 16) {
+        let n = (1 << 16).min(slots - from);
+        let ids: Vec<u32> = (from as u32..(from + n) as u32).collect();
+        let rows = || Tensor::randn(0f32, 1.0, (n, kvh * hd), dev).unwrap();
+        let index = cache.slot_index(&ids).unwrap();
+        cache.write(0, &index, &rows(), &rows()).unwrap();
+    }
+    let layer = cache.layer(0).unwrap();
     let q = Tensor::randn(0f32, 1.0, (seqs * q_len, h * hd), dev).unwrap();
     let metas: Vec<SeqMeta> = (0..seqs)
         .map(|i| SeqMeta {
@@ -480,15 +503,18 @@ fn attention(
         head_dim: hd,
         block_size: bs,
     };
-    let bytes = (seqs * (ctx + q_len) * 2 * kvh * hd * dt.size_in_bytes()) as f64;
-    let imps: &[AttentionImpl] = if dev.is_cpu() {
-        &[AttentionImpl::FastCpu, AttentionImpl::Generic]
-    } else {
+    let bytes = (seqs * (ctx + q_len) * KvCacheSpec::bytes_per_token(shape, kv)) as f64;
+    let imps: &[AttentionImpl] = if !dev.is_cpu() {
         &[AttentionImpl::Generic]
+    } else if std::env::var_os("ATTENTION_FAST_ONLY").is_some() {
+        // For profiling the kernel alone (`perf record`).
+        &[AttentionImpl::FastCpu]
+    } else {
+        &[AttentionImpl::FastCpu, AttentionImpl::Generic]
     };
     for &imp in imps {
         let once = || {
-            let o = paged_attention(imp, &q, &kc, &vc, &metas, dims).unwrap();
+            let o = paged_attention(imp, &q, &layer, &metas, dims).unwrap();
             // Wait for the device: reading one value back ends the queued work.
             let _ = o
                 .narrow(0, 0, 1)
@@ -513,7 +539,8 @@ fn attention(
             )
         });
         println!(
-            "attention {imp:?} on {dev:?}, {seqs} seqs x {q_len} tokens after {ctx}, {dt:?}: {:.1} us per layer, {:.1} GB/s of K/V, x30 layers = {:.2} ms",
+            "attention {imp:?} on {dev:?}, {seqs} seqs x {q_len} tokens after {ctx}, {}: {:.1} us per layer, {:.1} GB/s of K/V, x30 layers = {:.2} ms",
+            kv.name(),
             t * 1e6,
             bytes / t / 1e9,
             t * 30e3
@@ -806,14 +833,7 @@ fn main() {
     }
     if let Some(n) = a.attention {
         apply_process_settings(a.threads, a.malloc_tuning);
-        attention(
-            n,
-            a.context,
-            a.chunk.unwrap_or(1),
-            a.kv_f16,
-            a.reps,
-            &a.device,
-        );
+        attention(n, a.context, a.chunk.unwrap_or(1), a.kv, a.reps, &a.device);
         return;
     }
     if a.compare_malloc {
@@ -845,10 +865,10 @@ fn main() {
     let mut o = EngineOptions::for_model(model);
     o.weights = a.weights;
     o.device = a.device.clone();
-    if a.kv_f16 {
-        o.kv_dtype = candle_core::DType::F16;
-    }
-    o.cache = llama_relay::engine::loaded::CacheSize::Tokens(32 * 256 + 1024);
+    o.kv_dtype = a.kv;
+    // Room for the decode table's 32 x 256 tokens, or for `--decode-only N` at `--context`.
+    let decode_tokens = a.decode_only.unwrap_or(0) * (a.context + 40 * a.reps.max(1) + 32);
+    o.cache = llama_relay::engine::loaded::CacheSize::Tokens((32 * 256).max(decode_tokens) + 1024);
     let mut e = Engine::load(&o).unwrap();
     if a.roof {
         let model_bytes = a.model.as_ref().map_or_else(
@@ -868,7 +888,7 @@ fn main() {
         a.threads,
         a.malloc_tuning,
         e.info.weight_types.join(", "),
-        e.cache.dtype(),
+        e.cache.dtype().name(),
         if cpu_layers { "on" } else { "off" }
     );
     prefill_once(&mut e, &tokens(64, 99, vocab)); // warm-up

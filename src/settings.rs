@@ -335,17 +335,13 @@ impl Settings {
                 ))
             }
         };
-        let kv_dtype = match e.kv_dtype.as_str() {
-            "f32" => candle_core::DType::F32,
-            "f16" => candle_core::DType::F16,
-            other => {
-                return Err(invalid(
-                    "engine.kv_dtype",
-                    format!("{other:?}"),
-                    "\"f32\" or \"f16\"",
-                ))
-            }
-        };
+        let kv_dtype = crate::kv_cache::KvDtype::parse(&e.kv_dtype).ok_or_else(|| {
+            invalid(
+                "engine.kv_dtype",
+                format!("{:?}", e.kv_dtype),
+                "\"f32\", \"f16\" or \"q8_0\"",
+            )
+        })?;
         let path = |s: &str| {
             if s.is_empty() {
                 None
@@ -507,11 +503,14 @@ mod tests {
             e.contains("engine.kv_dtype") && e.contains("\"f16\""),
             "{e}"
         );
-        s.engine.kv_dtype = "f16".into();
-        assert_eq!(
-            s.engine_options().unwrap().kv_dtype,
-            candle_core::DType::F16
-        );
+        for (name, dtype) in [
+            ("f16", crate::kv_cache::KvDtype::F16),
+            ("f32", crate::kv_cache::KvDtype::F32),
+            ("q8_0", crate::kv_cache::KvDtype::Q8),
+        ] {
+            s.engine.kv_dtype = name.into();
+            assert_eq!(s.engine_options().unwrap().kv_dtype, dtype);
+        }
     }
 
     #[test]

@@ -39,8 +39,8 @@ pub struct EngineOptions {
     /// `None` = the fastest for the device.
     pub attention: Option<AttentionImpl>,
     pub weights: WeightMode,
-    /// KV cache element type: F32 or F16.
-    pub kv_dtype: candle_core::DType,
+    /// What the KV cache stores: F32, F16 or Q8.
+    pub kv_dtype: crate::kv_cache::KvDtype,
     /// MiB of bf16 weight copies for the tile units on CPUs with AMX (`kernels::amx`); 0 = none.
     pub amx_weights_mib: usize,
 }
@@ -57,7 +57,7 @@ impl EngineOptions {
             max_context: None,
             attention: None,
             weights: WeightMode::Auto,
-            kv_dtype: candle_core::DType::F32,
+            kv_dtype: crate::kv_cache::KvDtype::F32,
             amx_weights_mib: 1024,
         }
     }
@@ -236,7 +236,7 @@ impl Engine {
         }
         tracing::info!(
             bytes_per_token = KvCacheSpec::bytes_per_token(cfg.kv_shape(), opts.kv_dtype),
-            dtype = ?opts.kv_dtype,
+            dtype = opts.kv_dtype.name(),
             block_size = spec.block_size,
             blocks = spec.num_blocks,
             tokens = spec.num_slots(),

@@ -1,4 +1,5 @@
-//! The paged KV cache: per-layer K and V tensors cut into fixed-size blocks (`storage`), the pure
+//! The paged KV cache: per-layer K and V tensors cut into fixed-size blocks (`storage`, F32, F16 or
+//! the 8-bit format of `q8`), the pure
 //! bookkeeping of which blocks are free and what they hold (`block_pool`), and the manager that
 //! gives requests their blocks, shares cached prefixes and keeps leases and pins (`manager`).
 //!
@@ -9,10 +10,11 @@
 
 pub mod block_pool;
 pub mod manager;
+pub mod q8;
 pub mod storage;
 
 pub use block_pool::{BlockHash, BlockPool, CacheScope, Salt};
-pub use storage::{KvCache, KvCacheSpec, KvShape};
+pub use storage::{KvCache, KvCacheSpec, KvDtype, KvShape, LayerKv, SlotIndex};
 
 /// Number of blocks needed to hold `tokens` tokens.
 pub fn blocks_for(tokens: usize, block_size: usize) -> usize {

@@ -1,8 +1,9 @@
 //! The KV cache tensors: one K and one V tensor of shape `[layers, num_blocks * block_size,
-//! num_kv_heads * head_dim]`, F32 or F16 (`engine.kv_dtype`); each layer works on its view. Rows are slots; a block is
-//! `block_size` consecutive rows. One allocation each (not one per layer) so that the allocator maps
-//! fresh zero pages instead of clearing heap memory: a 1 GiB cache then costs nothing at start-up
-//! and pages are touched only as sequences fill them.
+//! num_kv_heads * head_dim]`, F32, F16 or Q8 codes (`engine.kv_dtype`; Q8 adds a scale tensor
+//! `[layers, slots, num_kv_heads]` for each, `kv_cache::q8`); each layer works on its views. Rows
+//! are slots; a block is `block_size` consecutive rows. One allocation each (not one per layer) so
+//! that the allocator maps fresh zero pages instead of clearing heap memory: a 1 GiB cache then
+//! costs nothing at start-up and pages are touched only as sequences fill them.
 //!
 //! Writes go through candle's in-place `scatter_set`, so they work on every device; the CPU fast
 //! attention path reads the same tensors as plain slices.
@@ -10,12 +11,69 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::{EngineError, Result};
+use crate::kv_cache::q8;
 
-/// What one token's K and V take: `layers` of `kv_dim` values each (the model says).
+/// What one token's K and V take: `layers` of `kv_dim` values each, `heads` rows of
+/// `kv_dim / heads` (the model says).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvShape {
     pub layers: usize,
     pub kv_dim: usize,
+    pub heads: usize,
+}
+
+/// What the cache stores for each value (`engine.kv_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvDtype {
+    F32,
+    F16,
+    /// 8-bit codes with an F16 scale per head row (`kv_cache::q8`).
+    Q8,
+}
+
+impl KvDtype {
+    /// The configuration's names: `f32`, `f16`, `q8_0`.
+    pub fn parse(name: &str) -> Option<Self> {
+        match name {
+            "f32" => Some(KvDtype::F32),
+            "f16" => Some(KvDtype::F16),
+            "q8_0" => Some(KvDtype::Q8),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Q8 => "q8_0",
+        }
+    }
+
+    /// The candle type of the K and V tensors (the codes, for Q8).
+    pub fn storage(self) -> DType {
+        match self {
+            KvDtype::F32 => DType::F32,
+            KvDtype::F16 => DType::F16,
+            KvDtype::Q8 => DType::U8,
+        }
+    }
+}
+
+/// One layer's views of the cache: K and V `[slots, kv_dim]`, and for Q8 their scales
+/// `[slots, heads]`.
+pub struct LayerKv {
+    pub k: Tensor,
+    pub v: Tensor,
+    pub scales: Option<(Tensor, Tensor)>,
+}
+
+/// Where a step's rows go, in the layout candle's scatter wants: `[tokens, kv_dim]` u32, each row
+/// filled with its slot id, and for Q8 the same `[tokens, heads]` for the scales. Made once a step
+/// by `KvCache::slot_index`.
+pub struct SlotIndex {
+    rows: Tensor,
+    heads: Option<Tensor>,
 }
 
 /// How big the cache is and how it is cut.
@@ -26,13 +84,17 @@ pub struct KvCacheSpec {
 }
 
 impl KvCacheSpec {
-    /// Bytes one token takes across all layers (K and V).
-    pub fn bytes_per_token(shape: KvShape, dtype: DType) -> usize {
-        2 * shape.layers * shape.kv_dim * dtype.size_in_bytes()
+    /// Bytes one token takes across all layers (K and V, with Q8's scales).
+    pub fn bytes_per_token(shape: KvShape, dtype: KvDtype) -> usize {
+        let row = match dtype {
+            KvDtype::Q8 => shape.kv_dim + shape.heads * DType::F16.size_in_bytes(),
+            _ => shape.kv_dim * dtype.storage().size_in_bytes(),
+        };
+        2 * shape.layers * row
     }
 
     /// The largest whole number of blocks that fits in `bytes`.
-    pub fn from_bytes(shape: KvShape, dtype: DType, block_size: usize, bytes: usize) -> Self {
+    pub fn from_bytes(shape: KvShape, dtype: KvDtype, block_size: usize, bytes: usize) -> Self {
         let per_block = Self::bytes_per_token(shape, dtype) * block_size;
         KvCacheSpec {
             block_size,
@@ -55,18 +117,22 @@ impl KvCacheSpec {
 /// Per-layer K/V tensors.
 pub struct KvCache {
     spec: KvCacheSpec,
+    shape: KvShape,
     kv_dim: usize,
     layers: usize,
-    dtype: DType,
+    dtype: KvDtype,
     k: Tensor,
     v: Tensor,
+    /// Q8's scales for K and V.
+    scales: Option<(Tensor, Tensor)>,
 }
 
 impl KvCache {
-    pub fn new(shape: KvShape, spec: KvCacheSpec, dtype: DType, device: &Device) -> Result<Self> {
-        if !matches!(dtype, DType::F32 | DType::F16) {
+    pub fn new(shape: KvShape, spec: KvCacheSpec, dtype: KvDtype, device: &Device) -> Result<Self> {
+        if shape.heads == 0 || !shape.kv_dim.is_multiple_of(shape.heads) {
             return Err(EngineError::KvCache(format!(
-                "the cache holds F32 or F16, not {dtype:?}"
+                "rows of {} values do not split into {} heads",
+                shape.kv_dim, shape.heads
             )));
         }
         if spec.block_size == 0 || spec.num_blocks == 0 {
@@ -76,17 +142,30 @@ impl KvCache {
             )));
         }
         let dims = (shape.layers, spec.num_slots(), shape.kv_dim);
-        let k = lazy_zeros(dims, dtype, device)?;
-        let v = lazy_zeros(dims, dtype, device)?;
+        let k = lazy_zeros(dims, dtype.storage(), device)?;
+        let v = lazy_zeros(dims, dtype.storage(), device)?;
         advise_huge_pages(&k);
         advise_huge_pages(&v);
+        let scales = match dtype {
+            KvDtype::Q8 => {
+                let dims = (shape.layers, spec.num_slots(), shape.heads);
+                let ks = lazy_zeros(dims, DType::F16, device)?;
+                let vs = lazy_zeros(dims, DType::F16, device)?;
+                advise_huge_pages(&ks);
+                advise_huge_pages(&vs);
+                Some((ks, vs))
+            }
+            _ => None,
+        };
         Ok(KvCache {
             spec,
+            shape,
             kv_dim: shape.kv_dim,
             layers: shape.layers,
             dtype,
             k,
             v,
+            scales,
         })
     }
 
@@ -106,35 +185,68 @@ impl KvCache {
         self.kv_dim
     }
 
-    /// Total bytes of K and V over all layers.
+    /// Total bytes of K and V over all layers (with Q8's scales).
     pub fn bytes(&self) -> usize {
-        2 * self.layers * self.spec.num_slots() * self.kv_dim * self.dtype.size_in_bytes()
+        KvCacheSpec::bytes_per_token(self.shape, self.dtype) * self.spec.num_slots()
     }
 
-    pub fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> KvDtype {
         self.dtype
     }
 
-    /// Views of one layer's K and V, `[slots, kv_dim]` (no copy).
-    pub fn layer(&self, layer: usize) -> Result<(Tensor, Tensor)> {
-        Ok((self.k.get(layer)?, self.v.get(layer)?))
+    /// Views of one layer's K and V, `[slots, kv_dim]`, and their scales (no copy).
+    pub fn layer(&self, layer: usize) -> Result<LayerKv> {
+        Ok(LayerKv {
+            k: self.k.get(layer)?,
+            v: self.v.get(layer)?,
+            scales: match &self.scales {
+                Some((ks, vs)) => Some((ks.get(layer)?, vs.get(layer)?)),
+                None => None,
+            },
+        })
+    }
+
+    /// The scatter index of a step's rows (`slots[i]`: row i's slot), on the cache's device.
+    pub fn slot_index(&self, slots: &[u32]) -> Result<SlotIndex> {
+        let index = |width: usize| -> Result<Tensor> {
+            Ok(
+                Tensor::from_slice(slots, (slots.len(), 1), self.k.device())?
+                    .broadcast_as((slots.len(), width))?
+                    .contiguous()?,
+            )
+        };
+        Ok(SlotIndex {
+            rows: index(self.kv_dim)?,
+            heads: match self.scales {
+                Some(_) => Some(index(self.shape.heads)?),
+                None => None,
+            },
+        })
     }
 
     /// Copies the first `slots` slots of block `src` into block `dst`, K and V of every layer.
     pub fn copy_slots(&self, src: u32, dst: u32, slots: usize) -> Result<()> {
         let bs = self.spec.block_size;
         let (from, to) = (src as usize * bs, dst as usize * bs);
-        let rows: Vec<u32> = (to..to + slots).map(|r| r as u32).collect();
-        let index = Tensor::from_vec(rows, (slots, 1), self.k.device())?
-            .broadcast_as((slots, self.kv_dim))?
-            .contiguous()?;
-        // The rows into a buffer of their own (`Tensor::copy` would clone the whole cache):
-        // x * 1 + 0 is exact in every float type.
-        let rows = |t: &Tensor| t.narrow(0, from, slots)?.affine(1.0, 0.0);
+        let from: Vec<u32> = (from..from + slots).map(|r| r as u32).collect();
+        let to: Vec<u32> = (to..to + slots).map(|r| r as u32).collect();
+        let from = Tensor::from_vec(from, slots, self.k.device())?;
+        let to = self.slot_index(&to)?;
         for layer in 0..self.layers {
-            let (kc, vc) = self.layer(layer)?;
-            kc.scatter_set(&index, &rows(&kc)?, 0)?;
-            vc.scatter_set(&index, &rows(&vc)?, 0)?;
+            self.copy_rows(&self.layer(layer)?, &from, &to)?;
+        }
+        Ok(())
+    }
+
+    /// Copies one layer's rows `from` (`[n]` u32) to the rows of `to`, K and V as they are
+    /// stored. The rows go through a buffer of their own (`index_select`): a view of the cache
+    /// would read the storage `scatter_set` writes.
+    fn copy_rows(&self, kv: &LayerKv, from: &Tensor, to: &SlotIndex) -> Result<()> {
+        kv.k.scatter_set(&to.rows, &kv.k.index_select(from, 0)?, 0)?;
+        kv.v.scatter_set(&to.rows, &kv.v.index_select(from, 0)?, 0)?;
+        if let (Some((ks, vs)), Some(heads)) = (&kv.scales, &to.heads) {
+            ks.scatter_set(heads, &ks.index_select(from, 0)?, 0)?;
+            vs.scatter_set(heads, &vs.index_select(from, 0)?, 0)?;
         }
         Ok(())
     }
@@ -154,7 +266,7 @@ impl KvCache {
                 self.kv_dim
             )));
         }
-        if !self.k.device().is_cpu() {
+        if !self.k.device().is_cpu() || self.scales.is_some() {
             return self.shift_slots_generic(src, dst, rot);
         }
         let op = |turn| ShiftRows {
@@ -170,40 +282,81 @@ impl KvCache {
         Ok(())
     }
 
-    /// `shift_slots` with candle's tensor operations, for every device.
+    /// `shift_slots` with candle's tensor operations, for every device and for the Q8 cache (K
+    /// read back as F32, turned, and quantized again; V's codes and scales moved as they are).
     pub fn shift_slots_generic(&self, src: &[u32], dst: &[u32], rot: &KeyRotation) -> Result<()> {
         let device = self.k.device();
         let from = Tensor::from_slice(src, src.len(), device)?;
-        let to = Tensor::from_slice(dst, dst.len(), device)?
-            .reshape((dst.len(), 1))?
-            .broadcast_as((dst.len(), self.kv_dim))?
-            .contiguous()?;
+        let to = self.slot_index(dst)?;
         let half = rot.cos.len();
         let cos = Tensor::from_slice(&rot.cos, (1, 1, 1, half), device)?;
         let sin = Tensor::from_slice(&rot.sin, (1, 1, 1, half), device)?;
         let n = src.len();
         for layer in 0..self.layers {
-            let (kc, vc) = self.layer(layer)?;
-            let k = kc.index_select(&from, 0)?.to_dtype(DType::F32)?;
+            let kv = self.layer(layer)?;
+            let k = rows_f32(&kv.k, kv.scales.as_ref().map(|s| &s.0), &from)?;
             let k = k.reshape((n, rot.heads, 2, half))?;
             let (x1, x2) = (k.narrow(2, 0, 1)?, k.narrow(2, 1, 1)?);
             let y1 = (x1.broadcast_mul(&cos)? + x2.broadcast_mul(&sin)?)?;
             let y2 = (x2.broadcast_mul(&cos)? - x1.broadcast_mul(&sin)?)?;
             let k = Tensor::cat(&[y1, y2], 2)?.reshape((n, self.kv_dim))?;
-            let v = vc.index_select(&from, 0)?;
-            kc.scatter_set(&to, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
-            vc.scatter_set(&to, &v.contiguous()?, 0)?;
+            kv.v.scatter_set(&to.rows, &kv.v.index_select(&from, 0)?, 0)?;
+            if let (Some((_, vs)), Some(heads)) = (&kv.scales, &to.heads) {
+                vs.scatter_set(heads, &vs.index_select(&from, 0)?, 0)?;
+            }
+            self.put(&kv.k, kv.scales.as_ref().map(|s| &s.0), &to, &k)?;
         }
         Ok(())
     }
 
-    /// Writes `k`, `v` (`[tokens, kv_dim]`) into the rows `slot_index` (`[tokens, kv_dim]` u32, each
-    /// row filled with its slot id, as candle's scatter wants).
-    pub fn write(&self, layer: usize, slot_index: &Tensor, k: &Tensor, v: &Tensor) -> Result<()> {
-        let (kc, vc) = self.layer(layer)?;
-        kc.scatter_set(slot_index, &k.to_dtype(self.dtype)?.contiguous()?, 0)?;
-        vc.scatter_set(slot_index, &v.to_dtype(self.dtype)?.contiguous()?, 0)?;
+    /// Writes `k`, `v` (`[tokens, kv_dim]`, any float type) into the rows of `index`, quantized
+    /// where the cache is Q8.
+    pub fn write(&self, layer: usize, index: &SlotIndex, k: &Tensor, v: &Tensor) -> Result<()> {
+        let kv = self.layer(layer)?;
+        let (ks, vs) = match &kv.scales {
+            Some((ks, vs)) => (Some(ks), Some(vs)),
+            None => (None, None),
+        };
+        self.put(&kv.k, ks, index, k)?;
+        self.put(&kv.v, vs, index, v)
+    }
+
+    /// Writes rows `x` into one of a layer's tensors `t` (and its `scales` for Q8).
+    fn put(
+        &self,
+        t: &Tensor,
+        scales: Option<&Tensor>,
+        index: &SlotIndex,
+        x: &Tensor,
+    ) -> Result<()> {
+        let (Some(scales), Some(heads)) = (scales, &index.heads) else {
+            t.scatter_set(&index.rows, &x.to_dtype(t.dtype())?.contiguous()?, 0)?;
+            return Ok(());
+        };
+        let (codes, s) = if x.device().is_cpu() {
+            // The step's rows are on the CPU already: quantize them as plain values.
+            let (n, width) = x.dims2()?;
+            let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let (codes, s) = q8::quantize_rows(&xs, width / self.shape.heads);
+            (
+                Tensor::from_vec(codes, (n, width), x.device())?,
+                Tensor::from_vec(s, (n, self.shape.heads), x.device())?,
+            )
+        } else {
+            q8::quantize(x, self.shape.heads)?
+        };
+        t.scatter_set(&index.rows, &codes, 0)?;
+        scales.scatter_set(heads, &s, 0)?;
         Ok(())
+    }
+}
+
+/// Rows `from` of one layer's K or V as F32 (dequantized with `scales` for Q8).
+fn rows_f32(t: &Tensor, scales: Option<&Tensor>, from: &Tensor) -> Result<Tensor> {
+    let x = t.index_select(from, 0)?;
+    match scales {
+        Some(s) => q8::dequantize(&x, &s.index_select(from, 0)?),
+        None => Ok(x.to_dtype(DType::F32)?),
     }
 }
 
@@ -329,6 +482,11 @@ impl candle_core::InplaceOp1 for ShiftRows<'_> {
 /// reinterpreted (same layout); F32 (`vec![0f32; n]`) and other devices go through candle.
 fn lazy_zeros(dims: (usize, usize, usize), dtype: DType, device: &Device) -> Result<Tensor> {
     match (dtype, device) {
+        (DType::U8, Device::Cpu) => Ok(Tensor::from_vec(
+            vec![0u8; dims.0 * dims.1 * dims.2],
+            dims,
+            device,
+        )?),
         (DType::F16, Device::Cpu) => {
             use half::vec::HalfBitsVecExt;
             let v: Vec<half::f16> = vec![0u16; dims.0 * dims.1 * dims.2].reinterpret_into();
@@ -347,6 +505,7 @@ fn advise_huge_pages(t: &Tensor) {
         let (ptr, bytes) = match &*storage {
             Storage::Cpu(CpuStorage::F32(v)) => (v.as_ptr() as usize, v.len() * 4),
             Storage::Cpu(CpuStorage::F16(v)) => (v.as_ptr() as usize, v.len() * 2),
+            Storage::Cpu(CpuStorage::U8(v)) => (v.as_ptr() as usize, v.len()),
             _ => return,
         };
         // Only whole huge pages inside the allocation.
@@ -380,14 +539,82 @@ mod tests {
         pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize
     }
 
+    /// Every cache type writes rows where the index says and copies blocks whole: a Q8 cache's
+    /// rows read back as their quantized values, codes and scales moved together.
+    #[test]
+    fn rows_written_and_copied_read_back_in_every_type() {
+        let shape = KvShape {
+            layers: 2,
+            kv_dim: 16,
+            heads: 2,
+        };
+        let spec = KvCacheSpec::from_tokens(4, 16);
+        let dev = Device::Cpu;
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+            let cache = KvCache::new(shape, spec, dtype, &dev).unwrap();
+            let slots = [5u32, 4, 6];
+            let x: Vec<f32> = (0..48)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let k = Tensor::from_vec(x.clone(), (3, 16), &dev).unwrap();
+            let v = (&k * -2.0).unwrap();
+            let index = cache.slot_index(&slots).unwrap();
+            cache.write(1, &index, &k, &v).unwrap();
+            // Block 1 (slots 4..8) into block 3, three slots.
+            cache.copy_slots(1, 3, 3).unwrap();
+            let l = cache.layer(1).unwrap();
+            let read = |t: &Tensor, s: Option<&Tensor>, rows: &[u32]| -> Vec<f32> {
+                let i = Tensor::from_slice(rows, rows.len(), &dev).unwrap();
+                rows_f32(t, s, &i)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let (ks, vs) = match &l.scales {
+                Some((a, b)) => (Some(a), Some(b)),
+                None => (None, None),
+            };
+            let want = |x: &[f32]| -> Vec<f32> {
+                match dtype {
+                    KvDtype::F32 => x.to_vec(),
+                    KvDtype::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+                    KvDtype::Q8 => {
+                        let (c, s) = q8::quantize_rows(x, 8);
+                        q8::dequantize_rows(&c, &s, 8)
+                    }
+                }
+            };
+            let vx: Vec<f32> = x.iter().map(|v| v * -2.0).collect();
+            assert_eq!(read(&l.k, ks, &slots), want(&x), "{dtype:?} K");
+            assert_eq!(read(&l.v, vs, &slots), want(&vx), "{dtype:?} V");
+            assert_eq!(
+                read(&l.k, ks, &[13, 12, 14]),
+                want(&x),
+                "{dtype:?} copied K"
+            );
+            assert_eq!(
+                read(&l.v, vs, &[13, 12, 14]),
+                want(&vx),
+                "{dtype:?} copied V"
+            );
+            // The other layer was not touched.
+            let l0 = cache.layer(0).unwrap();
+            let s0 = l0.scales.as_ref().map(|s| &s.0);
+            assert!(read(&l0.k, s0, &slots).iter().all(|&v| v == 0.0));
+        }
+    }
+
     /// A new cache costs address space, not memory: its pages become resident as sequences
     /// fill them (a 1 GiB F16 cache was resident at start-up when candle wrote its zeros).
     #[test]
     fn a_fresh_cache_is_not_resident() {
-        for dtype in [DType::F32, DType::F16] {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
             let shape = KvShape {
                 layers: 4,
                 kv_dim: 256,
+                heads: 4,
             };
             let spec = KvCacheSpec::from_bytes(shape, dtype, 16, 512 << 20);
             let before = resident_bytes();

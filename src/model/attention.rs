@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::slot_of;
+use crate::kv_cache::{q8, slot_of, LayerKv};
 use crate::model::batch::SeqMeta;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
 use crate::model::kernels::cpu::Isa;
@@ -41,23 +41,21 @@ pub struct AttnDims {
     pub block_size: usize,
 }
 
-/// `q`: `[tokens, heads*head_dim]` (RoPE applied); `k_cache`/`v_cache`: `[slots, kv_heads*head_dim]`
-/// already holding this step's keys and values. Returns `[tokens, heads*head_dim]`.
+/// `q`: `[tokens, heads*head_dim]` (RoPE applied); `kv`: a layer's cache (`[slots,
+/// kv_heads*head_dim]`) already holding this step's keys and values. Returns
+/// `[tokens, heads*head_dim]`.
 pub fn paged_attention(
     imp: AttentionImpl,
     q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    kv: &LayerKv,
     seqs: &[SeqMeta],
     dims: AttnDims,
 ) -> Result<Tensor> {
     match imp {
-        AttentionImpl::FastCpu => {
-            fast_cpu(q, k_cache, v_cache, seqs, &FastCpuPlan::new(seqs, dims))
-        }
+        AttentionImpl::FastCpu => fast_cpu(q, kv, seqs, &FastCpuPlan::new(seqs, dims)),
         AttentionImpl::Generic => {
             let plan = GenericPlan::new(seqs, dims, q.device())?;
-            generic(q, k_cache, v_cache, dims, &plan)
+            generic(q, kv, dims, &plan)
         }
     }
 }
@@ -121,9 +119,12 @@ struct Job<'a> {
 /// A task's output rows and each row's softmax statistics.
 type TaskOut = (Vec<f32>, Vec<(f32, f32)>);
 
+/// A Q8 cache layer's K and V scales, `[slots, kv_heads]`.
+type Scales<'a> = Option<(&'a [half::f16], &'a [half::f16])>;
+
 impl Job<'_> {
     /// Runs every task; returns each task's output, in task order.
-    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T]) -> Vec<TaskOut> {
+    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T], scales: Scales) -> Vec<TaskOut> {
         let d = self.plan.dims;
         let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
@@ -148,6 +149,7 @@ impl Job<'_> {
                     k: &ks[t.kv_head * hd..],
                     v: &vs[t.kv_head * hd..],
                     d: hd,
+                    scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
                 };
                 let stats = attend(self.isa, &tile, &mut o);
                 (o, stats)
@@ -215,16 +217,13 @@ fn plan_tasks(seqs: &[SeqMeta], kvh: usize, group: usize, threads: usize) -> Vec
 /// `q`: `[tokens, heads * head_dim]`; `plan` made from the same `seqs`.
 pub(crate) fn fast_cpu(
     q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    kv: &LayerKv,
     seqs: &[SeqMeta],
     plan: &FastCpuPlan,
 ) -> Result<Tensor> {
     let (n_tokens, width) = q.dims2()?;
     let q = q.contiguous()?;
-    let out = with_cpu_slice(&q, |qs| {
-        fast_cpu_rows(qs, width, k_cache, v_cache, seqs, plan)
-    })??;
+    let out = with_cpu_slice(&q, |qs| fast_cpu_rows(qs, width, kv, seqs, plan))??;
     Ok(Tensor::from_vec(out, (n_tokens, width), q.device())?)
 }
 
@@ -233,8 +232,7 @@ pub(crate) fn fast_cpu(
 pub(crate) fn fast_cpu_rows(
     qs: &[f32],
     q_stride: usize,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
+    kv: &LayerKv,
     seqs: &[SeqMeta],
     plan: &FastCpuPlan,
 ) -> Result<Vec<f32>> {
@@ -253,13 +251,28 @@ pub(crate) fn fast_cpu_rows(
         q_stride,
         isa: Isa::best(),
     };
-    let outs = match k_cache.dtype() {
-        DType::F16 => with_cpu_slice_of::<half::f16, _>(k_cache, |ks| {
-            with_cpu_slice_of::<half::f16, _>(v_cache, |vs| job.run(qs, ks, vs))
+    let (kc, vc) = (&kv.k, &kv.v);
+    let outs = match (kc.dtype(), &kv.scales) {
+        (DType::F16, None) => with_cpu_slice_of::<half::f16, _>(kc, |ks| {
+            with_cpu_slice_of::<half::f16, _>(vc, |vs| job.run(qs, ks, vs, None))
         })??,
-        _ => with_cpu_slice_of::<f32, _>(k_cache, |ks| {
-            with_cpu_slice_of::<f32, _>(v_cache, |vs| job.run(qs, ks, vs))
+        (DType::F32, None) => with_cpu_slice_of::<f32, _>(kc, |ks| {
+            with_cpu_slice_of::<f32, _>(vc, |vs| job.run(qs, ks, vs, None))
         })??,
+        (DType::U8, Some((kss, vss))) => with_cpu_slice_of::<u8, _>(kc, |ks| {
+            with_cpu_slice_of::<u8, _>(vc, |vs| {
+                with_cpu_slice_of::<half::f16, _>(kss, |ksc| {
+                    with_cpu_slice_of::<half::f16, _>(vss, |vsc| {
+                        job.run(qs, ks, vs, Some((ksc, vsc)))
+                    })
+                })
+            })
+        })????,
+        (dtype, _) => {
+            return Err(EngineError::KvCache(format!(
+                "the CPU attention reads F32, F16 or Q8 caches, not {dtype:?}"
+            )))
+        }
     };
     let tasks = &plan.tasks;
     let mut out = vec![0f32; n_tokens * h * hd];
@@ -388,13 +401,7 @@ impl Group {
     }
 
     /// The group's attention: `[n * q_len, heads * head_dim]`.
-    fn attend(
-        &self,
-        q: &Tensor,
-        k_cache: &Tensor,
-        v_cache: &Tensor,
-        d: AttnDims,
-    ) -> Result<Tensor> {
+    fn attend(&self, q: &Tensor, kv: &LayerKv, d: AttnDims) -> Result<Tensor> {
         let (n, ql, c) = (self.n, self.q_len, self.ctx);
         let (h, kvh, hd) = (d.num_heads, d.num_kv_heads, d.head_dim);
         let group = h / kvh;
@@ -408,15 +415,22 @@ impl Group {
             * (1.0 / (hd as f64).sqrt()))?
         .reshape((n * kvh, ql * group, hd))?;
         // [n * ctx, kvh * hd] -> [n, kvh, ctx, hd] -> [n * kvh, ctx, hd]
-        let gather = |cache: &Tensor| -> candle_core::Result<Tensor> {
-            cache
-                .index_select(&self.slots, 0)?
-                .to_dtype(DType::F32)?
+        let gather = |cache: &Tensor, scales: Option<&Tensor>| -> Result<Tensor> {
+            let rows = cache.index_select(&self.slots, 0)?;
+            let rows = match scales {
+                Some(s) => q8::dequantize(&rows, &s.index_select(&self.slots, 0)?)?,
+                None => rows.to_dtype(DType::F32)?,
+            };
+            Ok(rows
                 .reshape((n, c, kvh, hd))?
                 .transpose(1, 2)?
-                .reshape((n * kvh, c, hd))
+                .reshape((n * kvh, c, hd))?)
         };
-        let (k, v) = (gather(k_cache)?, gather(v_cache)?);
+        let (ks, vs) = match &kv.scales {
+            Some((ks, vs)) => (Some(ks), Some(vs)),
+            None => (None, None),
+        };
+        let (k, v) = (gather(&kv.k, ks)?, gather(&kv.v, vs)?);
         let mut scores = q.matmul(&k.t()?)?; // [n * kvh, ql * group, ctx]
         if let Some(mask) = &self.mask {
             scores = scores
@@ -489,17 +503,11 @@ impl GenericPlan {
     }
 }
 
-pub(crate) fn generic(
-    q: &Tensor,
-    k_cache: &Tensor,
-    v_cache: &Tensor,
-    d: AttnDims,
-    plan: &GenericPlan,
-) -> Result<Tensor> {
+pub(crate) fn generic(q: &Tensor, kv: &LayerKv, d: AttnDims, plan: &GenericPlan) -> Result<Tensor> {
     let outs = plan
         .groups
         .iter()
-        .map(|g| g.attend(q, k_cache, v_cache, d))
+        .map(|g| g.attend(q, kv, d))
         .collect::<Result<Vec<_>>>()?;
     let mut out = Tensor::cat(&outs, 0)?;
     if let Some(order) = &plan.order {
@@ -529,9 +537,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V, attended by
-    /// both implementations.
-    fn both_paths(shapes: &[(usize, usize)], order_seed: u64, f16: bool) -> (Vec<f32>, Vec<f32>) {
+    /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V (`kv`: 0 F32,
+    /// 1 F16, 2 Q8), attended by both implementations.
+    fn both_paths(shapes: &[(usize, usize)], order_seed: u64, kv: u8) -> (Vec<f32>, Vec<f32>) {
         let dims = AttnDims {
             num_heads: 6,
             num_kv_heads: 2,
@@ -565,16 +573,30 @@ mod tests {
             next += n;
         }
         let dev = Device::Cpu;
-        let dt = if f16 { DType::F16 } else { DType::F32 };
-        let cache = || {
-            Tensor::rand(-1f32, 1.0, (blocks * bs, kvd), &dev)
-                .and_then(|t| t.to_dtype(dt))
-                .unwrap()
-        };
+        let cache = || Tensor::rand(-1f32, 1.0, (blocks * bs, kvd), &dev).unwrap();
         let (kc, vc) = (cache(), cache());
+        let layer = match kv {
+            0 | 1 => {
+                let dt = if kv == 1 { DType::F16 } else { DType::F32 };
+                LayerKv {
+                    k: kc.to_dtype(dt).unwrap(),
+                    v: vc.to_dtype(dt).unwrap(),
+                    scales: None,
+                }
+            }
+            _ => {
+                let (k, ks) = q8::quantize(&kc, dims.num_kv_heads).unwrap();
+                let (v, vs) = q8::quantize(&vc, dims.num_kv_heads).unwrap();
+                LayerKv {
+                    k,
+                    v,
+                    scales: Some((ks, vs)),
+                }
+            }
+        };
         let q = Tensor::rand(-1f32, 1.0, (q_start, h), &dev).unwrap();
         let run = |imp| {
-            paged_attention(imp, &q, &kc, &vc, &seqs, dims)
+            paged_attention(imp, &q, &layer, &seqs, dims)
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -588,14 +610,14 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 48, rng_seed: proptest::test_runner::RngSeed::Fixed(18), ..ProptestConfig::default() })]
         /// The generic path (decodes padded into one group, chunks alone, rows put back in step
         /// order) equals the CPU kernel on steps of decodes and chunks in any order, with
-        /// histories of different lengths, over a shuffled cache.
+        /// histories of different lengths, over a shuffled F32, F16 or Q8 cache.
         #[test]
         fn generic_equals_fast_cpu_on_mixed_steps(
             shapes in prop::collection::vec((prop_oneof![Just(1usize), 1usize..9], 0usize..40), 1..7),
             order_seed in any::<u64>(),
-            f16 in any::<bool>(),
+            kv in 0u8..3,
         ) {
-            let (fast, generic) = both_paths(&shapes, order_seed, f16);
+            let (fast, generic) = both_paths(&shapes, order_seed, kv);
             prop_assert_eq!(fast.len(), generic.len());
             for (i, (a, b)) in fast.iter().zip(&generic).enumerate() {
                 prop_assert!((a - b).abs() <= 1e-5, "row value {}: {} vs {}", i, a, b);
@@ -606,13 +628,15 @@ mod tests {
     #[test]
     fn decodes_after_a_chunk_are_put_back_in_step_order() {
         // A chunk first, then decodes with different histories, then another chunk.
-        let (fast, generic) = both_paths(&[(5, 3), (1, 17), (1, 0), (3, 9), (1, 30)], 7, false);
-        let d = fast
-            .iter()
-            .zip(&generic)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
-        assert!(d <= 1e-5, "max-abs-diff {d}");
+        for kv in 0..3 {
+            let (fast, generic) = both_paths(&[(5, 3), (1, 17), (1, 0), (3, 9), (1, 30)], 7, kv);
+            let d = fast
+                .iter()
+                .zip(&generic)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d <= 1e-5, "kv {kv}: max-abs-diff {d}");
+        }
     }
 
     fn seq(q_len: usize, start_pos: usize) -> SeqMeta {

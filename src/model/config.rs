@@ -67,6 +67,7 @@ impl ModelConfig {
         crate::kv_cache::KvShape {
             layers: self.num_layers,
             kv_dim: self.kv_dim(),
+            heads: self.num_kv_heads,
         }
     }
 

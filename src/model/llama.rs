@@ -32,7 +32,7 @@ use super::loader::{Embedding, WeightSource};
 use super::profile::{time, Part};
 use crate::error::{EngineError, Result};
 use crate::kv_cache::storage::KeyRotation;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{KvCache, SlotIndex};
 use crate::model::batch::{StepBatch, StepPlan};
 
 /// cos/sin tables for every position up to the context limit, `[positions, head_dim/2]`.
@@ -215,8 +215,8 @@ struct SelfAttention {
 struct StepContext<'a> {
     cos: Tensor,
     sin: Tensor,
-    /// `[tokens, kv_dim]` u32, each row its slot id (candle's scatter index layout).
-    slot_index: Tensor,
+    /// Where the step's K/V rows go in the cache.
+    slot_index: SlotIndex,
     plan: &'a StepPlan,
     cache: &'a KvCache,
     dims: AttnDims,
@@ -251,10 +251,10 @@ impl SelfAttention {
         let q = RotaryEmbedding::forward(&qkv[0], self.num_heads, &ctx.cos, &ctx.sin)?;
         let k = RotaryEmbedding::forward(&qkv[1], self.num_kv_heads, &ctx.cos, &ctx.sin)?;
         ctx.cache.write(layer, &ctx.slot_index, &k, &qkv[2])?;
-        let (kc, vc) = ctx.cache.layer(layer)?;
+        let kv = ctx.cache.layer(layer)?;
         let o = match &ctx.attn {
-            AttnPlan::Fast(plan) => fast_cpu(&q, &kc, &vc, &ctx.plan.seqs, plan)?,
-            AttnPlan::Generic(plan) => generic(&q, &kc, &vc, ctx.dims, plan)?,
+            AttnPlan::Fast(plan) => fast_cpu(&q, &kv, &ctx.plan.seqs, plan)?,
+            AttnPlan::Generic(plan) => generic(&q, &kv, ctx.dims, plan)?,
         };
         self.o_proj.forward(&o)
     }
@@ -350,14 +350,14 @@ impl DecoderLayer {
                 &Tensor::from_vec(v, (n, kvd), dev)?,
             )
         })?;
-        let (kc, vc) = ctx.cache.layer(layer)?;
+        let kv = ctx.cache.layer(layer)?;
         let AttnPlan::Fast(fast) = &ctx.attn else {
             return Err(EngineError::InvalidBatch(
                 "the CPU layer path needs the fast attention".into(),
             ));
         };
         let o = time(Part::Attention, || {
-            fast_cpu_rows(&qkv, stride, &kc, &vc, &ctx.plan.seqs, fast)
+            fast_cpu_rows(&qkv, stride, &kv, &ctx.plan.seqs, fast)
         })?;
         let o = time(Part::O, || p.o_proj.forward_rows(&o, n))?;
         time(Part::Residual, || add_assign(x, &o));
@@ -528,9 +528,7 @@ impl Llama {
         let ids = Tensor::from_slice(&plan.token_ids, n, dev)?;
         let positions = Tensor::from_slice(&plan.positions, n, dev)?;
         let (cos, sin) = self.rotary.select(&positions)?;
-        let slot_index = Tensor::from_slice(&plan.slots, (n, 1), dev)?
-            .broadcast_as((n, self.cfg.kv_dim()))?
-            .contiguous()?;
+        let slot_index = cache.slot_index(&plan.slots)?;
         let dims = AttnDims {
             num_heads: self.cfg.num_heads,
             num_kv_heads: self.cfg.num_kv_heads,

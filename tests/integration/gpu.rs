@@ -6,9 +6,10 @@
 //! `LLAMA_RELAY_REQUIRE_GPU` is set: then a missing device fails them. `scripts/gpu-check.sh`
 //! sets it and runs them on a GPU machine (`cargo test --release --features cuda gpu_`).
 
-use candle_core::{DType, Device};
+use candle_core::Device;
 use llama_relay::engine::Engine;
 use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::kv_cache::KvDtype;
 use llama_relay::model::AttentionImpl;
 
 use crate::common::*;
@@ -33,7 +34,7 @@ fn gpu() -> Option<Device> {
     }
 }
 
-fn on(device: &Device, which: Tiny, kv: DType) -> Engine {
+fn on(device: &Device, which: Tiny, kv: KvDtype) -> Engine {
     which.load_with(16, |o| {
         o.device = device.clone();
         // What `auto` picks on a GPU, named so that a trial of these tests on the CPU takes the
@@ -50,7 +51,7 @@ fn check_prompts(which: Tiny) {
     let _g = model_lock();
     let exp = which.expected();
     let mut cpu = which.load(16);
-    let mut gpu = on(&dev, which, DType::F32);
+    let mut gpu = on(&dev, which, KvDtype::F32);
     for (name, chunk) in [("prompt24", usize::MAX), ("long1024", 256)] {
         let prompt = ids(&exp[name]["ids"]);
         let (_, want) = read_npy(&which.fixture_dir().join(format!("logits_{name}_last.npy")));
@@ -85,7 +86,7 @@ fn gpu_untied_prompt_logits_match_reference_and_cpu() {
 /// CPU), batched: the reference's logits and each prompt's greedy ids run alone; prefilled in
 /// chunks of 7 beside each other, the same. F16 keeps 11 bits of each K/V value: the CPU's
 /// F16 test's tolerance.
-fn check_batched(which: Tiny, kv: DType) {
+fn check_batched(which: Tiny, kv: KvDtype) {
     let Some(dev) = gpu() else { return };
     let _g = model_lock();
     let exp = which.expected();
@@ -93,10 +94,11 @@ fn check_batched(which: Tiny, kv: DType) {
     let prompts = batch3(&exp);
     let (shape, want) = read_npy(&which.fixture_dir().join("logits_batch3_last.npy"));
     let vocab = shape[1];
-    let (tol, n) = if kv == DType::F32 {
-        (1e-3, 8)
-    } else {
-        (2e-2, 4)
+    // The CPU's F16 and Q8 tests' tolerances (`tiny_llama3::kv_cache_against_f32`).
+    let (tol, n) = match kv {
+        KvDtype::F32 => (1e-3, 8),
+        KvDtype::F16 => (2e-2, 4),
+        KvDtype::Q8 => (0.25, 4),
     };
     for chunk in [usize::MAX, 7] {
         for (i, (logits, greedy)) in run_batched(&mut e, &prompts, chunk, n).iter().enumerate() {
@@ -118,8 +120,8 @@ fn check_batched(which: Tiny, kv: DType) {
     ignore = "needs --features cuda and a GPU (scripts/gpu-check.sh)"
 )]
 fn gpu_batched_step_equals_each_alone() {
-    check_batched(Tiny::Tied, DType::F32);
-    check_batched(Tiny::Untied, DType::F32);
+    check_batched(Tiny::Tied, KvDtype::F32);
+    check_batched(Tiny::Untied, KvDtype::F32);
 }
 
 #[test]
@@ -128,7 +130,16 @@ fn gpu_batched_step_equals_each_alone() {
     ignore = "needs --features cuda and a GPU (scripts/gpu-check.sh)"
 )]
 fn gpu_f16_kv_cache_keeps_greedy_ids() {
-    check_batched(Tiny::Tied, DType::F16);
+    check_batched(Tiny::Tied, KvDtype::F16);
+}
+
+#[test]
+#[cfg_attr(
+    not(feature = "cuda"),
+    ignore = "needs --features cuda and a GPU (scripts/gpu-check.sh)"
+)]
+fn gpu_q8_kv_cache_keeps_greedy_ids() {
+    check_batched(Tiny::Tied, KvDtype::Q8);
 }
 
 /// The chat template's prompt decoded greedily through `generate` (sampling inputs come back
@@ -143,7 +154,7 @@ fn gpu_greedy_chat_matches_reference() {
     let _g = model_lock();
     for which in [Tiny::Tied, Tiny::Untied] {
         let exp = which.expected();
-        let mut e = on(&dev, which, DType::F32);
+        let mut e = on(&dev, which, KvDtype::F32);
         let params = GenerateParams {
             max_new_tokens: 16,
             stop_at_eos: false,

@@ -3,6 +3,7 @@
 
 use llama_relay::engine::{Engine, Logits, SeqChunk, StepBatch};
 use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::kv_cache::{KvDtype, LayerKv};
 use llama_relay::model::AttentionImpl;
 
 use crate::common::*;
@@ -271,10 +272,9 @@ fn end_of_turn_ids_come_from_config_and_generation_config() {
     assert_eq!(eos, vec![128001, 128009]);
 }
 
-/// An F16 KV cache: the fast and the generic attention read the same halves (equal up to summation
-/// order), and the logits stay close to the F32 cache's with the same greedy ids.
-#[test]
-fn f16_kv_cache_matches_f32_within_rounding() {
+/// An F16 or Q8 KV cache: the fast and the generic attention read the same values (equal up to
+/// summation order), and the logits stay within the type's rounding of the F32 cache's.
+fn kv_cache_against_f32(kv: KvDtype, bound: f32) {
     let _g = model_lock();
     let exp = Tiny::Tied.expected();
     let prompts = batch3(&exp);
@@ -282,9 +282,9 @@ fn f16_kv_cache_matches_f32_within_rounding() {
     let mut o = llama_relay::engine::EngineOptions::for_model(Tiny::Tied.dir());
     o.cache = llama_relay::engine::loaded::CacheSize::Tokens(4096);
     o.max_context = Some(2048);
-    o.kv_dtype = candle_core::DType::F16;
+    o.kv_dtype = kv;
     let mut e = llama_relay::engine::Engine::load(&o).unwrap();
-    assert_eq!(e.cache.dtype(), candle_core::DType::F16);
+    assert_eq!(e.cache.dtype(), kv);
     let mut per_impl = Vec::new();
     for imp in [AttentionImpl::FastCpu, AttentionImpl::Generic] {
         e.model.set_attention(imp).unwrap();
@@ -298,15 +298,29 @@ fn f16_kv_cache_matches_f32_within_rounding() {
         .enumerate()
     {
         let d = max_abs_diff(fast, gen);
-        assert!(d < 1e-4, "prompt {i}: fast vs generic on F16 {d}");
+        assert!(d < 1e-4, "prompt {i}: fast vs generic on {kv:?} {d}");
         assert_eq!(fg, gg, "prompt {i}");
         let d = max_abs_diff(fast, full);
-        // F16 keeps 11 bits of each K/V value (relative rounding up to 4.9e-4); measured 3.6e-3 /
-        // 7.5e-3 on these logits. A wrong conversion would be off by whole units.
-        assert!(d < 2e-2, "prompt {i}: F16 vs F32 cache {d}");
-        assert!(d > 0.0, "prompt {i}: the F16 cache was not used");
+        eprintln!("prompt {i}: {kv:?} vs F32 cache: max |logit diff| {d}");
+        assert!(d < bound, "prompt {i}: {kv:?} vs F32 cache {d}");
+        assert!(d > 0.0, "prompt {i}: the {kv:?} cache was not used");
         assert_eq!(fg, full_g, "prompt {i}: greedy ids");
     }
+}
+
+#[test]
+fn f16_kv_cache_matches_f32_within_rounding() {
+    // F16 keeps 11 bits of each K/V value (relative rounding up to 4.9e-4); measured 3.6e-3 /
+    // 7.5e-3 on these logits. A wrong conversion would be off by whole units.
+    kv_cache_against_f32(KvDtype::F16, 2e-2);
+}
+
+#[test]
+fn q8_kv_cache_matches_f32_within_its_rounding() {
+    // Q8 keeps each value within half a step of its head row's largest over 127 (up to 0.4% of
+    // it); measured 0.077 / 0.119 / 0.105 on these logits, greedy ids kept. A wrong scale or
+    // offset would be off by whole units.
+    kv_cache_against_f32(KvDtype::Q8, 0.25);
 }
 
 /// A core's scheduler (8 requests, 512 tokens a step, no step-time targets) and KV cache
@@ -554,8 +568,16 @@ fn speculation_leaves_every_reply_as_it_was() {
 /// measured on real text by `llama-relay perplexity --shift`).
 #[test]
 fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
+    // F16 keeps 11 bits: each value is off by at most 2^-11 of itself, twice rounded.
+    shifted_run_against_a_fresh_prefill(KvDtype::F16, 2e-3);
+    // Q8: the fresh K within half a step of its head row's scale, the shifted one quantized, turned
+    // and quantized again (up to ~1.7 steps); steps are 1/127 of the row's largest.
+    shifted_run_against_a_fresh_prefill(KvDtype::Q8, 2e-2);
+}
+
+fn shifted_run_against_a_fresh_prefill(kv: KvDtype, first_layer: f32) {
     let _g = model_lock();
-    let mut e = Tiny::Tied.load_as_served(16);
+    let mut e = Tiny::Tied.load_with(16, |o| o.kv_dtype = kv);
     let vocab = e.model.config().vocab_size as u32;
     let toks = |seed: u32, n: u32| -> Vec<u32> {
         (0..n)
@@ -598,37 +620,48 @@ fn a_shifted_run_equals_a_fresh_prefill_in_the_first_layer() {
     // The generic path (every device) moves the same values.
     let generic: Vec<u32> = (s..s + k).map(|p| slot(&g, p)).collect();
     e.cache.shift_slots_generic(&src, &generic, &turn).unwrap();
-    let rows = |t: &candle_core::Tensor, r: &[u32]| -> Vec<f32> {
+    // Rows of K (`false`) or V (`true`) as the values they stand for.
+    let rows = |l: &LayerKv, v: bool, r: &[u32]| -> Vec<f32> {
+        let t = if v { &l.v } else { &l.k };
         let i = candle_core::Tensor::from_slice(r, r.len(), t.device()).unwrap();
         let x = t.index_select(&i, 0).unwrap();
-        let x = x.to_dtype(candle_core::DType::F32).unwrap();
+        let x = match &l.scales {
+            Some((ks, vs)) => {
+                let s = if v { vs } else { ks };
+                llama_relay::kv_cache::q8::dequantize(&x, &s.index_select(&i, 0).unwrap()).unwrap()
+            }
+            None => x.to_dtype(candle_core::DType::F32).unwrap(),
+        };
         x.flatten_all().unwrap().to_vec1().unwrap()
     };
     let scale = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let mut deeper = 0f32;
     for layer in 0..e.model.config().num_layers {
-        let (kc, vc) = e.cache.layer(layer).unwrap();
+        let l = e.cache.layer(layer).unwrap();
         assert_eq!(
-            rows(&vc, &dst),
-            rows(&vc, &src),
+            rows(&l, true, &dst),
+            rows(&l, true, &src),
             "layer {layer}: V moves as it is"
         );
         assert_eq!(
-            rows(&vc, &generic),
-            rows(&vc, &src),
+            rows(&l, true, &generic),
+            rows(&l, true, &src),
             "layer {layer}: generic V"
         );
-        let apart = max_abs_diff(&rows(&kc, &dst), &rows(&kc, &generic));
+        let apart = max_abs_diff(&rows(&l, false, &dst), &rows(&l, false, &generic));
         assert!(
-            apart <= 1e-3 * scale(&rows(&kc, &dst)),
+            apart <= 1e-3 * scale(&rows(&l, false, &dst)),
             "layer {layer}: generic K {apart}"
         );
-        let (got, want) = (rows(&kc, &dst), rows(&kc, &fresh));
+        let (got, want) = (rows(&l, false, &dst), rows(&l, false, &fresh));
         let rel = max_abs_diff(&got, &want) / scale(&want);
         if layer == 0 {
-            // F16 keeps 11 bits: each value is off by at most 2^-11 of itself, twice rounded.
-            assert!(rel < 2e-3, "layer 0: shifted K vs fresh K, relative {rel}");
-            assert!(max_abs_diff(&rows(&vc, &dst), &rows(&vc, &fresh)) == 0.0);
+            eprintln!("{kv:?} layer 0: shifted K vs fresh K, relative {rel}");
+            assert!(
+                rel < first_layer,
+                "{kv:?} layer 0: shifted K vs fresh K, relative {rel}"
+            );
+            assert!(max_abs_diff(&rows(&l, true, &dst), &rows(&l, true, &fresh)) == 0.0);
         } else {
             deeper = deeper.max(rel);
         }

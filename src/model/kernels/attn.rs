@@ -12,13 +12,18 @@
 //! prefetched, since one KV head's row is a few cache lines at the stride of a whole cache row, a
 //! pattern the hardware prefetchers follow poorly, and a decode step's rows come from DRAM.
 //!
+//! A Q8 cache (`kv_cache::q8`) is read the same way: its codes load into F32 lanes like F16
+//! values, and each position's scale multiplies its scores (K) and its softmax weights (V) between
+//! the passes, so the inner loops are the same for every cache type and a Q8 position reads half
+//! the bytes of an F16 one.
+//!
 //! `cargo bench --bench engine -- --attention 1 --chunk 29 --context 479` measures it alone.
 //! `tile_scalar` is the reference (and the path on CPUs without AVX2 + FMA + F16C
 //! and for head sizes other than 64 and 128); a proptest compares the two on odd shapes.
 
 use super::cpu::Isa;
 
-/// An element of the KV cache: F32, or F16 read into F32 lanes as it is loaded.
+/// An element of the KV cache: F32, F16 or a Q8 code, read into F32 lanes as it is loaded.
 pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
     /// Eight values from `p` as F32 lanes.
@@ -27,6 +32,10 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     /// The CPU must support AVX2, FMA and F16C; `p` must point to 8 readable values.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// The cache as Q8 codes, when it is one (the 8-bit score kernel reads them as bytes).
+    fn codes(_k: &[Self]) -> Option<&[u8]> {
+        None
+    }
 }
 
 impl KvElem for f32 {
@@ -54,6 +63,59 @@ impl KvElem for half::f16 {
     }
 }
 
+/// A Q8 code (`kv_cache::q8`): the value in units of its row's scale, plus 128. The scale is
+/// applied per position (`Tile::scales`).
+impl KvElem for u8 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self as f32 - 128.0
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(codes, _mm256_set1_epi32(128)))
+    }
+    fn codes(k: &[Self]) -> Option<&[u8]> {
+        Some(k)
+    }
+}
+
+/// Query rows quantized for the 8-bit score kernel: each row's codes (its values over its
+/// largest magnitude, in -127..=127), its scale, and the sum of its codes (which takes the
+/// cache codes' offset of 128 back out of each product).
+pub(crate) struct QueryCodes {
+    pub q: Vec<i8>,
+    pub scale: Vec<f32>,
+    pub sum: Vec<i32>,
+}
+
+/// Quantizes query rows of `d` values (`QueryCodes`), as llama.cpp quantizes the query to Q8_0
+/// against a Q8_0 cache. `tile_scalar` over `queries_as_quantized` is the 8-bit score kernel's
+/// reference (its integer products are exact).
+pub(crate) fn quantize_queries(q: &[f32], d: usize) -> QueryCodes {
+    let rows = q.len() / d;
+    let mut out = QueryCodes {
+        q: Vec::with_capacity(q.len()),
+        scale: Vec::with_capacity(rows),
+        sum: Vec::with_capacity(rows),
+    };
+    for row in q.chunks_exact(d) {
+        let amax = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = amax / 127.0;
+        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        let start = out.q.len();
+        out.q.extend(
+            row.iter()
+                .map(|x| (x * inv).round().clamp(-127.0, 127.0) as i8),
+        );
+        out.sum.push(out.q[start..].iter().map(|&c| c as i32).sum());
+        out.scale.push(scale);
+    }
+    out
+}
+
 /// Positions per block when a tile has more than one row group: 16 rows of a 64-wide head are
 /// 4 KiB of keys (F32), which stay in L1 while each pair of rows uses them.
 const POS_BLOCK: usize = 16;
@@ -76,6 +138,35 @@ pub(crate) struct Tile<'a, T> {
     pub k: &'a [T],
     pub v: &'a [T],
     pub d: usize,
+    /// A Q8 cache's K and V scales for this head: position `p`'s at `rows[p] / d` (rows of
+    /// `heads * d` codes, one scale per head row). `None` for F32 and F16.
+    pub scales: Option<(&'a [half::f16], &'a [half::f16])>,
+}
+
+impl<T> Tile<'_, T> {
+    /// Each position's K and V scale, positions `0..n`, when the cache has them. `D == self.d`
+    /// (a constant, so the offsets' division is a shift).
+    fn position_scales<const D: usize>(&self, n: usize) -> Option<(Vec<f32>, Vec<f32>)> {
+        use half::slice::HalfFloatSliceExt;
+        let (ks, vs) = self.scales?;
+        let at = |s: &[half::f16]| -> Vec<f32> {
+            let h: Vec<half::f16> = self.rows[..n].iter().map(|&r| s[r / D]).collect();
+            let mut f = vec![0f32; n];
+            h.convert_to_f32_slice(&mut f);
+            f
+        };
+        Some((at(ks), at(vs)))
+    }
+}
+
+/// Multiplies each row's entries of `s` (`[rows, stride]`, row r's first `ctx[r]` in use) by the
+/// positions' `scale`.
+fn scale_rows(s: &mut [f32], stride: usize, ctx: &[usize], scale: &[f32]) {
+    for (row, &c) in s.chunks_mut(stride).zip(ctx) {
+        for (x, k) in row[..c].iter_mut().zip(scale) {
+            *x *= k;
+        }
+    }
 }
 
 /// `out[r] = softmax(q[r] . K[from..ctx[r]]^T) . V[from..ctx[r]]` for every row of the tile; `out`
@@ -100,6 +191,13 @@ pub(crate) fn attend<T: KvElem>(isa: Isa, t: &Tile<T>, out: &mut [f32]) -> Vec<(
         last <= t.k.len() && last <= t.v.len(),
         "row offsets inside the cache"
     );
+    if let Some((ks, vs)) = t.scales {
+        let last = last / t.d;
+        assert!(
+            last <= ks.len() && last <= vs.len(),
+            "scale offsets inside the cache"
+        );
+    }
     // The kernels count positions from the tile's first one.
     let cmax = cmax - t.from;
     let ctx: Vec<usize> = t.ctx.iter().map(|c| c - t.from).collect();
@@ -113,13 +211,33 @@ pub(crate) fn attend<T: KvElem>(isa: Isa, t: &Tile<T>, out: &mut [f32]) -> Vec<(
     if let Some(_avx2) = isa.avx2() {
         // SAFETY: the token proves AVX2, FMA and F16C; the shapes and every row offset below `cmax`
         // were checked above.
+        // A Q8 cache's scores in 8-bit integers where the CPU has VNNI.
+        let vnni = isa.avx512_vnni().filter(|_| T::codes(t.k).is_some());
         match t.d {
-            64 => return unsafe { avx2::tile::<T, 64>(&t, cmax, out) },
-            128 => return unsafe { avx2::tile::<T, 128>(&t, cmax, out) },
+            64 => return unsafe { avx2::tile::<T, 64>(&t, cmax, out, vnni) },
+            128 => return unsafe { avx2::tile::<T, 128>(&t, cmax, out, vnni) },
             _ => {}
         }
     }
     tile_scalar(&t, out)
+}
+
+#[cfg(test)]
+/// The query rows as the 8-bit score kernel sees them: quantized (`quantize_queries`) and read
+/// back.
+pub(crate) fn queries_as_quantized(q: &[f32], d: usize) -> Vec<f32> {
+    let c = quantize_queries(q, d);
+    c.q.chunks_exact(d)
+        .zip(&c.scale)
+        .flat_map(|(row, s)| row.iter().map(move |&x| x as f32 * s))
+        .collect()
+}
+
+#[cfg(test)]
+/// Whether `attend` at `isa` computes a tile's scores from quantized queries (a Q8 cache on a CPU
+/// with VNNI, for the head sizes the SIMD path takes).
+pub(crate) fn quantizes_queries<T: KvElem>(isa: Isa, t: &Tile<T>) -> bool {
+    isa.avx512_vnni().is_some() && T::codes(t.k).is_some() && matches!(t.d, 64 | 128)
 }
 
 /// Combines the outputs of parts of one row's positions (each normalized over its own part, with
@@ -148,14 +266,19 @@ pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, 
     let d = t.d;
     let mut s = Vec::new();
     let mut stats = Vec::with_capacity(t.ctx.len());
+    let scale = |p: usize| match t.scales {
+        Some((ks, vs)) => (ks[t.rows[p] / d].to_f32(), vs[t.rows[p] / d].to_f32()),
+        None => (1.0, 1.0),
+    };
     for (r, &c) in t.ctx.iter().enumerate() {
         let q = &t.q[r * d..(r + 1) * d];
         s.clear();
-        s.extend((t.from..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d])));
+        s.extend((t.from..c).map(|p| dot(q, &t.k[t.rows[p]..t.rows[p] + d]) * scale(p).0));
         stats.push(softmax(Isa::Scalar, &mut s));
         let o = &mut out[r * d..(r + 1) * d];
         o.fill(0.0);
         for (p, &w) in (t.from..c).zip(&s) {
+            let w = w * scale(p).1;
             for (y, x) in o.iter_mut().zip(&t.v[t.rows[p]..t.rows[p] + d]) {
                 *y += w * x.to_f32();
             }
@@ -307,7 +430,152 @@ pub(crate) unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::ar
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{softmax_avx2, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD};
+    use super::{
+        quantize_queries, scale_rows, softmax_avx2, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD,
+    };
+    use crate::model::kernels::cpu::Avx512Vnni;
+
+    /// Rows the 8-bit score kernel takes at once: 4 rows x 4 positions of `i32` accumulators fit
+    /// AVX-512's 32 vector registers beside the loaded keys, so a decode step's GQA group (3 or 4
+    /// query heads) reads each key once.
+    const VNNI_ROWS: usize = 4;
+
+    /// Every row's scores over a Q8 cache (`s[r * cmax + p]`, before the keys' scales): the
+    /// query rows quantized to 8 bits (`quantize_queries`) and multiplied with the codes by
+    /// `vpdpbusd`, 32 products an instruction where the F32 path does 8.
+    ///
+    /// # Safety
+    /// AVX2, FMA, AVX-512 F/VL/VNNI; `t` checked by `attend`; `D == t.d`, a multiple of 32.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    unsafe fn scores_vnni<T, const D: usize>(
+        t: &Tile<T>,
+        codes: &[u8],
+        cmax: usize,
+        s: &mut [f32],
+    ) {
+        let n = t.ctx.len();
+        let qc = quantize_queries(t.q, D);
+        let groups: Vec<(usize, usize, usize)> = (0..n)
+            .step_by(VNNI_ROWS)
+            .map(|r| {
+                let nr = VNNI_ROWS.min(n - r);
+                (r, nr, t.ctx[r..r + nr].iter().copied().max().unwrap_or(0))
+            })
+            .collect();
+        let block = if groups.len() == 1 { cmax } else { POS_BLOCK };
+        let (rows, k, sp) = (t.rows.as_ptr(), codes.as_ptr(), s.as_mut_ptr());
+        for pb in (0..cmax).step_by(block) {
+            let reaching = groups.iter().filter(|g| g.2 > pb);
+            for (i, &(r, nr, c)) in reaching.enumerate() {
+                let pe = (pb + block).min(c);
+                let pf = if i == 0 { cmax } else { 0 };
+                let rq = RowsQ {
+                    q: qc.q.as_ptr().add(r * D),
+                    scale: &qc.scale[r..r + nr],
+                    sum: &qc.sum[r..r + nr],
+                };
+                let sr = sp.add(r * cmax);
+                match nr {
+                    4 => qk_vnni::<D, 4>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                    3 => qk_vnni::<D, 3>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                    2 => qk_vnni::<D, 2>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                    _ => qk_vnni::<D, 1>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                }
+            }
+        }
+    }
+
+    /// `NR` quantized query rows (`D` apart) with their scales and code sums.
+    struct RowsQ<'a> {
+        q: *const i8,
+        scale: &'a [f32],
+        sum: &'a [i32],
+    }
+
+    /// The four sums of `a[0..4]` in one vector.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn hsum4_epi32(a: [__m256i; 4]) -> __m128i {
+        let t0 = _mm256_hadd_epi32(a[0], a[1]);
+        let t1 = _mm256_hadd_epi32(a[2], a[3]);
+        let t2 = _mm256_hadd_epi32(t0, t1);
+        _mm_add_epi32(_mm256_castsi256_si128(t2), _mm256_extracti128_si256(t2, 1))
+    }
+
+    /// `qk` over Q8 codes with quantized query rows: score = row scale x (codes . query codes -
+    /// 128 x query code sum), for positions `pb..pe`; prefetches keys ahead while below `pf`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn qk_vnni<const D: usize, const NR: usize>(
+        rq: &RowsQ,
+        rows: *const usize,
+        k: *const u8,
+        s: *mut f32,
+        stride: usize,
+        pb: usize,
+        pe: usize,
+        pf: usize,
+    ) {
+        let q = rq.q;
+        let finish = |r: usize, sums: __m128i| -> __m128 {
+            let sums = _mm_sub_epi32(sums, _mm_set1_epi32(128 * rq.sum[r]));
+            _mm_mul_ps(_mm_cvtepi32_ps(sums), _mm_set1_ps(rq.scale[r]))
+        };
+        let mut p = pb;
+        while p + 4 <= pe {
+            if p + PREFETCH_AHEAD + 4 <= pf {
+                for j in 0..4 {
+                    prefetch::<u8, D>(k.add(*rows.add(p + PREFETCH_AHEAD + j)));
+                }
+            }
+            let kr = [
+                k.add(*rows.add(p)),
+                k.add(*rows.add(p + 1)),
+                k.add(*rows.add(p + 2)),
+                k.add(*rows.add(p + 3)),
+            ];
+            let mut acc = [[_mm256_setzero_si256(); 4]; NR];
+            let mut c = 0;
+            while c < D {
+                let kv = [
+                    _mm256_loadu_si256(kr[0].add(c) as *const __m256i),
+                    _mm256_loadu_si256(kr[1].add(c) as *const __m256i),
+                    _mm256_loadu_si256(kr[2].add(c) as *const __m256i),
+                    _mm256_loadu_si256(kr[3].add(c) as *const __m256i),
+                ];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm256_loadu_si256(q.add(r * D + c) as *const __m256i);
+                    for j in 0..4 {
+                        a[j] = _mm256_dpbusd_epi32(a[j], kv[j], qv);
+                    }
+                }
+                c += 32;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm_storeu_ps(s.add(r * stride + p), finish(r, hsum4_epi32(*a)));
+            }
+            p += 4;
+        }
+        while p < pe {
+            let kr = k.add(*rows.add(p));
+            let mut acc = [_mm256_setzero_si256(); NR];
+            let mut c = 0;
+            while c < D {
+                let kv = _mm256_loadu_si256(kr.add(c) as *const __m256i);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm256_loadu_si256(q.add(r * D + c) as *const __m256i);
+                    *a = _mm256_dpbusd_epi32(*a, kv, qv);
+                }
+                c += 32;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let z = _mm256_setzero_si256();
+                *s.add(r * stride + p) = _mm_cvtss_f32(finish(r, hsum4_epi32([*a, z, z, z])));
+            }
+            p += 1;
+        }
+    }
 
     /// Rows a micro-kernel takes at once: 2 rows x 4 accumulators + 4 loaded vectors + the query or
     /// weight vectors fit the 16 ymm registers (3 rows spilled an accumulator to the stack every
@@ -321,6 +589,7 @@ mod avx2 {
         t: &Tile<T>,
         cmax: usize,
         out: &mut [f32],
+        vnni: Option<Avx512Vnni>,
     ) -> Vec<(f32, f32)> {
         let n = t.ctx.len();
         // Row groups of up to ROWS rows and the furthest position each sees.
@@ -345,19 +614,34 @@ mod avx2 {
         let mut s = vec![0f32; n * cmax];
         let (q, rows, k, v) = (t.q.as_ptr(), t.rows.as_ptr(), t.k.as_ptr(), t.v.as_ptr());
         let sp = s.as_mut_ptr();
-        for &(r, nr, pb, pe, first) in &visits {
-            let pf = if first { cmax } else { 0 };
-            let (qr, sr) = (q.add(r * D), sp.add(r * cmax));
-            match nr {
-                2 => qk::<T, D, 2>(qr, rows, k, sr, cmax, pb, pe, pf),
-                _ => qk::<T, D, 1>(qr, rows, k, sr, cmax, pb, pe, pf),
+        match (vnni, T::codes(t.k)) {
+            (Some(_vnni), Some(codes)) => {
+                // SAFETY: the token proves AVX-512 F/VL/VNNI; offsets as for `qk`.
+                scores_vnni::<T, D>(t, codes, cmax, &mut s);
             }
+            _ => {
+                for &(r, nr, pb, pe, first) in &visits {
+                    let pf = if first { cmax } else { 0 };
+                    let (qr, sr) = (q.add(r * D), sp.add(r * cmax));
+                    match nr {
+                        2 => qk::<T, D, 2>(qr, rows, k, sr, cmax, pb, pe, pf),
+                        _ => qk::<T, D, 1>(qr, rows, k, sr, cmax, pb, pe, pf),
+                    }
+                }
+            }
+        }
+        let scales = t.position_scales::<D>(cmax);
+        if let Some((ks, _)) = &scales {
+            scale_rows(&mut s, cmax, t.ctx, ks);
         }
         let mut stats = Vec::with_capacity(n);
         for (r, &c) in t.ctx.iter().enumerate() {
             let row = &mut s[r * cmax..(r + 1) * cmax];
             stats.push(softmax_avx2(&mut row[..c]));
             row[c..].fill(0.0);
+        }
+        if let Some((_, vs)) = &scales {
+            scale_rows(&mut s, cmax, t.ctx, vs);
         }
         out.fill(0.0);
         let (sp, op) = (s.as_ptr(), out.as_mut_ptr());
@@ -574,7 +858,31 @@ mod tests {
         }
     }
 
-    fn check<T: KvElem>(c: &Case, k: &[T], v: &[T]) -> std::result::Result<(), TestCaseError> {
+    /// The case's cache as Q8 codes and scales (`kv_cache::q8`), and what they stand for.
+    struct Q8Case {
+        k: (Vec<u8>, Vec<half::f16>),
+        v: (Vec<u8>, Vec<half::f16>),
+        k_values: Vec<f32>,
+        v_values: Vec<f32>,
+    }
+
+    fn q8(c: &Case) -> Q8Case {
+        use crate::kv_cache::q8::{dequantize_rows, quantize_rows};
+        let (k, v) = (quantize_rows(&c.k, c.d), quantize_rows(&c.v, c.d));
+        Q8Case {
+            k_values: dequantize_rows(&k.0, &k.1, c.d),
+            v_values: dequantize_rows(&v.0, &v.1, c.d),
+            k,
+            v,
+        }
+    }
+
+    fn check<T: KvElem>(
+        c: &Case,
+        k: &[T],
+        v: &[T],
+        scales: Option<(&[half::f16], &[half::f16])>,
+    ) -> std::result::Result<(), TestCaseError> {
         let t = Tile {
             q: &c.q,
             from: 0,
@@ -583,13 +891,22 @@ mod tests {
             k,
             v,
             d: c.d,
+            scales,
         };
-        let mut want = vec![0f32; c.q.len()];
-        tile_scalar(&t, &mut want);
+        let mut plain = vec![0f32; c.q.len()];
+        tile_scalar(&t, &mut plain);
+        let q8q = queries_as_quantized(&c.q, c.d);
+        let mut of_codes = vec![0f32; c.q.len()];
+        tile_scalar(&Tile { q: &q8q, ..t }, &mut of_codes);
         for isa in Isa::simd_levels_for_test("tiled_equals_reference") {
+            let want = if quantizes_queries(isa, &t) {
+                &of_codes
+            } else {
+                &plain
+            };
             let mut got = vec![0f32; c.q.len()];
             attend(isa, &t, &mut got);
-            for (a, b) in got.iter().zip(&want) {
+            for (a, b) in got.iter().zip(want) {
                 prop_assert!(
                     (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
                     "{isa:?}: {a} vs {b}"
@@ -602,8 +919,9 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// The tiled kernel equals the reference: row counts that leave partial groups, contexts that
-        /// leave partial position quads and blocks, one to three rows per token, F32 and F16 caches,
-        /// both head sizes the SIMD path takes (64, 128; other sizes run the reference itself).
+        /// leave partial position quads and blocks, one to three rows per token, F32, F16 and Q8
+        /// caches, both head sizes the SIMD path takes (64, 128; other sizes run the reference
+        /// itself).
         #[test]
         fn tiled_equals_reference(
             seed in any::<u64>(),
@@ -613,10 +931,84 @@ mod tests {
             per_token in 1usize..4,
         ) {
             let c = case(seed, d, n_rows, ctx0, per_token);
-            check::<f32>(&c, &c.k, &c.v)?;
+            check::<f32>(&c, &c.k, &c.v, None)?;
             let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
             let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
-            check(&c, &k16, &v16)?;
+            check(&c, &k16, &v16, None)?;
+            let q = q8(&c);
+            check(&c, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
+        }
+    }
+
+    /// Attention over a Q8 cache is attention over the values its codes stand for: the scales
+    /// are applied to the right positions (of the right head) in every kernel, and with the
+    /// positions cut into parts.
+    #[test]
+    fn q8_attention_is_attention_over_its_values() {
+        for (d, n_rows, ctx0, per_token) in [(64, 3, 300, 3), (128, 17, 40, 2), (40, 2, 90, 1)] {
+            let c = case(5, d, n_rows, ctx0, per_token);
+            let q = q8(&c);
+            for from in [0, 13] {
+                let run = |isa, k: &[u8], v: &[u8]| {
+                    let mut o = vec![0f32; c.q.len()];
+                    let t = Tile {
+                        q: &c.q,
+                        from,
+                        ctx: &c.ctx,
+                        rows: &c.rows,
+                        k,
+                        v,
+                        d,
+                        scales: Some((&q.k.1, &q.v.1)),
+                    };
+                    let st = attend(isa, &t, &mut o);
+                    (o, st)
+                };
+                let mut want = vec![0f32; c.q.len()];
+                let t = Tile {
+                    q: &c.q,
+                    from,
+                    ctx: &c.ctx,
+                    rows: &c.rows,
+                    k: &q.k_values[..],
+                    v: &q.v_values[..],
+                    d,
+                    scales: None,
+                };
+                let want_st = tile_scalar(&t, &mut want);
+                let q8q = queries_as_quantized(&c.q, d);
+                let mut of_codes = vec![0f32; c.q.len()];
+                let codes_st = tile_scalar(&Tile { q: &q8q, ..t }, &mut of_codes);
+                for isa in Isa::available() {
+                    let (got, st) = run(isa, &q.k.0, &q.v.0);
+                    let quantized = isa.avx512_vnni().is_some() && matches!(d, 64 | 128);
+                    let (want, want_st) = if quantized {
+                        (&of_codes, &codes_st)
+                    } else {
+                        (&want, &want_st)
+                    };
+                    for (a, b) in got.iter().zip(want) {
+                        assert!(
+                            (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                            "{isa:?} d {d}: {a} vs {b}"
+                        );
+                    }
+                    for (a, b) in st.iter().zip(want_st) {
+                        assert!((a.0 - b.0).abs() <= 1e-4 && (a.1 - b.1).abs() <= 1e-4 * b.1);
+                    }
+                }
+                // Quantized queries move each output by little: the 8-bit scores' rounding.
+                let apart = of_codes
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                eprintln!("d {d} from {from}: quantized queries move outputs by {apart}");
+                assert!(
+                    apart <= 2e-2,
+                    "d {d}: quantized queries moved an output by {apart}"
+                );
+            }
         }
     }
 
@@ -635,6 +1027,7 @@ mod tests {
                     k: &c.k,
                     v: &c.v,
                     d,
+                    scales: None,
                 };
                 attend(Isa::best(), &t, out)
             };
@@ -677,6 +1070,7 @@ mod tests {
             k: &c.k[..c.k.len() / 4],
             v: &c.v,
             d: 64,
+            scales: None,
         };
         attend(Isa::best(), &t, &mut vec![0f32; c.q.len()]);
     }
