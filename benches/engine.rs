@@ -256,14 +256,15 @@ fn prefilled(e: &mut Engine, n: usize, ctx: usize, room: usize, seed: u64) -> Ve
     // activations).
     let per_step = (4096 / ctx.max(1)).max(1);
     for (c, group) in tables.chunks(per_step).enumerate() {
+        let prompts: Vec<Vec<u32>> = (0..group.len())
+            .map(|i| tokens(ctx, seed + (c * per_step + i) as u64, vocab))
+            .collect();
         for from in (0..ctx).step_by(4096) {
             let len = 4096.min(ctx - from);
             let batch = StepBatch {
-                seqs: (group.iter().enumerate())
-                    .map(|(i, t)| SeqChunk {
-                        tokens: tokens(ctx, seed + (c * per_step + i) as u64, vocab)
-                            [from..from + len]
-                            .to_vec(),
+                seqs: (group.iter().zip(&prompts))
+                    .map(|(t, prompt)| SeqChunk {
+                        tokens: prompt[from..from + len].to_vec(),
                         start_pos: from,
                         block_table: t.clone(),
                         logits: Logits::None,

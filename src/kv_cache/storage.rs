@@ -68,6 +68,18 @@ pub struct LayerKv {
     pub scales: Option<(Tensor, Tensor)>,
 }
 
+impl LayerKv {
+    /// K of rows `slots` (`[n]` u32) as the values they hold, `[n, kv_dim]` F32.
+    pub fn keys(&self, slots: &Tensor) -> Result<Tensor> {
+        rows_f32(&self.k, self.scales.as_ref().map(|s| &s.0), slots)
+    }
+
+    /// V of rows `slots`, as `keys`.
+    pub fn values(&self, slots: &Tensor) -> Result<Tensor> {
+        rows_f32(&self.v, self.scales.as_ref().map(|s| &s.1), slots)
+    }
+}
+
 /// Where a step's rows go, in the layout candle's scatter wants: `[tokens, kv_dim]` u32, each row
 /// filled with its slot id, and for Q8 the same `[tokens, heads]` for the scales. Made once a step
 /// by `KvCache::slot_index`.
@@ -294,7 +306,7 @@ impl KvCache {
         let n = src.len();
         for layer in 0..self.layers {
             let kv = self.layer(layer)?;
-            let k = rows_f32(&kv.k, kv.scales.as_ref().map(|s| &s.0), &from)?;
+            let k = kv.keys(&from)?;
             let k = k.reshape((n, rot.heads, 2, half))?;
             let (x1, x2) = (k.narrow(2, 0, 1)?, k.narrow(2, 1, 1)?);
             let y1 = (x1.broadcast_mul(&cos)? + x2.broadcast_mul(&sin)?)?;
@@ -563,18 +575,10 @@ mod tests {
             // Block 1 (slots 4..8) into block 3, three slots.
             cache.copy_slots(1, 3, 3).unwrap();
             let l = cache.layer(1).unwrap();
-            let read = |t: &Tensor, s: Option<&Tensor>, rows: &[u32]| -> Vec<f32> {
+            let read = |l: &LayerKv, v: bool, rows: &[u32]| -> Vec<f32> {
                 let i = Tensor::from_slice(rows, rows.len(), &dev).unwrap();
-                rows_f32(t, s, &i)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            };
-            let (ks, vs) = match &l.scales {
-                Some((a, b)) => (Some(a), Some(b)),
-                None => (None, None),
+                let x = if v { l.values(&i) } else { l.keys(&i) };
+                x.unwrap().flatten_all().unwrap().to_vec1().unwrap()
             };
             let want = |x: &[f32]| -> Vec<f32> {
                 match dtype {
@@ -587,22 +591,21 @@ mod tests {
                 }
             };
             let vx: Vec<f32> = x.iter().map(|v| v * -2.0).collect();
-            assert_eq!(read(&l.k, ks, &slots), want(&x), "{dtype:?} K");
-            assert_eq!(read(&l.v, vs, &slots), want(&vx), "{dtype:?} V");
+            assert_eq!(read(&l, false, &slots), want(&x), "{dtype:?} K");
+            assert_eq!(read(&l, true, &slots), want(&vx), "{dtype:?} V");
             assert_eq!(
-                read(&l.k, ks, &[13, 12, 14]),
+                read(&l, false, &[13, 12, 14]),
                 want(&x),
                 "{dtype:?} copied K"
             );
             assert_eq!(
-                read(&l.v, vs, &[13, 12, 14]),
+                read(&l, true, &[13, 12, 14]),
                 want(&vx),
                 "{dtype:?} copied V"
             );
             // The other layer was not touched.
             let l0 = cache.layer(0).unwrap();
-            let s0 = l0.scales.as_ref().map(|s| &s.0);
-            assert!(read(&l0.k, s0, &slots).iter().all(|&v| v == 0.0));
+            assert!(read(&l0, false, &slots).iter().all(|&v| v == 0.0));
         }
     }
 

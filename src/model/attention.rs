@@ -17,7 +17,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{q8, slot_of, LayerKv};
+use crate::kv_cache::{slot_of, LayerKv};
 use crate::model::batch::SeqMeta;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
 use crate::model::kernels::cpu::Isa;
@@ -415,22 +415,14 @@ impl Group {
             * (1.0 / (hd as f64).sqrt()))?
         .reshape((n * kvh, ql * group, hd))?;
         // [n * ctx, kvh * hd] -> [n, kvh, ctx, hd] -> [n * kvh, ctx, hd]
-        let gather = |cache: &Tensor, scales: Option<&Tensor>| -> Result<Tensor> {
-            let rows = cache.index_select(&self.slots, 0)?;
-            let rows = match scales {
-                Some(s) => q8::dequantize(&rows, &s.index_select(&self.slots, 0)?)?,
-                None => rows.to_dtype(DType::F32)?,
-            };
+        let heads_first = |rows: Tensor| -> Result<Tensor> {
             Ok(rows
                 .reshape((n, c, kvh, hd))?
                 .transpose(1, 2)?
                 .reshape((n * kvh, c, hd))?)
         };
-        let (ks, vs) = match &kv.scales {
-            Some((ks, vs)) => (Some(ks), Some(vs)),
-            None => (None, None),
-        };
-        let (k, v) = (gather(&kv.k, ks)?, gather(&kv.v, vs)?);
+        let k = heads_first(kv.keys(&self.slots)?)?;
+        let v = heads_first(kv.values(&self.slots)?)?;
         let mut scores = q.matmul(&k.t()?)?; // [n * kvh, ql * group, ctx]
         if let Some(mask) = &self.mask {
             scores = scores
@@ -535,6 +527,7 @@ pub fn choose(device: &Device, requested: Option<AttentionImpl>) -> Result<Atten
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kv_cache::q8;
     use proptest::prelude::*;
 
     /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V (`kv`: 0 F32,

@@ -622,17 +622,9 @@ fn shifted_run_against_a_fresh_prefill(kv: KvDtype, first_layer: f32) {
     e.cache.shift_slots_generic(&src, &generic, &turn).unwrap();
     // Rows of K (`false`) or V (`true`) as the values they stand for.
     let rows = |l: &LayerKv, v: bool, r: &[u32]| -> Vec<f32> {
-        let t = if v { &l.v } else { &l.k };
-        let i = candle_core::Tensor::from_slice(r, r.len(), t.device()).unwrap();
-        let x = t.index_select(&i, 0).unwrap();
-        let x = match &l.scales {
-            Some((ks, vs)) => {
-                let s = if v { vs } else { ks };
-                llama_relay::kv_cache::q8::dequantize(&x, &s.index_select(&i, 0).unwrap()).unwrap()
-            }
-            None => x.to_dtype(candle_core::DType::F32).unwrap(),
-        };
-        x.flatten_all().unwrap().to_vec1().unwrap()
+        let i = candle_core::Tensor::from_slice(r, r.len(), l.k.device()).unwrap();
+        let x = if v { l.values(&i) } else { l.keys(&i) };
+        x.unwrap().flatten_all().unwrap().to_vec1().unwrap()
     };
     let scale = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let mut deeper = 0f32;

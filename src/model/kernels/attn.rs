@@ -453,34 +453,21 @@ mod avx2 {
         cmax: usize,
         s: &mut [f32],
     ) {
-        let n = t.ctx.len();
         let qc = quantize_queries(t.q, D);
-        let groups: Vec<(usize, usize, usize)> = (0..n)
-            .step_by(VNNI_ROWS)
-            .map(|r| {
-                let nr = VNNI_ROWS.min(n - r);
-                (r, nr, t.ctx[r..r + nr].iter().copied().max().unwrap_or(0))
-            })
-            .collect();
-        let block = if groups.len() == 1 { cmax } else { POS_BLOCK };
         let (rows, k, sp) = (t.rows.as_ptr(), codes.as_ptr(), s.as_mut_ptr());
-        for pb in (0..cmax).step_by(block) {
-            let reaching = groups.iter().filter(|g| g.2 > pb);
-            for (i, &(r, nr, c)) in reaching.enumerate() {
-                let pe = (pb + block).min(c);
-                let pf = if i == 0 { cmax } else { 0 };
-                let rq = RowsQ {
-                    q: qc.q.as_ptr().add(r * D),
-                    scale: &qc.scale[r..r + nr],
-                    sum: &qc.sum[r..r + nr],
-                };
-                let sr = sp.add(r * cmax);
-                match nr {
-                    4 => qk_vnni::<D, 4>(&rq, rows, k, sr, cmax, pb, pe, pf),
-                    3 => qk_vnni::<D, 3>(&rq, rows, k, sr, cmax, pb, pe, pf),
-                    2 => qk_vnni::<D, 2>(&rq, rows, k, sr, cmax, pb, pe, pf),
-                    _ => qk_vnni::<D, 1>(&rq, rows, k, sr, cmax, pb, pe, pf),
-                }
+        for (r, nr, pb, pe, first) in visits(t.ctx, VNNI_ROWS, cmax) {
+            let pf = if first { cmax } else { 0 };
+            let rq = RowsQ {
+                q: qc.q.as_ptr().add(r * D),
+                scale: &qc.scale[r..r + nr],
+                sum: &qc.sum[r..r + nr],
+            };
+            let sr = sp.add(r * cmax);
+            match nr {
+                4 => qk_vnni::<D, 4>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                3 => qk_vnni::<D, 3>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                2 => qk_vnni::<D, 2>(&rq, rows, k, sr, cmax, pb, pe, pf),
+                _ => qk_vnni::<D, 1>(&rq, rows, k, sr, cmax, pb, pe, pf),
             }
         }
     }
@@ -524,17 +511,7 @@ mod avx2 {
         };
         let mut p = pb;
         while p + 4 <= pe {
-            if p + PREFETCH_AHEAD + 4 <= pf {
-                for j in 0..4 {
-                    prefetch::<u8, D>(k.add(*rows.add(p + PREFETCH_AHEAD + j)));
-                }
-            }
-            let kr = [
-                k.add(*rows.add(p)),
-                k.add(*rows.add(p + 1)),
-                k.add(*rows.add(p + 2)),
-                k.add(*rows.add(p + 3)),
-            ];
+            let kr = key_rows::<u8, D>(k, rows, p, pf);
             let mut acc = [[_mm256_setzero_si256(); 4]; NR];
             let mut c = 0;
             while c < D {
@@ -592,25 +569,7 @@ mod avx2 {
         vnni: Option<Avx512Vnni>,
     ) -> Vec<(f32, f32)> {
         let n = t.ctx.len();
-        // Row groups of up to ROWS rows and the furthest position each sees.
-        let groups: Vec<(usize, usize, usize)> = (0..n)
-            .step_by(ROWS)
-            .map(|r| {
-                let nr = ROWS.min(n - r);
-                (r, nr, t.ctx[r..r + nr].iter().copied().max().unwrap_or(0))
-            })
-            .collect();
-        // One group (a decode step's GQA heads): no reuse to block for, one pass.
-        let block = if groups.len() == 1 { cmax } else { POS_BLOCK };
-        // What both passes visit, block by block: (row, rows, positions pb..pe, whether this group
-        // is the first to reach the block and so prefetches ahead for everyone).
-        let mut visits = Vec::new();
-        for pb in (0..cmax).step_by(block) {
-            let reaching = groups.iter().filter(|g| g.2 > pb);
-            for (i, &(r, nr, c)) in reaching.enumerate() {
-                visits.push((r, nr, pb, (pb + block).min(c), i == 0));
-            }
-        }
+        let visits = visits(t.ctx, ROWS, cmax);
         let mut s = vec![0f32; n * cmax];
         let (q, rows, k, v) = (t.q.as_ptr(), t.rows.as_ptr(), t.k.as_ptr(), t.v.as_ptr());
         let sp = s.as_mut_ptr();
@@ -658,6 +617,56 @@ mod avx2 {
         stats
     }
 
+    /// What a pass over a tile visits, block by block: (first row, rows, positions pb..pe,
+    /// whether this group is the first to reach the block and so prefetches ahead for everyone),
+    /// for row groups of up to `per_group` rows, each up to the furthest position its rows see.
+    fn visits(
+        ctx: &[usize],
+        per_group: usize,
+        cmax: usize,
+    ) -> Vec<(usize, usize, usize, usize, bool)> {
+        let n = ctx.len();
+        let groups: Vec<(usize, usize, usize)> = (0..n)
+            .step_by(per_group)
+            .map(|r| {
+                let nr = per_group.min(n - r);
+                (r, nr, ctx[r..r + nr].iter().copied().max().unwrap_or(0))
+            })
+            .collect();
+        // One group (a decode step's GQA heads): no reuse to block for, one pass.
+        let block = if groups.len() == 1 { cmax } else { POS_BLOCK };
+        let mut visits = Vec::new();
+        for pb in (0..cmax).step_by(block) {
+            let reaching = groups.iter().filter(|g| g.2 > pb);
+            for (i, &(r, nr, c)) in reaching.enumerate() {
+                visits.push((r, nr, pb, (pb + block).min(c), i == 0));
+            }
+        }
+        visits
+    }
+
+    /// The key rows of positions `p..p + 4`; prefetches those `PREFETCH_AHEAD` further on while
+    /// they are below `pf`.
+    #[inline(always)]
+    unsafe fn key_rows<T, const D: usize>(
+        k: *const T,
+        rows: *const usize,
+        p: usize,
+        pf: usize,
+    ) -> [*const T; 4] {
+        if p + PREFETCH_AHEAD + 4 <= pf {
+            for j in 0..4 {
+                prefetch::<T, D>(k.add(*rows.add(p + PREFETCH_AHEAD + j)));
+            }
+        }
+        [
+            k.add(*rows.add(p)),
+            k.add(*rows.add(p + 1)),
+            k.add(*rows.add(p + 2)),
+            k.add(*rows.add(p + 3)),
+        ]
+    }
+
     /// Asks for the `D` values at `p` (a hint: never faults, no effect on results).
     #[inline(always)]
     unsafe fn prefetch<T, const D: usize>(p: *const T) {
@@ -696,17 +705,7 @@ mod avx2 {
     ) {
         let mut p = pb;
         while p + 4 <= pe {
-            if p + PREFETCH_AHEAD + 4 <= pf {
-                for j in 0..4 {
-                    prefetch::<T, D>(k.add(*rows.add(p + PREFETCH_AHEAD + j)));
-                }
-            }
-            let kr = [
-                k.add(*rows.add(p)),
-                k.add(*rows.add(p + 1)),
-                k.add(*rows.add(p + 2)),
-                k.add(*rows.add(p + 3)),
-            ];
+            let kr = key_rows::<T, D>(k, rows, p, pf);
             let mut acc = [[_mm256_setzero_ps(); 4]; NR];
             let mut c = 0;
             while c < D {
