@@ -415,6 +415,10 @@ fn the_sdk_realtime_client_converses_past_the_context_with_truncation() {
     let app = spawn_app(Tiny::Tied.dir(), |s| {
         keyed()(s);
         s.engine.max_context = 192;
+        // 26 frames in as little as a second on a fast machine (12 turns of a tiny model): more
+        // than the default frame budget, which is for browsers, not this test.
+        s.limits.frames_per_s = 1e3;
+        s.limits.frame_burst = 1_000;
     });
     let got = sdk(&app, KEY, "truncation");
     assert_eq!(
