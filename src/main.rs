@@ -31,6 +31,10 @@ struct Common {
     /// A .gguf file or a Hugging Face folder (overrides model.path).
     #[arg(long, global = true)]
     model: Option<PathBuf>,
+    /// A smaller model with the same tokenizer that writes speculative drafts (sets model.draft
+    /// and scheduler.draft_source = "model").
+    #[arg(long, global = true)]
+    draft_model: Option<PathBuf>,
     /// Threads for the model (overrides engine.threads).
     #[arg(long, global = true)]
     threads: Option<usize>,
@@ -138,6 +142,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(m) = &cli.common.model {
         settings.model.path = m.display().to_string();
     }
+    if let Some(d) = &cli.common.draft_model {
+        settings.model.draft = d.display().to_string();
+        settings.scheduler.draft_source = "model".into();
+    }
     if let Some(t) = cli.common.threads {
         settings.engine.threads = t;
     }
@@ -154,6 +162,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // background load starts (the default model is checked when it is fetched).
     if let Some(model) = &opts.model {
         Engine::check_model(model, opts.tokenizer.as_deref())?;
+    }
+    if let Some(draft) = settings.draft_options()?.and_then(|o| o.model) {
+        Engine::check_model(&draft, None)?;
     }
     match cli.command {
         Some(Command::Generate(args)) => run_generate(&opts, args),

@@ -29,6 +29,9 @@ pub struct ModelSettings {
     pub path: String,
     /// A tokenizer.json to use instead of the model's own; empty = the model's.
     pub tokenizer: String,
+    /// A smaller model with the same tokenizer that writes speculative drafts
+    /// (`scheduler.draft_source = "model"`); empty = none.
+    pub draft: String,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -45,6 +48,8 @@ pub struct EngineSettings {
     pub kv_dtype: String,
     /// MiB of bf16 weight copies for Intel's tile units (AMX); 0 = none.
     pub amx_weights_mib: usize,
+    /// The draft model's own KV cache, in MiB.
+    pub draft_cache_mib: usize,
     pub malloc_tuning: bool,
     /// Run one prefill chunk and a few decode steps after loading, before the server is ready.
     pub warm_up: bool,
@@ -114,6 +119,8 @@ pub struct SchedulerSettings {
     pub speculate_tokens: usize,
     pub speculate_min_ngram: usize,
     pub speculate_max_ngram: usize,
+    /// Where drafts come from: `"ngram"` (prompt lookup) or `"model"` (`model.draft`).
+    pub draft_source: String,
     /// Keyless clients' (the default tenant's) requests running and waiting at once; 0 = only
     /// the caps above.
     pub anonymous_max_running: usize,
@@ -365,6 +372,55 @@ impl Settings {
             kv_dtype,
             amx_weights_mib: e.amx_weights_mib,
         })
+    }
+}
+
+impl Settings {
+    /// The draft model's engine options when drafts come from a model (`scheduler.draft_source
+    /// = "model"` with speculation on): `model.draft` on the model's device, context and cache
+    /// types, with a cache of `engine.draft_cache_mib`. Checks that the two settings agree.
+    pub fn draft_options(&self) -> Result<Option<EngineOptions>> {
+        let draft = &self.model.draft;
+        match self.scheduler.draft_source.as_str() {
+            "ngram" if draft.is_empty() => return Ok(None),
+            "ngram" => {
+                return Err(invalid(
+                    "model.draft",
+                    format!("{draft:?}"),
+                    "empty while scheduler.draft_source is \"ngram\" (set it to \"model\" to draft with this model)",
+                ))
+            }
+            "model" if draft.is_empty() => {
+                return Err(invalid(
+                    "scheduler.draft_source",
+                    "\"model\"",
+                    "\"ngram\", or \"model\" with model.draft set to a .gguf file or a Hugging Face folder",
+                ))
+            }
+            "model" => {}
+            other => {
+                return Err(invalid(
+                    "scheduler.draft_source",
+                    format!("{other:?}"),
+                    "\"ngram\" or \"model\"",
+                ))
+            }
+        }
+        if !(1..=65_536).contains(&self.engine.draft_cache_mib) {
+            return Err(invalid(
+                "engine.draft_cache_mib",
+                self.engine.draft_cache_mib,
+                "1 to 65536",
+            ));
+        }
+        let mut o = self.engine_options()?;
+        if self.scheduler.speculation == "off" {
+            return Ok(None);
+        }
+        o.model = Some(PathBuf::from(draft));
+        o.tokenizer = None;
+        o.cache = CacheSize::Mib(self.engine.draft_cache_mib);
+        Ok(Some(o))
     }
 }
 

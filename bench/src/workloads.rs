@@ -309,6 +309,9 @@ pub struct QuoteArgs {
     /// Drafts a decode may propose (`scheduler.speculate_tokens` of the second server).
     #[arg(long, default_value_t = 8)]
     pub drafts: usize,
+    /// Drafts from this model (same tokenizer) on the second server instead of n-gram lookup.
+    #[arg(long)]
+    pub draft_model: Option<std::path::PathBuf>,
 }
 
 /// Two servers in this process, n-gram speculation off and on (everything else the same), the
@@ -322,11 +325,16 @@ fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::R
         for mode in ["off", "auto"] {
             settings.scheduler.speculation = mode.into();
             settings.scheduler.speculate_tokens = a.drafts;
+            if let (Some(d), "auto") = (&a.draft_model, mode) {
+                settings.model.draft = d.display().to_string();
+                settings.scheduler.draft_source = "model".into();
+            }
             urls.push(start_in_process(&settings, opts.clone()).await?);
         }
         for &users in &a.users {
             let mut aggregate: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
             let mut itl: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+            let mut decode: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
             for pair in 0..a.pairs {
                 let order: [usize; 2] = if pair % 2 == 0 { [0, 1] } else { [1, 0] };
                 for which in order {
@@ -346,6 +354,7 @@ fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::R
                     let r = load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
                     itl[which].push(r[2] * 1e3);
                     aggregate[which].push(r[4]);
+                    decode[which].push(r[5]);
                 }
             }
             let median = |v: &mut Vec<f64>| {
@@ -354,10 +363,12 @@ fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::R
             };
             let (off, on) = (median(&mut aggregate[0]), median(&mut aggregate[1]));
             let (g_off, g_on) = (median(&mut itl[0]), median(&mut itl[1]));
+            let (d_off, d_on) = (median(&mut decode[0]), median(&mut decode[1]));
             println!(
-                "quote | users {users:>3} | medians of {} pairs: {off:.1} -> {on:.1} tok/s aggregate ({:.2}x), ITL p50 {g_off:.1} -> {g_on:.1} ms",
+                "quote | users {users:>3} | medians of {} pairs: {off:.1} -> {on:.1} tok/s aggregate ({:.2}x), decode {d_off:.1} -> {d_on:.1} tok/s a reply ({:.2}x), ITL p50 {g_off:.1} -> {g_on:.1} ms",
                 a.pairs,
-                on / off
+                on / off,
+                d_on / d_off
             );
         }
         Ok(())

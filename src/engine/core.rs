@@ -18,6 +18,7 @@ use std::borrow::BorrowMut;
 use std::collections::HashMap;
 
 use super::constraint::{Constraint, Mask};
+use super::draft::{Ask, DraftModel};
 use super::scheduler::{AddError, Priority, Quota, RequestId, Scheduler, SchedulerConfig};
 use super::speculate::{Acceptance, NgramDrafter};
 use super::Engine;
@@ -129,7 +130,77 @@ struct Spec {
     drafter: NgramDrafter,
     acceptance: Acceptance,
     proposed: Vec<u32>,
+    /// Steps since the draft model last drafted for it (it probes every `PROBE_EVERY`).
+    idle: u32,
 }
+
+/// What a draft model's drafts cost against what the model's steps give, measured as moving
+/// averages: the seconds of one draft-model pass (a batched forward: every drafting sequence's
+/// next draft), and the tokens a second of the model's steps (drafting included). A pass is
+/// worth running while the tokens it is expected to add, over its time, are at least
+/// `scheduler::drafts::GAIN` times that rate: a draft model as large as the model never is, one
+/// a tenth of its size nearly always is.
+#[derive(Debug, Default, Clone)]
+struct DraftCosts {
+    pass_s: Option<f64>,
+    step_s: Option<f64>,
+    step_tokens: f64,
+    /// Set by `Core::pin_draft_costs`: measurements change nothing.
+    pinned: bool,
+}
+
+impl DraftCosts {
+    /// Weight of the past in each moving average.
+    const DECAY: f64 = 0.8;
+
+    fn average(old: Option<f64>, new: f64) -> f64 {
+        old.map_or(new, |o| Self::DECAY * o + (1.0 - Self::DECAY) * new)
+    }
+
+    fn observe_passes(&mut self, seconds: f64, passes: u64) {
+        if passes > 0 && !self.pinned {
+            self.pass_s = Some(Self::average(self.pass_s, seconds / passes as f64));
+        }
+    }
+
+    fn observe_step(&mut self, seconds: f64, tokens: usize) {
+        if self.pinned {
+            return;
+        }
+        let first = self.step_s.is_none();
+        self.step_s = Some(Self::average(self.step_s, seconds));
+        self.step_tokens = if first {
+            tokens as f64
+        } else {
+            Self::average(Some(self.step_tokens), tokens as f64)
+        };
+    }
+
+    /// How many passes deep the drafts are worth running, for sequences that would take at most
+    /// `most` drafts each with chance `p` of each being kept (the j-th with `p^j`). Unmeasured
+    /// costs price nothing (the first calls measure them).
+    fn depth(&self, wanted: &[(usize, f64)]) -> usize {
+        let deepest = wanted.iter().map(|w| w.0).max().unwrap_or(0);
+        let (Some(pass), Some(step)) = (self.pass_s, self.step_s) else {
+            return deepest;
+        };
+        let rate = self.step_tokens / step.max(1e-9);
+        (1..=deepest)
+            .take_while(|&j| {
+                let gain: f64 = (wanted.iter())
+                    .filter(|w| w.0 >= j)
+                    .map(|w| w.1.powi(j as i32))
+                    .sum();
+                gain >= super::scheduler::drafts::GAIN * rate * pass
+            })
+            .count()
+    }
+}
+
+/// A request the draft model has not drafted for in this many steps gets one draft (run or
+/// not, checked against the token sampled), so a chance of being kept that fell too low to pay
+/// for drafts can rise again; n-gram drafts cost nothing to propose and are checked every step.
+const PROBE_EVERY: u32 = 8;
 
 /// Speculative decoding with n-gram drafts (`speculate`): the most drafts a decode may propose
 /// and the n-gram lengths matched. Which of them run is the scheduler's call, step by step.
@@ -190,6 +261,9 @@ pub struct Core<E: BorrowMut<Engine> = Engine> {
     /// How long each grammar mask took, since `take_mask_seconds` last emptied it.
     mask_seconds: Vec<f64>,
     speculation: Option<Speculation>,
+    /// Writes the drafts instead of n-gram lookup, when set (`set_draft_model`).
+    draft: Option<DraftModel>,
+    draft_costs: DraftCosts,
 }
 
 impl<E: BorrowMut<Engine>> Core<E> {
@@ -206,7 +280,31 @@ impl<E: BorrowMut<Engine>> Core<E> {
             eos,
             mask_seconds: Vec::new(),
             speculation: None,
+            draft: None,
+            draft_costs: DraftCosts::default(),
         }
+    }
+
+    /// Drafts from a draft model (`Some`) instead of n-gram lookup, when speculation is on.
+    /// Verification is the same (see `draft`): replies are unchanged either way.
+    pub fn set_draft_model(&mut self, d: Option<DraftModel>) {
+        self.draft = d;
+        self.draft_costs = DraftCosts::default();
+    }
+
+    pub fn draft_model(&self) -> Option<&DraftModel> {
+        self.draft.as_ref()
+    }
+
+    /// Fixes what a draft-model pass costs (seconds) and the model's rate (tokens a second)
+    /// instead of measuring them (tests: which drafts run must not depend on this machine).
+    pub fn pin_draft_costs(&mut self, pass_s: f64, tokens_per_s: f64) {
+        self.draft_costs = DraftCosts {
+            pass_s: Some(pass_s),
+            step_s: Some(1.0),
+            step_tokens: tokens_per_s,
+            pinned: true,
+        };
     }
 
     /// Speculates (`Some`) or not for requests added from now on. Greedy and sampled replies
@@ -285,6 +383,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
                     drafter: NgramDrafter::new(s.min_ngram, s.max_ngram),
                     acceptance: Acceptance::new(),
                     proposed: Vec::new(),
+                    idle: 0,
                 }),
                 constraint: r.constraint,
             },
@@ -302,6 +401,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
     /// Ends a request like `finish`, its lease keeping at most its first `keep` tokens (prompt,
     /// then reply).
     pub fn finish_at(&mut self, id: RequestId, keep: usize) -> Vec<RequestId> {
+        if let Some(m) = self.draft.as_mut() {
+            m.forget(id);
+        }
         let d = self.live.remove(&id);
         self.sched
             .finish_at(id, d.as_ref().and_then(|d| d.lease), keep);
@@ -312,6 +414,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
     /// Drops a request and all its blocks (its client is gone). Returns the choices that were
     /// still to fork from it. Idempotent.
     pub fn remove(&mut self, id: RequestId) -> Vec<RequestId> {
+        if let Some(m) = self.draft.as_mut() {
+            m.forget(id);
+        }
         self.sched.remove(id);
         self.live
             .remove(&id)
@@ -393,6 +498,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let Some(cfg) = self.speculation else {
             return;
         };
+        // For the draft model: the most drafts each request may take.
+        let mut asks: Vec<(RequestId, usize)> = Vec::new();
         for (id, d) in self.live.iter_mut() {
             let Some(spec) = d.spec.as_mut() else {
                 continue;
@@ -407,6 +514,13 @@ impl<E: BorrowMut<Engine>> Core<E> {
             let room = (d.max_tokens.saturating_sub(d.generated))
                 .min(self.max_context.saturating_sub(s.tokens.len()))
                 .saturating_sub(1);
+            if self.draft.is_some() {
+                let most = cfg.max_drafts.min(room);
+                if most > 0 {
+                    asks.push((*id, most));
+                }
+                continue;
+            }
             spec.proposed = spec.drafter.draft(&s.tokens, cfg.max_drafts.min(room));
             if let Some(c) = d.constraint.as_mut() {
                 // Only drafts the grammar allows can be kept.
@@ -416,6 +530,92 @@ impl<E: BorrowMut<Engine>> Core<E> {
             if !spec.proposed.is_empty() {
                 let p = spec.acceptance.p();
                 self.sched.set_drafts(*id, spec.proposed.clone(), p);
+            }
+        }
+        if !asks.is_empty() {
+            self.model_drafts(asks);
+        }
+    }
+
+    /// The draft model's drafts for `asks` (request, most drafts): as many as the scheduler
+    /// would run now at each request's chance of a draft being kept (a request with none worth
+    /// running gets one every `PROBE_EVERY` steps, to keep its chance current), written by the
+    /// draft model in one batched call, cut to what a grammar allows, and proposed as n-gram
+    /// drafts are. A draft model that fails drafts nothing this step (the replies go on).
+    fn model_drafts(&mut self, asks: Vec<(RequestId, usize)>) {
+        for &(id, most) in &asks {
+            let p = (self.live.get(&id).and_then(|d| d.spec.as_ref()))
+                .map_or(0.0, |s| s.acceptance.p());
+            self.sched.set_drafts(id, vec![0; most], p);
+        }
+        let worth: HashMap<RequestId, usize> =
+            self.sched.drafts_worth_running().into_iter().collect();
+        // What the step's plan would run, cut to what the draft model's passes are worth.
+        let planned: Vec<(RequestId, usize, f64)> = (asks.iter())
+            .filter_map(|&(id, _)| {
+                let n = *worth.get(&id)?;
+                let p = self.live.get(&id)?.spec.as_ref()?.acceptance.p();
+                (n > 0).then_some((id, n, p))
+            })
+            .collect();
+        let costs = &self.draft_costs;
+        let depth = costs.depth(&planned.iter().map(|w| (w.1, w.2)).collect::<Vec<_>>());
+        // A probe is worth it only where a draft that is always kept would be.
+        let probe = costs.depth(&[(1, 1.0)]) > 0;
+        let mut wanted: Vec<(RequestId, usize)> = Vec::new();
+        for (id, most) in asks {
+            let Some(spec) = self.live.get_mut(&id).and_then(|d| d.spec.as_mut()) else {
+                continue;
+            };
+            let n = match planned.iter().find(|w| w.0 == id) {
+                Some(w) if depth > 0 => w.1.min(depth),
+                _ if probe && spec.idle + 1 >= PROBE_EVERY => 1.min(most),
+                _ => 0,
+            };
+            spec.idle = if n > 0 { 0 } else { spec.idle + 1 };
+            if n > 0 {
+                wanted.push((id, n));
+            }
+        }
+        let (Some(model), false) = (self.draft.as_mut(), wanted.is_empty()) else {
+            return;
+        };
+        let sched = &self.sched;
+        let asks: Vec<Ask> = (wanted.iter())
+            .filter_map(|&(id, drafts)| {
+                let tokens = &sched.get(id)?.tokens;
+                Some(Ask { id, tokens, drafts })
+            })
+            .collect();
+        let (t, passes) = (std::time::Instant::now(), model.passes());
+        let drafted = model.draft(&asks);
+        (self.draft_costs).observe_passes(t.elapsed().as_secs_f64(), model.passes() - passes);
+        let drafts = match drafted {
+            Ok(d) => d,
+            Err(e) => {
+                tracing::warn!(error = %e, "the draft model failed: no drafts this step");
+                for a in &asks {
+                    model.forget(a.id);
+                }
+                return;
+            }
+        };
+        let ids: Vec<RequestId> = asks.iter().map(|a| a.id).collect();
+        for (id, mut proposed) in ids.into_iter().zip(drafts) {
+            let Some(d) = self.live.get_mut(&id) else {
+                continue;
+            };
+            if let Some(c) = d.constraint.as_mut() {
+                let valid = c.valid_prefix(&proposed);
+                proposed.truncate(valid);
+            }
+            let Some(spec) = d.spec.as_mut() else {
+                continue;
+            };
+            spec.proposed = proposed;
+            if !spec.proposed.is_empty() {
+                self.sched
+                    .set_drafts(id, spec.proposed.clone(), spec.acceptance.p());
             }
         }
     }
@@ -479,6 +679,7 @@ impl<E: BorrowMut<Engine>> Core<E> {
 
     /// Runs one step: `Ok(None)` when there is nothing to run.
     pub fn step(&mut self) -> Result<Option<Vec<Event>>, StepFailed> {
+        let began = std::time::Instant::now();
         self.plan_drafts();
         let Some(sch) = self.sched.schedule() else {
             return Ok(None);
@@ -637,6 +838,41 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 None => self.sched.append(id, token),
             }
         }
+        if self.draft.is_some() {
+            let tokens = (events.iter())
+                .filter(|e| matches!(e, Event::Token { .. }))
+                .count();
+            (self.draft_costs).observe_step(began.elapsed().as_secs_f64(), tokens);
+        }
         Ok(Some(events))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A draft-model pass runs while its expected tokens over its time beat the model's rate
+    /// by `GAIN`: deep for a cheap draft model and likely drafts, shallow as chances fall, never
+    /// for a draft model as slow as the model; unmeasured, as deep as asked.
+    #[test]
+    fn draft_passes_run_while_they_pay() {
+        let mut c = DraftCosts::default();
+        assert_eq!(c.depth(&[(4, 0.9), (2, 0.5)]), 4, "unmeasured");
+        // The model: 1 token per 10 ms step (100 tok/s).
+        c.observe_step(0.010, 1);
+        // A draft model 10x cheaper: a pass is worth it while its expected tokens >= 0.125.
+        c.observe_passes(0.002, 2);
+        assert_eq!(c.depth(&[(8, 0.9)]), 8);
+        // 0.6^4 = 0.13 pays, 0.6^5 does not.
+        assert_eq!(c.depth(&[(8, 0.6)]), 4);
+        // Two sequences share a pass: 2 x 0.3^2 = 0.18 pays.
+        assert_eq!(c.depth(&[(8, 0.3), (8, 0.3)]), 2);
+        assert_eq!(c.depth(&[(8, 0.3)]), 1);
+        // A draft model as slow as the model: not even a certain draft pays.
+        let mut slow = DraftCosts::default();
+        slow.observe_step(0.010, 1);
+        slow.observe_passes(0.010, 1);
+        assert_eq!(slow.depth(&[(8, 1.0)]), 0);
     }
 }

@@ -6,6 +6,7 @@
 pub mod constraint;
 pub mod core;
 pub mod cost;
+pub mod draft;
 pub mod loaded;
 pub mod scheduler;
 pub mod speculate;

@@ -336,4 +336,56 @@ mod tests {
         s.scheduler.speculation = "off".into();
         assert_eq!(s.batcher_config().speculation, None);
     }
+
+    /// The draft source and the draft model agree or the settings are refused, naming the key
+    /// and what would do; "model" gives the draft model the model's options with its own cache;
+    /// speculation "off" loads no draft model.
+    #[test]
+    fn draft_model_settings_are_checked() {
+        let with = |f: &dyn Fn(&mut Settings)| {
+            let mut s = Settings::load(None).unwrap();
+            f(&mut s);
+            s.draft_options()
+        };
+        let err = |f: &dyn Fn(&mut Settings)| with(f).unwrap_err().to_string();
+        assert_eq!(with(&|_| {}).unwrap().map(|o| o.model), None, "the default");
+        let e = err(&|s| s.model.draft = "/m/draft.gguf".into());
+        assert!(e.contains("model.draft") && e.contains("\"model\""), "{e}");
+        let e = err(&|s| s.scheduler.draft_source = "model".into());
+        assert!(
+            e.contains("scheduler.draft_source") && e.contains("model.draft"),
+            "{e}"
+        );
+        let e = err(&|s| s.scheduler.draft_source = "eagle".into());
+        assert!(
+            e.contains("scheduler.draft_source") && e.contains("\"ngram\" or \"model\""),
+            "{e}"
+        );
+        let model = |s: &mut Settings| {
+            s.model.draft = "/m/draft.gguf".into();
+            s.scheduler.draft_source = "model".into();
+            s.engine.draft_cache_mib = 32;
+        };
+        let e = err(&|s| {
+            model(s);
+            s.engine.draft_cache_mib = 0;
+        });
+        assert!(e.contains("engine.draft_cache_mib"), "{e}");
+        let o = with(&model).unwrap().expect("a draft model");
+        assert_eq!(o.model, Some(std::path::PathBuf::from("/m/draft.gguf")));
+        assert_eq!(o.cache, crate::engine::loaded::CacheSize::Mib(32));
+        assert_eq!(
+            o.kv_dtype,
+            Settings::load(None)
+                .unwrap()
+                .engine_options()
+                .unwrap()
+                .kv_dtype
+        );
+        let off = with(&|s| {
+            model(s);
+            s.scheduler.speculation = "off".into();
+        });
+        assert!(off.unwrap().is_none(), "no drafts, no draft model");
+    }
 }

@@ -227,6 +227,8 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
     let pin_prompts = settings.cache.pin_widget_prompts && settings.cache.prefix_caching;
     let pins = state.tenants.operator_prompts();
     let load_state = state.clone();
+    let draft_opts = (settings.draft_options())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
     let arbiter = Arbiter::new();
     arbiter.spawn_fn(move || {
         let started = std::time::Instant::now();
@@ -238,10 +240,25 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     "warmed up (one prefill chunk and a few decode steps)"
                 );
             }
-            Ok(engine)
+            let draft = draft_opts
+                .map(|mut o| {
+                    // What the model's copies left of the tile units' budget.
+                    o.amx_weights_mib = crate::model::kernels::amx::budget_left() >> 20;
+                    let d = crate::engine::draft::DraftModel::new(
+                        Engine::load(&o)?,
+                        &engine.tokenizer,
+                    )?;
+                    tracing::info!(
+                        model = %d.engine().info.name,
+                        "speculative drafts from a draft model (scheduler.draft_source = \"model\")"
+                    );
+                    Ok::<_, crate::error::EngineError>(d)
+                })
+                .transpose()?;
+            Ok((engine, draft))
         });
         match loaded {
-            Ok(engine) => {
+            Ok((engine, draft)) => {
                 let tokenizer = engine.tokenizer.clone();
                 let vocab = engine.model.config().vocab_size;
                 let model = engine.info.name.clone();
@@ -250,7 +267,9 @@ pub fn build(settings: &Settings, opts: EngineOptions) -> std::io::Result<Runnin
                     max_context,
                     ..batcher_cfg
                 };
-                let batcher = Batcher::new(engine, cfg, metrics).start();
+                let batcher = Batcher::new(engine, cfg, metrics)
+                    .with_draft_model(draft)
+                    .start();
                 let mut operator_tokens = HashMap::new();
                 for (tenant, system) in &pins {
                     let tokens = match tokenizer

@@ -718,3 +718,42 @@ fn speculation_gives_the_same_reply_and_keeps_most_drafts_of_a_quotation() {
     );
     assert_eq!(usage[2], (0, 0), "the request that opted out ran no drafts");
 }
+
+/// A draft model through the server (`model.draft`, `scheduler.draft_source = "model"`; the
+/// default model drafting for itself, as no smaller model with its tokenizer is here): the
+/// reply is the one without speculation, and the drafts that ran (the cost model decides) were
+/// the model's own greedy picks, so most were kept.
+#[test]
+fn a_draft_model_gives_the_same_reply() {
+    use crate::openai::metric;
+    let _g = model_lock();
+    let model = llama_relay::default_model::ensure_default_model().unwrap();
+    let text = "Copy the following text exactly, word for word:\n\nReturns: unused items may be \
+        returned within 30 days of delivery with the original receipt for a full refund.";
+    let reply = |draft: bool| {
+        let app = spawn_app(&model, |s| {
+            if draft {
+                s.model.draft = model.display().to_string();
+                s.scheduler.draft_source = "model".into();
+            } else {
+                s.scheduler.speculation = "off".into();
+            }
+        });
+        let mut text_out = String::new();
+        run(async {
+            let mut c = app.connect().await;
+            c.chat("q", text, greedy(48)).await;
+            text_out = c.reply("q").await.text;
+            app.wait_idle().await;
+        });
+        let drafted = metric(&app, "vllm:spec_decode_num_draft_tokens_total");
+        let kept = metric(&app, "vllm:spec_decode_num_accepted_tokens_total");
+        (text_out, drafted, kept)
+    };
+    let (plain, ..) = reply(false);
+    let (drafted_reply, drafted, kept) = reply(true);
+    assert_eq!(drafted_reply, plain);
+    // (Not all: the draft model's rows run in other step shapes than the model's own, whose
+    // kernels round differently, so a near tie may go the other way.)
+    assert!(kept >= drafted / 2.0, "{kept} of {drafted} drafts kept");
+}

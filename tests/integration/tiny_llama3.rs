@@ -445,19 +445,126 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
     assert_eq!(core.scheduler().kv().pool().used_count(), 0);
 }
 
-/// Speculative decoding changes no reply: several requests at once (greedy, sampled with a seed,
-/// with penalties, with logprobs), run with and without n-gram drafts, give the same tokens and
-/// log-probabilities; drafts ran and some were kept (the random model repeats itself, which is
-/// what n-gram drafts find); the KV manager's invariants hold and every block comes back.
-#[test]
-fn speculation_leaves_every_reply_as_it_was() {
-    use llama_relay::engine::core::{Core, Event, Request, Speculation};
+/// One request of a speculation test: prompt, sampling, max tokens, logprobs.
+type SpecRequest = (
+    Vec<u32>,
+    llama_relay::sampler::SamplingParams,
+    usize,
+    Option<usize>,
+);
+
+/// What a speculation run gave: each request's tokens with their log-probabilities, the steps
+/// taken, drafts run and kept.
+struct SpecRun {
+    tokens: std::collections::BTreeMap<u64, Vec<(u32, Option<f32>)>>,
+    steps: usize,
+    drafted: u64,
+    accepted: u64,
+}
+
+/// Runs `requests` at once in a core with `spec` (and drafts from `draft` when given), checking
+/// the KV manager's (and the draft model's) invariants after every step and that every block
+/// comes back at the end.
+fn speculation_run(
+    e: &mut Engine,
+    requests: &[SpecRequest],
+    spec: Option<llama_relay::engine::core::Speculation>,
+    draft: Option<llama_relay::engine::draft::DraftModel>,
+) -> SpecRun {
+    use llama_relay::engine::core::{Core, Event, Request};
     use llama_relay::engine::cost::{FixedCost, LinearCost};
     use llama_relay::engine::scheduler::RequestId;
     use llama_relay::kv_cache::{CacheScope, Salt};
+    let (sched, kv) = core_configs(true);
+    let mut core = Core::new(&mut *e, sched, kv, 2048);
+    core.set_speculation(spec);
+    core.set_draft_model(draft);
+    // A draft model a tenth of the model's step (here it is the same size: measured, its
+    // passes would never pay).
+    core.pin_draft_costs(0.0005, 200.0);
+    // Costs of a CPU step whose fixed part (reading the weights) outweighs a row's, as the
+    // default model's are; learned ones would make the drafts kept depend on this machine
+    // (on a fast one the tiny model's LM head row costs about a whole step: no draft pays).
+    core.set_cost_model(Box::new(FixedCost(LinearCost::new([
+        0.005, 0.01, 0.0, 0.001,
+    ]))));
+    for (i, (prompt, sampling, max_tokens, logprobs)) in requests.iter().enumerate() {
+        core.add(Request {
+            id: RequestId(i as u64),
+            prompt: prompt.clone(),
+            sampling: sampling.clone(),
+            max_tokens: *max_tokens,
+            ignore_eos: true,
+            priority: Default::default(),
+            scope: CacheScope::private(Salt(i as u64)),
+            lease: None,
+            shift: false,
+            logprobs: *logprobs,
+            forks: Vec::new(),
+            quota: Default::default(),
+            constraint: None,
+        })
+        .unwrap();
+    }
+    let mut tokens: std::collections::BTreeMap<u64, Vec<(u32, Option<f32>)>> = Default::default();
+    let mut steps = 0;
+    while let Some(events) = core.step().unwrap() {
+        steps += 1;
+        core.scheduler().kv().check().unwrap();
+        if let Some(d) = core.draft_model() {
+            d.check().unwrap();
+        }
+        for ev in events {
+            if let Event::Token {
+                id,
+                token,
+                logprobs,
+            } = ev
+            {
+                tokens
+                    .entry(id.0)
+                    .or_default()
+                    .push((token, logprobs.map(|l| l.logprob)));
+            }
+        }
+    }
+    let stats = core.scheduler().stats();
+    assert_eq!(core.scheduler().kv().pool().used_count(), 0);
+    if let Some(d) = core.draft_model() {
+        assert_eq!(d.sequences(), 0, "every request's draft state is gone");
+        assert_eq!(d.engine().pool.used_count(), 0);
+    }
+    core.into_engine();
+    SpecRun {
+        tokens,
+        steps,
+        drafted: stats.drafted_tokens,
+        accepted: stats.accepted_tokens,
+    }
+}
+
+/// The same tokens and log-probabilities, request by request.
+fn assert_same_replies(got: &SpecRun, want: &SpecRun, what: &str) {
+    assert_eq!(got.tokens.len(), want.tokens.len(), "{what}");
+    for (id, want) in &want.tokens {
+        let got = &got.tokens[id];
+        assert_eq!(got.len(), want.len(), "{what}: request {id}");
+        for (j, ((t, l), (wt, wl))) in got.iter().zip(want).enumerate() {
+            assert_eq!(t, wt, "{what}: request {id}, token {j}");
+            if let (Some(l), Some(wl)) = (l, wl) {
+                assert!(
+                    (l - wl).abs() < 1e-3,
+                    "{what}: request {id}, token {j}: {l} vs {wl}"
+                );
+            }
+        }
+    }
+}
+
+/// Requests of every kind (greedy, sampled with a seed, with penalties, with logprobs) whose
+/// prompts quote themselves, so drafts have something to find.
+fn speculation_requests() -> Vec<SpecRequest> {
     use llama_relay::sampler::SamplingParams;
-    let _g = model_lock();
-    let mut e = Tiny::Tied.load(16);
     let greedy = SamplingParams::default();
     let sampled = SamplingParams {
         temperature: 0.9,
@@ -470,93 +577,126 @@ fn speculation_leaves_every_reply_as_it_was() {
         frequency_penalty: 0.2,
         ..Default::default()
     };
-    // Prompts that quote themselves, so drafts have something to find.
     let quote: Vec<u32> = (0..24).map(|i| 300 + (i % 8) * 11).collect();
-    let prompts: Vec<(Vec<u32>, SamplingParams, usize, Option<usize>)> = vec![
+    vec![
         (quote.clone(), greedy.clone(), 40, None),
         ([&quote[..], &[7, 8, 9][..]].concat(), sampled, 33, None),
         ((1000..1030).collect(), penalized, 29, None),
         ([&quote[4..], &quote[..9]].concat(), greedy, 37, Some(3)),
-    ];
-    let run = |e: &mut llama_relay::engine::Engine, spec: Option<Speculation>| {
-        let (sched, kv) = core_configs(true);
-        let mut core = Core::new(&mut *e, sched, kv, 2048);
-        core.set_speculation(spec);
-        // Costs of a CPU step whose fixed part (reading the weights) outweighs a row's, as the
-        // default model's are; learned ones would make the drafts kept depend on this machine
-        // (on a fast one the tiny model's LM head row costs about a whole step: no draft pays).
-        core.set_cost_model(Box::new(FixedCost(LinearCost::new([
-            0.005, 0.01, 0.0, 0.001,
-        ]))));
-        for (i, (prompt, sampling, max_tokens, logprobs)) in prompts.iter().enumerate() {
-            core.add(Request {
-                id: RequestId(i as u64),
-                prompt: prompt.clone(),
-                sampling: sampling.clone(),
-                max_tokens: *max_tokens,
-                ignore_eos: true,
-                priority: Default::default(),
-                scope: CacheScope::private(Salt(i as u64)),
-                lease: None,
-                shift: false,
-                logprobs: *logprobs,
-                forks: Vec::new(),
-                quota: Default::default(),
-                constraint: None,
-            })
-            .unwrap();
-        }
-        let mut out: std::collections::BTreeMap<u64, Vec<(u32, Option<f32>)>> = Default::default();
-        let mut steps = 0;
-        while let Some(events) = core.step().unwrap() {
-            steps += 1;
-            core.scheduler().kv().check().unwrap();
-            for ev in events {
-                if let Event::Token {
-                    id,
-                    token,
-                    logprobs,
-                } = ev
-                {
-                    out.entry(id.0)
-                        .or_default()
-                        .push((token, logprobs.map(|l| l.logprob)));
-                }
-            }
-        }
-        let stats = core.scheduler().stats();
-        assert_eq!(core.scheduler().kv().pool().used_count(), 0);
-        core.into_engine();
-        (out, steps, stats.drafted_tokens, stats.accepted_tokens)
-    };
-    let (plain, plain_steps, drafted, _) = run(&mut e, None);
-    assert_eq!(drafted, 0);
+    ]
+}
+
+/// Speculative decoding changes no reply: several requests at once (greedy, sampled with a seed,
+/// with penalties, with logprobs), run with and without n-gram drafts, give the same tokens and
+/// log-probabilities; drafts ran and some were kept (the random model repeats itself, which is
+/// what n-gram drafts find); the KV manager's invariants hold and every block comes back.
+#[test]
+fn speculation_leaves_every_reply_as_it_was() {
+    use llama_relay::engine::core::Speculation;
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load(16);
+    let requests = speculation_requests();
+    let plain = speculation_run(&mut e, &requests, None, None);
+    assert_eq!(plain.drafted, 0);
     let spec = Speculation {
         max_drafts: 4,
         min_ngram: 1,
         max_ngram: 3,
     };
-    let (fast, fast_steps, drafted, accepted) = run(&mut e, Some(spec));
-    for (id, want) in &plain {
-        let got = &fast[id];
-        assert_eq!(got.len(), want.len(), "request {id}");
-        for (j, ((t, l), (wt, wl))) in got.iter().zip(want).enumerate() {
-            assert_eq!(t, wt, "request {id}, token {j}");
-            if let (Some(l), Some(wl)) = (l, wl) {
-                assert!(
-                    (l - wl).abs() < 1e-3,
-                    "request {id}, token {j}: {l} vs {wl}"
-                );
-            }
-        }
-    }
+    let fast = speculation_run(&mut e, &requests, Some(spec), None);
+    assert_same_replies(&fast, &plain, "n-gram drafts");
     assert!(
-        drafted > 0 && accepted > 0,
-        "drafted {drafted}, kept {accepted}"
+        fast.drafted > 0 && fast.accepted > 0,
+        "drafted {}, kept {}",
+        fast.drafted,
+        fast.accepted
     );
     assert!(
-        fast_steps < plain_steps,
-        "kept drafts save steps: {fast_steps} vs {plain_steps}"
+        fast.steps < plain.steps,
+        "kept drafts save steps: {} vs {}",
+        fast.steps,
+        plain.steps
+    );
+}
+
+/// Drafts from a draft model change no reply either, whichever model drafts: the other tiny
+/// model (other weights, same tokenizer: its drafts are mostly rejected) or the model itself
+/// (its greedy drafts are what the model picks, so nearly all are kept, which holds only if the
+/// draft cache follows each sequence: caught up from what it held, rejected drafts written
+/// over). Also with a prompt longer than one call's catch-up (it drafts once all of it is in)
+/// and with a draft cache too small for every sequence (the least recently drafted give their
+/// blocks back). The draft model's invariants hold after every step; its blocks all come back.
+#[test]
+fn a_draft_model_leaves_every_reply_as_it_was() {
+    use llama_relay::engine::core::Speculation;
+    use llama_relay::engine::draft::{DraftModel, CATCH_UP_TOKENS};
+    use llama_relay::engine::loaded::CacheSize;
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load(16);
+    let mut requests = speculation_requests();
+    // Longer than a call's catch-up.
+    let long: Vec<u32> = (0..CATCH_UP_TOKENS as u32 + 90)
+        .map(|i| 500 + i % 97)
+        .collect();
+    requests.push((long, Default::default(), 20, None));
+    let plain = speculation_run(&mut e, &requests, None, None);
+    let spec = Speculation {
+        max_drafts: 4,
+        min_ngram: 1,
+        max_ngram: 3,
+    };
+    let tokenizer = e.tokenizer.clone();
+    let draft = |tiny: Tiny, tokens: usize| {
+        let d = tiny.load_with(16, |o| o.cache = CacheSize::Tokens(tokens));
+        Some(DraftModel::new(d, &tokenizer).unwrap())
+    };
+    let other = draft(Tiny::Untied, 4096);
+    let itself = draft(Tiny::Tied, 4096);
+    let tight = draft(Tiny::Tied, 768);
+    let got = speculation_run(&mut e, &requests, Some(spec), other);
+    assert_same_replies(&got, &plain, "the other model drafting");
+    assert!(got.drafted > 0, "the other model drafted");
+    let got = speculation_run(&mut e, &requests, Some(spec), itself);
+    assert_same_replies(&got, &plain, "the model drafting for itself");
+    assert!(got.steps < plain.steps, "{} vs {}", got.steps, plain.steps);
+    // Greedy replies only: the model's greedy drafts are its own picks.
+    let greedy: Vec<SpecRequest> = (requests.iter())
+        .filter(|r| r.1 == Default::default())
+        .cloned()
+        .collect();
+    let itself = draft(Tiny::Tied, 4096);
+    let got = speculation_run(&mut e, &greedy, Some(spec), itself);
+    eprintln!("greedy self drafts: {} of {}", got.accepted, got.drafted);
+    assert!(
+        got.accepted * 100 >= got.drafted * 95 && got.drafted > 0,
+        "its own greedy drafts are kept: {} of {}",
+        got.accepted,
+        got.drafted
+    );
+    let got = speculation_run(&mut e, &requests, Some(spec), tight);
+    assert_same_replies(&got, &plain, "a draft cache of 768 tokens");
+    assert!(got.accepted > 0);
+}
+
+/// A draft model must share the model's tokenizer: SmolLM2 (49,152 tokens) cannot draft for
+/// a Llama 3 model, and loading says so.
+#[test]
+fn a_draft_model_of_another_tokenizer_is_refused() {
+    use llama_relay::engine::draft::DraftModel;
+    let _g = model_lock();
+    let e = Tiny::Tied.load(16);
+    let mut o = llama_relay::engine::EngineOptions::for_model(
+        llama_relay::default_model::ensure_default_model().unwrap(),
+    );
+    o.cache = llama_relay::engine::loaded::CacheSize::Tokens(256);
+    let smol = Engine::load(&o).unwrap();
+    let err = DraftModel::new(smol, &e.tokenizer)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        err.contains("the draft model's tokenizer is not the model's"),
+        "{err}"
     );
 }
 

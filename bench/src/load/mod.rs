@@ -438,8 +438,10 @@ async fn until(ws: &mut Socket, kind: &str) -> Result<Value, String> {
     }
 }
 
-/// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s).
-pub async fn run(cfg: BenchConfig) -> Result<[f64; 5], String> {
+/// Runs the load and prints the summary; returns (ttft p50, ttft p99, itl p50, itl p99, tok/s
+/// aggregate, decode tok/s: a reply's tokens after its first over the time from its first to its
+/// last, the median of the replies).
+pub async fn run(cfg: BenchConfig) -> Result<[f64; 6], String> {
     let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let model = match cfg.api {
         Api::OpenAi => served_model(&cfg.url, cfg.api_key.as_deref()).await?,
@@ -468,16 +470,23 @@ pub async fn run(cfg: BenchConfig) -> Result<[f64; 5], String> {
     ttft.sort_by(f64::total_cmp);
     itl.sort_by(f64::total_cmp);
     let tokens: usize = samples.iter().map(|s| s.tokens).sum();
+    let mut decode: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.tokens > 1 && !s.itl.is_empty())
+        .map(|s| (s.tokens - 1) as f64 / s.itl.iter().sum::<f64>())
+        .collect();
+    decode.sort_by(f64::total_cmp);
     let r = [
         percentile(&ttft, 50.0),
         percentile(&ttft, 99.0),
         percentile(&itl, 50.0),
         percentile(&itl, 99.0),
         tokens as f64 / wall,
+        percentile(&decode, 50.0),
     ];
     println!(
-        "{:<9} | users {:>3} | requests {:>4} | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>6.1} ms p99 {:>7.1} ms | {:>6.1} tok/s aggregate ({} tokens in {:.1} s)",
-        cfg.api.name(), cfg.users, samples.len(), r[0] * 1e3, r[1] * 1e3, r[2] * 1e3, r[3] * 1e3, r[4], tokens, wall
+        "{:<9} | users {:>3} | requests {:>4} | TTFT p50 {:>8.1} ms p99 {:>8.1} ms | ITL p50 {:>6.1} ms p99 {:>7.1} ms | {:>6.1} tok/s aggregate ({} tokens in {:.1} s) | decode {:>6.1} tok/s a reply",
+        cfg.api.name(), cfg.users, samples.len(), r[0] * 1e3, r[1] * 1e3, r[2] * 1e3, r[3] * 1e3, r[4], tokens, wall, r[5]
     );
     Ok(r)
 }

@@ -16,7 +16,7 @@ use crate::kv_cache::Salt;
 
 /// How much more a draft must be worth than its cost: a draft at break-even gains nothing on
 /// average but lengthens every stream's step.
-const GAIN: f64 = 1.25;
+pub(crate) const GAIN: f64 = 1.25;
 
 impl Scheduler {
     /// Whether running request `s` decodes in the next step, tenants in `hold` sitting it out.
@@ -35,6 +35,21 @@ impl Scheduler {
         self.waiting.iter().any(interactive)
             || (self.running.iter())
                 .any(|s| interactive(s) && s.pending() > 1 && s.computed < s.prompt_len)
+    }
+
+    /// For a draft source that costs work to ask (a draft model): with each decode's drafts set
+    /// to placeholders of the most it may take (`set_drafts`), how many of each this step would
+    /// run (`trim_drafts` without holding any tenant back). The placeholders are cleared.
+    pub fn drafts_worth_running(&mut self) -> Vec<(RequestId, usize)> {
+        self.trim_drafts(&[]);
+        let worth = (self.running.iter())
+            .filter(|s| !s.drafts.is_empty() && Self::decodes_next(s, &[]))
+            .map(|s| (s.id, s.drafts.len()))
+            .collect();
+        for s in &mut self.running {
+            s.drafts.clear();
+        }
+        worth
     }
 
     /// Cuts each decode's proposed drafts to those worth running this step (the module doc).

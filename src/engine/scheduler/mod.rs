@@ -40,7 +40,7 @@
 mod admit;
 mod budget;
 mod deadline;
-mod drafts;
+pub(crate) mod drafts;
 mod fairness;
 mod request;
 #[cfg(test)]

@@ -196,6 +196,12 @@ impl Batcher {
         }
     }
 
+    /// Speculative drafts from `draft` instead of n-gram lookup (when speculation is on).
+    pub fn with_draft_model(mut self, draft: Option<crate::engine::draft::DraftModel>) -> Self {
+        self.core.set_draft_model(draft);
+        self
+    }
+
     fn wake(&mut self, ctx: &mut Context<Self>) {
         if !self.stepping {
             self.stepping = true;
