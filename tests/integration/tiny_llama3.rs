@@ -445,12 +445,14 @@ fn forked_choices_share_one_prefill_and_report_logprobs() {
     assert_eq!(core.scheduler().kv().pool().used_count(), 0);
 }
 
-/// One request of a speculation test: prompt, sampling, max tokens, logprobs.
+/// One request of a speculation test: prompt, sampling, max tokens, logprobs, its other
+/// choices' sampling (forks of its prompt).
 type SpecRequest = (
     Vec<u32>,
     llama_relay::sampler::SamplingParams,
     usize,
     Option<usize>,
+    Vec<llama_relay::sampler::SamplingParams>,
 );
 
 /// What a speculation run gave: each request's tokens with their log-probabilities, the steps
@@ -462,20 +464,22 @@ struct SpecRun {
     accepted: u64,
 }
 
-/// Runs `requests` at once in a core with `spec` (and drafts from `draft` when given), checking
-/// the KV manager's (and the draft model's) invariants after every step and that every block
-/// comes back at the end.
+/// Runs `requests` at once in a core of `step_tokens` a step with `spec` (and drafts from
+/// `draft` when given), checking the KV manager's (and the draft model's) invariants after every
+/// step and that every block comes back at the end.
 fn speculation_run(
     e: &mut Engine,
+    step_tokens: usize,
     requests: &[SpecRequest],
     spec: Option<llama_relay::engine::core::Speculation>,
     draft: Option<llama_relay::engine::draft::DraftModel>,
 ) -> SpecRun {
-    use llama_relay::engine::core::{Core, Event, Request};
+    use llama_relay::engine::core::{Core, Event, Fork, Request};
     use llama_relay::engine::cost::{FixedCost, LinearCost};
     use llama_relay::engine::scheduler::RequestId;
     use llama_relay::kv_cache::{CacheScope, Salt};
-    let (sched, kv) = core_configs(true);
+    let (mut sched, kv) = core_configs(true);
+    sched.step_tokens = step_tokens;
     let mut core = Core::new(&mut *e, sched, kv, 2048);
     core.set_speculation(spec);
     core.set_draft_model(draft);
@@ -488,7 +492,7 @@ fn speculation_run(
     core.set_cost_model(Box::new(FixedCost(LinearCost::new([
         0.005, 0.01, 0.0, 0.001,
     ]))));
-    for (i, (prompt, sampling, max_tokens, logprobs)) in requests.iter().enumerate() {
+    for (i, (prompt, sampling, max_tokens, logprobs, forks)) in requests.iter().enumerate() {
         core.add(Request {
             id: RequestId(i as u64),
             prompt: prompt.clone(),
@@ -500,7 +504,12 @@ fn speculation_run(
             lease: None,
             shift: false,
             logprobs: *logprobs,
-            forks: Vec::new(),
+            forks: (forks.iter().enumerate())
+                .map(|(j, sampling)| Fork {
+                    id: RequestId(1000 + 10 * i as u64 + j as u64),
+                    sampling: sampling.clone(),
+                })
+                .collect(),
             quota: Default::default(),
             constraint: None,
         })
@@ -579,10 +588,22 @@ fn speculation_requests() -> Vec<SpecRequest> {
     };
     let quote: Vec<u32> = (0..24).map(|i| 300 + (i % 8) * 11).collect();
     vec![
-        (quote.clone(), greedy.clone(), 40, None),
-        ([&quote[..], &[7, 8, 9][..]].concat(), sampled, 33, None),
-        ((1000..1030).collect(), penalized, 29, None),
-        ([&quote[4..], &quote[..9]].concat(), greedy, 37, Some(3)),
+        (quote.clone(), greedy.clone(), 40, None, vec![]),
+        (
+            [&quote[..], &[7, 8, 9][..]].concat(),
+            sampled,
+            33,
+            None,
+            vec![],
+        ),
+        ((1000..1030).collect(), penalized, 29, None, vec![]),
+        (
+            [&quote[4..], &quote[..9]].concat(),
+            greedy,
+            37,
+            Some(3),
+            vec![],
+        ),
     ]
 }
 
@@ -596,14 +617,14 @@ fn speculation_leaves_every_reply_as_it_was() {
     let _g = model_lock();
     let mut e = Tiny::Tied.load(16);
     let requests = speculation_requests();
-    let plain = speculation_run(&mut e, &requests, None, None);
+    let plain = speculation_run(&mut e, 512, &requests, None, None);
     assert_eq!(plain.drafted, 0);
     let spec = Speculation {
         max_drafts: 4,
         min_ngram: 1,
         max_ngram: 3,
     };
-    let fast = speculation_run(&mut e, &requests, Some(spec), None);
+    let fast = speculation_run(&mut e, 512, &requests, Some(spec), None);
     assert_same_replies(&fast, &plain, "n-gram drafts");
     assert!(
         fast.drafted > 0 && fast.accepted > 0,
@@ -638,8 +659,8 @@ fn a_draft_model_leaves_every_reply_as_it_was() {
     let long: Vec<u32> = (0..CATCH_UP_TOKENS as u32 + 90)
         .map(|i| 500 + i % 97)
         .collect();
-    requests.push((long, Default::default(), 20, None));
-    let plain = speculation_run(&mut e, &requests, None, None);
+    requests.push((long, Default::default(), 20, None, vec![]));
+    let plain = speculation_run(&mut e, 512, &requests, None, None);
     let spec = Speculation {
         max_drafts: 4,
         min_ngram: 1,
@@ -653,10 +674,10 @@ fn a_draft_model_leaves_every_reply_as_it_was() {
     let other = draft(Tiny::Untied, 4096);
     let itself = draft(Tiny::Tied, 4096);
     let tight = draft(Tiny::Tied, 768);
-    let got = speculation_run(&mut e, &requests, Some(spec), other);
+    let got = speculation_run(&mut e, 512, &requests, Some(spec), other);
     assert_same_replies(&got, &plain, "the other model drafting");
     assert!(got.drafted > 0, "the other model drafted");
-    let got = speculation_run(&mut e, &requests, Some(spec), itself);
+    let got = speculation_run(&mut e, 512, &requests, Some(spec), itself);
     assert_same_replies(&got, &plain, "the model drafting for itself");
     assert!(got.steps < plain.steps, "{} vs {}", got.steps, plain.steps);
     // Greedy replies only: the model's greedy drafts are its own picks.
@@ -665,7 +686,7 @@ fn a_draft_model_leaves_every_reply_as_it_was() {
         .cloned()
         .collect();
     let itself = draft(Tiny::Tied, 4096);
-    let got = speculation_run(&mut e, &greedy, Some(spec), itself);
+    let got = speculation_run(&mut e, 512, &greedy, Some(spec), itself);
     eprintln!("greedy self drafts: {} of {}", got.accepted, got.drafted);
     assert!(
         got.accepted * 100 >= got.drafted * 95 && got.drafted > 0,
@@ -673,9 +694,78 @@ fn a_draft_model_leaves_every_reply_as_it_was() {
         got.accepted,
         got.drafted
     );
-    let got = speculation_run(&mut e, &requests, Some(spec), tight);
+    let got = speculation_run(&mut e, 512, &requests, Some(spec), tight);
     assert_same_replies(&got, &plain, "a draft cache of 768 tokens");
     assert!(got.accepted > 0);
+}
+
+/// Over random batches (1-4 greedy requests of random prompts that partly repeat themselves,
+/// some with repetition penalties, some with another choice forked from their prompt, `max_tokens`
+/// cuts from 1 token), random step budgets and draft lengths, drafts from n-gram lookup or a
+/// draft model: every reply is the one without speculation, token for token (a seeded
+/// proptest; each case also checks both KV managers after every step). Greedy only: a step's
+/// rows come out of the matmuls with last-bit differences that depend on the step's shape (how
+/// many rows, which kernel), which can move a sampled draw that lands at a boundary of the
+/// random model's flat tail; the fixed seeded cases above cover sampling.
+#[test]
+fn speculation_changes_no_reply_over_random_batches() {
+    use llama_relay::engine::core::Speculation;
+    use llama_relay::engine::draft::DraftModel;
+    use llama_relay::sampler::SamplingParams;
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
+    let _g = model_lock();
+    let e = std::cell::RefCell::new(Tiny::Tied.load(16));
+    let tokenizer = e.borrow().tokenizer.clone();
+    let request = (
+        (4usize..12, 1usize..4, 0usize..10, 0u32..5000),
+        (any::<bool>(), 1usize..30, proptest::option::of(1u32..6)),
+    )
+        .prop_map(
+            |((base, repeats, tail, first), (penalized, max_tokens, fork))| {
+                let base: Vec<u32> = (0..base as u32).map(|i| first + i * 7 % 31).collect();
+                let mut prompt = base.repeat(repeats);
+                prompt.extend((0..tail as u32).map(|i| 6000 + first + i));
+                let penalty = |tenths: u32| SamplingParams {
+                    repetition_penalty: 1.0 + tenths as f32 / 10.0,
+                    ..Default::default()
+                };
+                let sampling = penalty(if penalized { 2 } else { 0 });
+                let forks = fork.map(penalty).into_iter().collect::<Vec<_>>();
+                let r: SpecRequest = (prompt, sampling, max_tokens, None, forks);
+                r
+            },
+        );
+    let case = (
+        proptest::collection::vec(request, 1..5),
+        16usize..300,
+        1usize..7,
+        any::<bool>(),
+    );
+    let config = Config {
+        cases: 32,
+        ..Config::default()
+    };
+    let rng = TestRng::from_seed(RngAlgorithm::ChaCha, &[39; 32]);
+    let mut runner = TestRunner::new_with_rng(config, rng);
+    runner
+        .run(&case, |(requests, step_tokens, max_drafts, with_model)| {
+            let mut e = e.borrow_mut();
+            let plain = speculation_run(&mut e, step_tokens, &requests, None, None);
+            let spec = Speculation {
+                max_drafts,
+                min_ngram: 1,
+                max_ngram: 3,
+            };
+            let draft = with_model.then(|| {
+                let d = Tiny::Untied.load_with(16, |_| {});
+                DraftModel::new(d, &tokenizer).unwrap()
+            });
+            let fast = speculation_run(&mut e, step_tokens, &requests, Some(spec), draft);
+            assert_same_replies(&fast, &plain, "random batch");
+            Ok(())
+        })
+        .unwrap();
 }
 
 /// A draft model must share the model's tokenizer: SmolLM2 (49,152 tokens) cannot draft for
