@@ -309,6 +309,9 @@ pub struct QuoteArgs {
     /// Drafts a decode may propose (`scheduler.speculate_tokens` of the second server).
     #[arg(long, default_value_t = 8)]
     pub drafts: usize,
+    /// Pause between a user's reply and its next request, in milliseconds.
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
     /// Drafts from this model (same tokenizer) on the second server instead of n-gram lookup.
     #[arg(long)]
     pub draft_model: Option<std::path::PathBuf>,
@@ -350,6 +353,7 @@ fn quote(mut settings: Settings, opts: EngineOptions, a: QuoteArgs) -> anyhow::R
                         max_tokens: a.max_tokens,
                         response_format: None,
                         quote: true,
+                        think: std::time::Duration::from_millis(a.think_ms),
                     };
                     let r = load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
                     itl[which].push(r[2] * 1e3);
@@ -502,6 +506,7 @@ fn throughput(
                     max_tokens: a.max_tokens,
                     response_format: None,
                     quote: false,
+                    think: std::time::Duration::ZERO,
                 };
                 load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
             }
@@ -659,6 +664,7 @@ fn overhead(mut settings: Settings, opts: EngineOptions, a: OverheadArgs) -> any
             max_tokens: a.max_tokens,
             response_format: None,
             quote: false,
+            think: std::time::Duration::ZERO,
         };
         // The server's first stream, unmeasured.
         load::run(cfg.clone())
@@ -979,6 +985,7 @@ fn structured(
                         max_tokens: a.max_tokens,
                         response_format: format,
                         quote: false,
+                        think: std::time::Duration::ZERO,
                     };
                     load::run(cfg).await.map_err(|e| anyhow::anyhow!(e))?;
                 }

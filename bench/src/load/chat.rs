@@ -24,6 +24,8 @@ pub struct ChatSummary {
     /// Per turn: (TTFT p50, TTFT p99) in seconds.
     pub ttft: Vec<(f64, f64)>,
     pub tokens_per_s: f64,
+    /// The median reply's decode rate (`ReplyFrames::decode_rate`).
+    pub decode_per_s: f64,
     /// Prompt tokens found in the prefix cache / prompt tokens.
     pub hit_rate: f64,
     pub peak_blocks: u64,
@@ -59,7 +61,7 @@ pub(super) async fn chat_user(
     cfg: ChatBenchConfig,
     user: usize,
     system: String,
-) -> Result<Vec<(f64, usize, usize, usize)>, String> {
+) -> Result<Vec<(f64, usize, usize, usize, Option<f64>)>, String> {
     let (url, origin) = match &cfg.widget {
         Some((id, origin)) => {
             let sep = if cfg.url.contains('?') { '&' } else { '?' };
@@ -90,7 +92,13 @@ pub(super) async fn chat_user(
         let sent = Instant::now();
         send_json(&mut ws, &frame).await?;
         let r = read_reply(&mut ws).await?;
-        out.push((r.ttft(sent), r.prompt, r.cached, r.completion));
+        out.push((
+            r.ttft(sent),
+            r.prompt,
+            r.cached,
+            r.completion,
+            r.decode_rate(),
+        ));
         actix_web::rt::time::sleep(cfg.think).await;
     }
     Ok(out)
@@ -141,12 +149,14 @@ pub async fn run_chat(cfg: ChatBenchConfig, label: &str) -> Result<ChatSummary, 
     let peak = poller.await.unwrap_or(0);
     let mut per_turn: Vec<Vec<f64>> = vec![Vec::new(); cfg.turns];
     let (mut prompt, mut cached, mut tokens) = (0usize, 0usize, 0usize);
+    let mut decode = Vec::new();
     for r in results {
-        for (turn, (ttft, p, c, n)) in r?.into_iter().enumerate() {
+        for (turn, (ttft, p, c, n, d)) in r?.into_iter().enumerate() {
             per_turn[turn].push(ttft);
             prompt += p;
             cached += c;
             tokens += n;
+            decode.extend(d);
         }
     }
     let ttft: Vec<(f64, f64)> = per_turn
@@ -159,6 +169,10 @@ pub async fn run_chat(cfg: ChatBenchConfig, label: &str) -> Result<ChatSummary, 
     let s = ChatSummary {
         ttft,
         tokens_per_s: tokens as f64 / wall,
+        decode_per_s: {
+            decode.sort_by(f64::total_cmp);
+            percentile(&decode, 50.0)
+        },
         hit_rate: cached as f64 / prompt.max(1) as f64,
         peak_blocks: peak,
     };
@@ -176,10 +190,11 @@ pub async fn run_chat(cfg: ChatBenchConfig, label: &str) -> Result<ChatSummary, 
         })
         .collect();
     println!(
-        "chat [{label}] users {} | {} | {:.1} tok/s aggregate | prefix hit rate {:.1}% | peak KV blocks {}",
+        "chat [{label}] users {} | {} | {:.1} tok/s aggregate | decode {:.1} tok/s a reply | prefix hit rate {:.1}% | peak KV blocks {}",
         cfg.users,
         turns.join(" | "),
         s.tokens_per_s,
+        s.decode_per_s,
         s.hit_rate * 100.0,
         s.peak_blocks
     );

@@ -83,6 +83,8 @@ pub struct BenchConfig {
     pub response_format: Option<Value>,
     /// Prompts that ask for a quotation of text they hold (`quote_prompt`) instead of filler.
     pub quote: bool,
+    /// Pause between a user's reply and its next request (WebSocket users).
+    pub think: Duration,
 }
 
 /// Percentile of sorted values (nearest rank).
@@ -133,6 +135,9 @@ async fn user(
         let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if n >= cfg.requests {
             break;
+        }
+        if n >= cfg.users && !cfg.think.is_zero() {
+            actix_web::rt::time::sleep(cfg.think).await;
         }
         let id = format!("u{user}r{n}");
         let content = if cfg.quote {
@@ -388,6 +393,13 @@ impl ReplyFrames {
     /// Seconds from `sent` to the first delta (NaN without one).
     pub fn ttft(&self, sent: Instant) -> f64 {
         self.first.map_or(f64::NAN, |f| (f - sent).as_secs_f64())
+    }
+
+    /// Tokens after the first over the time from the first delta to the last (None for a reply
+    /// of one token).
+    pub fn decode_rate(&self) -> Option<f64> {
+        let span = (self.last? - self.first?).as_secs_f64();
+        (self.completion > 1 && span > 0.0).then(|| (self.completion - 1) as f64 / span)
     }
 }
 
