@@ -296,6 +296,11 @@ impl<E: BorrowMut<Engine>> Core<E> {
         self.draft.as_ref()
     }
 
+    /// The draft model, taken out (speculation goes back to n-gram drafts).
+    pub fn take_draft_model(&mut self) -> Option<DraftModel> {
+        self.draft.take()
+    }
+
     /// Fixes what a draft-model pass costs (seconds) and the model's rate (tokens a second)
     /// instead of measuring them (tests: which drafts run must not depend on this machine).
     pub fn pin_draft_costs(&mut self, pass_s: f64, tokens_per_s: f64) {

@@ -462,6 +462,8 @@ struct SpecRun {
     steps: usize,
     drafted: u64,
     accepted: u64,
+    /// The draft model back, for another run.
+    draft: Option<llama_relay::engine::draft::DraftModel>,
 }
 
 /// Runs `requests` at once in a core of `step_tokens` a step with `spec` (and drafts from
@@ -543,12 +545,14 @@ fn speculation_run(
         assert_eq!(d.sequences(), 0, "every request's draft state is gone");
         assert_eq!(d.engine().pool.used_count(), 0);
     }
+    let draft = core.take_draft_model();
     core.into_engine();
     SpecRun {
         tokens,
         steps,
         drafted: stats.drafted_tokens,
         accepted: stats.accepted_tokens,
+        draft,
     }
 }
 
@@ -766,6 +770,93 @@ fn speculation_changes_no_reply_over_random_batches() {
             Ok(())
         })
         .unwrap();
+}
+
+/// Sampled replies keep the model's distribution with speculation: 480 seeded replies of 4
+/// tokens (top-k 8, temperature 1) with drafts from the model itself (many kept) against 480
+/// other seeds without speculation; at each position the two samples' token counts pass a
+/// two-sample chi-square test at p = 0.001 (a rule that favoured drafts would skew them).
+#[test]
+fn sampled_replies_keep_their_distribution_with_drafts() {
+    use llama_relay::engine::core::Speculation;
+    use llama_relay::engine::draft::DraftModel;
+    use llama_relay::sampler::SamplingParams;
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load(16);
+    let tokenizer = e.tokenizer.clone();
+    const N: u64 = 480;
+    const BATCH: u64 = 8;
+    let prompt: Vec<u32> = (0..20).map(|i| 300 + (i % 5) * 13).collect();
+    let spec = Speculation {
+        max_drafts: 3,
+        min_ngram: 1,
+        max_ngram: 3,
+    };
+    // Per position, each token's count.
+    let mut counts = [[0u64; 2]; 4].map(|_| std::collections::BTreeMap::<u32, [u64; 2]>::new());
+    let (mut drafted, mut kept) = (0, 0);
+    let mut draft = Some(DraftModel::new(Tiny::Tied.load(16), &tokenizer).unwrap());
+    for (mode, seeds) in [(0usize, 0..N), (1, N..2 * N)] {
+        for first in seeds.step_by(BATCH as usize) {
+            let requests: Vec<SpecRequest> = (first..first + BATCH)
+                .map(|seed| {
+                    let sampling = SamplingParams {
+                        temperature: 1.0,
+                        top_k: 8,
+                        seed: Some(seed),
+                        ..Default::default()
+                    };
+                    (prompt.clone(), sampling, 4, None, vec![])
+                })
+                .collect();
+            let mut run = if mode == 0 {
+                speculation_run(&mut e, 512, &requests, None, None)
+            } else {
+                speculation_run(&mut e, 512, &requests, Some(spec), draft.take())
+            };
+            draft = run.draft.take().or(draft);
+            drafted += run.drafted;
+            kept += run.accepted;
+            for reply in run.tokens.values() {
+                for (pos, (t, _)) in reply.iter().enumerate() {
+                    counts[pos].entry(*t).or_default()[mode] += 1;
+                }
+            }
+        }
+    }
+    assert!(
+        kept > 0 && drafted > kept,
+        "drafts ran and some were kept: {kept} of {drafted}"
+    );
+    // Two-sample chi-square over the tokens seen (equal sample sizes): sum (a - b)^2 / (a + b),
+    // with tokens seen fewer than 10 times in all pooled into one bin.
+    // The critical value at p = 0.001 (Wilson-Hilferty: within 1% from 3 degrees of freedom).
+    let critical = |df: f64| {
+        let v = 2.0 / (9.0 * df);
+        df * (1.0 - v + 3.090 * v.sqrt()).powi(3)
+    };
+    for (pos, c) in counts.iter().enumerate() {
+        let (mut bins, mut rare) = (Vec::new(), [0u64; 2]);
+        for n in c.values() {
+            if n[0] + n[1] >= 10 {
+                bins.push(*n);
+            } else {
+                rare = [rare[0] + n[0], rare[1] + n[1]];
+            }
+        }
+        if rare[0] + rare[1] > 0 {
+            bins.push(rare);
+        }
+        let chi: f64 = (bins.iter())
+            .map(|[a, b]| (*a as f64 - *b as f64).powi(2) / (a + b) as f64)
+            .sum();
+        let df = bins.len() - 1;
+        assert!(df >= 1, "position {pos}: {bins:?}");
+        assert!(
+            chi < critical(df as f64),
+            "position {pos}: chi-square {chi:.1} with {df} degrees of freedom ({bins:?})"
+        );
+    }
 }
 
 /// A draft model must share the model's tokenizer: SmolLM2 (49,152 tokens) cannot draft for
