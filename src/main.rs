@@ -143,6 +143,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         settings.model.path = m.display().to_string();
     }
     if let Some(d) = &cli.common.draft_model {
+        if !matches!(cli.command, Some(Command::Serve) | None) {
+            return Err(llama_relay::error::EngineError::InvalidSetting {
+                key: "--draft-model".into(),
+                value: d.display().to_string(),
+                allowed: "only when serving (generate and perplexity do not speculate)".into(),
+            }
+            .into());
+        }
         settings.model.draft = d.display().to_string();
         settings.scheduler.draft_source = "model".into();
     }

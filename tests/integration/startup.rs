@@ -98,6 +98,40 @@ fn a_model_path_that_does_not_exist_ends_every_command_with_status_2() {
     }
 }
 
+/// `--draft-model`: a path that is not there ends the server at start like `--model` (status 2,
+/// naming it); the commands that do not speculate refuse the flag, naming it.
+#[test]
+fn a_draft_model_that_cannot_work_ends_the_program_with_status_2() {
+    let e = run_cli(
+        &["serve", "--draft-model", "/nonexistent/draft.gguf"],
+        &[],
+        FAST,
+    );
+    assert_eq!(e.code, Some(2), "{}", e.stderr);
+    let line = last_line(&e);
+    assert!(
+        line.contains("model file not found: /nonexistent/draft.gguf"),
+        "{line}"
+    );
+    let e = run_cli(
+        &[
+            "generate",
+            "-n",
+            "1",
+            "--draft-model",
+            "/nonexistent/draft.gguf",
+        ],
+        &[],
+        FAST,
+    );
+    assert_eq!(e.code, Some(2), "{}", e.stderr);
+    let line = last_line(&e);
+    assert!(
+        line.contains("--draft-model") && line.contains("only when serving"),
+        "{line}"
+    );
+}
+
 #[test]
 fn a_file_or_folder_that_is_not_a_model_is_named_with_what_was_expected() {
     let d = scratch("not-a-model");
