@@ -859,6 +859,115 @@ fn sampled_replies_keep_their_distribution_with_drafts() {
     }
 }
 
+/// A barge-in inside a drafted step: a reply whose drafts (the model drafting for itself) bring
+/// several tokens a step is ended keeping only the tokens heard, cut inside the last step's
+/// accepted run; its lease keeps exactly those (the next turn finds them cached, no more), and
+/// the next turn's reply is the one a fresh run of the same conversation gives.
+#[test]
+fn a_barge_in_inside_a_drafted_step_keeps_exactly_what_was_heard() {
+    use llama_relay::engine::core::{Core, Event, Request, Speculation};
+    use llama_relay::engine::cost::{FixedCost, LinearCost};
+    use llama_relay::engine::draft::DraftModel;
+    use llama_relay::engine::scheduler::RequestId;
+    use llama_relay::kv_cache::manager::LeaseKey;
+    use llama_relay::kv_cache::{CacheScope, Salt};
+    let _g = model_lock();
+    let mut e = Tiny::Tied.load(16);
+    let tokenizer = e.tokenizer.clone();
+    let prompt: Vec<u32> = (0..24).map(|i| 300 + (i % 8) * 11).collect();
+    let greedy =
+        |p: &[u32], n: usize| -> SpecRequest { (p.to_vec(), Default::default(), n, None, vec![]) };
+    let reference = speculation_run(&mut e, 512, &[greedy(&prompt, 40)], None, None).tokens[&0]
+        .iter()
+        .map(|t| t.0)
+        .collect::<Vec<_>>();
+    let request = |id: u64, prompt: Vec<u32>, max_tokens: usize| Request {
+        id: RequestId(id),
+        prompt,
+        sampling: Default::default(),
+        max_tokens,
+        ignore_eos: true,
+        priority: Default::default(),
+        scope: CacheScope::private(Salt(7)),
+        lease: Some(LeaseKey(7)),
+        shift: false,
+        logprobs: None,
+        forks: Vec::new(),
+        quota: Default::default(),
+        constraint: None,
+    };
+    let (sched, mut kv) = core_configs(true);
+    kv.lease_tokens_per_session = 1024;
+    kv.lease_tokens_total = 4096;
+    let mut core = Core::new(&mut e, sched, kv, 2048);
+    core.set_speculation(Some(Speculation {
+        max_drafts: 4,
+        min_ngram: 1,
+        max_ngram: 3,
+    }));
+    core.set_draft_model(Some(
+        DraftModel::new(Tiny::Tied.load(16), &tokenizer).unwrap(),
+    ));
+    core.pin_draft_costs(0.0005, 200.0);
+    core.set_cost_model(Box::new(FixedCost(LinearCost::new([
+        0.005, 0.01, 0.0, 0.001,
+    ]))));
+    core.add(request(0, prompt.clone(), 40)).unwrap();
+    let mut reply = Vec::new();
+    let step_tokens = loop {
+        let events = core.step().unwrap().expect("the reply runs");
+        let got: Vec<u32> = (events.iter())
+            .filter_map(|ev| match ev {
+                Event::Token { token, .. } => Some(*token),
+                _ => None,
+            })
+            .collect();
+        reply.extend(&got);
+        if got.len() >= 3 && reply.len() > got.len() {
+            break got.len();
+        }
+        assert!(reply.len() < 40, "no step brought 3 tokens");
+    };
+    assert_eq!(
+        reply[..],
+        reference[..reply.len()],
+        "drafted tokens as without drafts"
+    );
+    // Heard: all but the last two tokens of that step.
+    let heard = reply.len() - 2;
+    assert!(heard > reply.len() - step_tokens);
+    core.finish_at(RequestId(0), prompt.len() + heard);
+    let next: Vec<u32> = [&prompt[..], &reply[..heard], &[700, 701, 702][..]].concat();
+    core.add(request(1, next.clone(), 12)).unwrap();
+    let (mut cached, mut tokens) = (None, Vec::new());
+    while let Some(events) = core.step().unwrap() {
+        core.scheduler().kv().check().unwrap();
+        for ev in events {
+            match ev {
+                Event::Started { id, cached_tokens } if id == RequestId(1) => {
+                    cached = Some(cached_tokens)
+                }
+                Event::Token { id, token, .. } if id == RequestId(1) => tokens.push(token),
+                _ => {}
+            }
+        }
+    }
+    let cached = cached.expect("the next turn started");
+    let kept = prompt.len() + heard;
+    assert_eq!(cached, kept, "the lease holds the tokens heard, no more");
+    core.scheduler_mut().drop_lease(LeaseKey(7));
+    assert_eq!(core.scheduler().kv().pool().used_count(), 0);
+    core.into_engine();
+    let fresh = speculation_run(&mut e, 512, &[greedy(&next, 12)], None, None).tokens[&0]
+        .iter()
+        .map(|t| t.0)
+        .collect::<Vec<_>>();
+    assert_eq!(
+        tokens, fresh,
+        "the next turn as a fresh run of the conversation"
+    );
+}
+
 /// A draft model must share the model's tokenizer: SmolLM2 (49,152 tokens) cannot draft for
 /// a Llama 3 model, and loading says so.
 #[test]
