@@ -944,10 +944,15 @@ fn a_barge_in_inside_a_drafted_step_keeps_exactly_what_was_heard() {
         core.scheduler().kv().check().unwrap();
         for ev in events {
             match ev {
-                Event::Started { id, cached_tokens } if id == RequestId(1) => {
-                    cached = Some(cached_tokens)
-                }
-                Event::Token { id, token, .. } if id == RequestId(1) => tokens.push(token),
+                Event::Started {
+                    id: RequestId(1),
+                    cached_tokens,
+                } => cached = Some(cached_tokens),
+                Event::Token {
+                    id: RequestId(1),
+                    token,
+                    ..
+                } => tokens.push(token),
                 _ => {}
             }
         }
