@@ -177,15 +177,17 @@ impl DraftCosts {
     }
 
     /// How many passes deep the drafts are worth running, for sequences that would take at most
-    /// `most` drafts each with chance `p` of each being kept (the j-th with `p^j`). Unmeasured
-    /// costs price nothing (the first calls measure them).
-    fn depth(&self, wanted: &[(usize, f64)]) -> usize {
+    /// `most` drafts each with chance `p` of each being kept (the j-th with `p^j`), the passes
+    /// fitting in `room` seconds when given. Unmeasured costs price nothing (the first calls
+    /// measure them).
+    fn depth(&self, wanted: &[(usize, f64)], room: Option<f64>) -> usize {
         let deepest = wanted.iter().map(|w| w.0).max().unwrap_or(0);
         let (Some(pass), Some(step)) = (self.pass_s, self.step_s) else {
             return deepest;
         };
         let rate = self.step_tokens / step.max(1e-9);
-        (1..=deepest)
+        let fits = room.map_or(deepest, |r| (r / pass.max(1e-9)) as usize);
+        (1..=deepest.min(fits))
             .take_while(|&j| {
                 let gain: f64 = (wanted.iter())
                     .filter(|w| w.0 >= j)
@@ -564,9 +566,16 @@ impl<E: BorrowMut<Engine>> Core<E> {
             })
             .collect();
         let costs = &self.draft_costs;
-        let depth = costs.depth(&planned.iter().map(|w| (w.1, w.2)).collect::<Vec<_>>());
+        // The passes go in what the step's plan leaves of the step-time target (the plan fills
+        // `PLAN_FRACTION` of it with the step itself).
+        let room = (self.sched.itl_target())
+            .map(|t| t.as_secs_f64() * (1.0 - super::scheduler::budget::PLAN_FRACTION));
+        let depth = costs.depth(
+            &planned.iter().map(|w| (w.1, w.2)).collect::<Vec<_>>(),
+            room,
+        );
         // A probe is worth it only where a draft that is always kept would be.
-        let probe = costs.depth(&[(1, 1.0)]) > 0;
+        let probe = costs.depth(&[(1, 1.0)], room) > 0;
         let mut wanted: Vec<(RequestId, usize)> = Vec::new();
         for (id, most) in asks {
             let Some(spec) = self.live.get_mut(&id).and_then(|d| d.spec.as_mut()) else {
@@ -858,26 +867,29 @@ mod tests {
     use super::*;
 
     /// A draft-model pass runs while its expected tokens over its time beat the model's rate
-    /// by `GAIN`: deep for a cheap draft model and likely drafts, shallow as chances fall, never
-    /// for a draft model as slow as the model; unmeasured, as deep as asked.
+    /// by `GAIN` and the passes fit the room the step leaves: deep for a cheap draft model and
+    /// likely drafts, shallow as chances fall or room runs out, never for a draft model as slow
+    /// as the model; unmeasured, as deep as asked.
     #[test]
     fn draft_passes_run_while_they_pay() {
         let mut c = DraftCosts::default();
-        assert_eq!(c.depth(&[(4, 0.9), (2, 0.5)]), 4, "unmeasured");
+        assert_eq!(c.depth(&[(4, 0.9), (2, 0.5)], None), 4, "unmeasured");
         // The model: 1 token per 10 ms step (100 tok/s).
         c.observe_step(0.010, 1);
         // A draft model 10x cheaper: a pass is worth it while its expected tokens >= 0.125.
         c.observe_passes(0.002, 2);
-        assert_eq!(c.depth(&[(8, 0.9)]), 8);
+        assert_eq!(c.depth(&[(8, 0.9)], None), 8);
+        // Passes of 1 ms in 5.5 ms of room: 5.
+        assert_eq!(c.depth(&[(8, 0.9)], Some(0.0055)), 5);
         // 0.6^4 = 0.13 pays, 0.6^5 does not.
-        assert_eq!(c.depth(&[(8, 0.6)]), 4);
+        assert_eq!(c.depth(&[(8, 0.6)], None), 4);
         // Two sequences share a pass: 2 x 0.3^2 = 0.18 pays.
-        assert_eq!(c.depth(&[(8, 0.3), (8, 0.3)]), 2);
-        assert_eq!(c.depth(&[(8, 0.3)]), 1);
+        assert_eq!(c.depth(&[(8, 0.3), (8, 0.3)], None), 2);
+        assert_eq!(c.depth(&[(8, 0.3)], None), 1);
         // A draft model as slow as the model: not even a certain draft pays.
         let mut slow = DraftCosts::default();
         slow.observe_step(0.010, 1);
         slow.observe_passes(0.010, 1);
-        assert_eq!(slow.depth(&[(8, 1.0)]), 0);
+        assert_eq!(slow.depth(&[(8, 1.0)], None), 0);
     }
 }

@@ -22,7 +22,7 @@ pub(super) const ERROR_WINDOW: usize = 64;
 
 /// Steps are planned to this share of the target: step times on a busy machine spread ~25%
 /// around the prediction, and the target bounds the slow ones too.
-pub(super) const PLAN_FRACTION: f64 = 0.8;
+pub(crate) const PLAN_FRACTION: f64 = 0.8;
 
 /// Which running prefills `Scheduler::schedule_running_prefills` takes: those with at most a
 /// step's token budget left, or the rest.

@@ -38,7 +38,7 @@
 //! `impl Scheduler` block over the same state, so a policy reads alone.
 
 mod admit;
-mod budget;
+pub(crate) mod budget;
 mod deadline;
 pub(crate) mod drafts;
 mod fairness;
@@ -231,6 +231,11 @@ impl Scheduler {
     }
 
     /// The counters since the scheduler began (the metrics report their changes).
+    /// The step-time target while replies decode (`itl_target_ms`), when set.
+    pub fn itl_target(&self) -> Option<std::time::Duration> {
+        self.cfg.itl_target
+    }
+
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
             prefix_queried: self.prefix.queried,
