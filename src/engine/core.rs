@@ -233,6 +233,23 @@ impl Decoding {
         }
     }
 
+    /// Proposes `drafts` for request `id`'s next step, from whichever source: cut to what its
+    /// grammar allows (only those can be kept), kept to check against what the step samples,
+    /// and handed to the scheduler with their chance of being kept.
+    fn propose(&mut self, id: RequestId, mut drafts: Vec<u32>, sched: &mut Scheduler) {
+        let Some(spec) = self.spec.as_mut() else {
+            return;
+        };
+        if let Some(c) = self.constraint.as_mut() {
+            let valid = c.valid_prefix(&drafts);
+            drafts.truncate(valid);
+        }
+        if !drafts.is_empty() {
+            sched.set_drafts(id, drafts.clone(), spec.acceptance.p());
+        }
+        spec.proposed = drafts;
+    }
+
     /// Whether `token`, just sampled, ends the request (a complete grammar ends it as an
     /// end-of-turn id would).
     fn finish_reason(&self, token: u32, eos: &[u32], max_context: usize) -> Option<Finish> {
@@ -528,16 +545,8 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 }
                 continue;
             }
-            spec.proposed = spec.drafter.draft(&s.tokens, cfg.max_drafts.min(room));
-            if let Some(c) = d.constraint.as_mut() {
-                // Only drafts the grammar allows can be kept.
-                let valid = c.valid_prefix(&spec.proposed);
-                spec.proposed.truncate(valid);
-            }
-            if !spec.proposed.is_empty() {
-                let p = spec.acceptance.p();
-                self.sched.set_drafts(*id, spec.proposed.clone(), p);
-            }
+            let drafts = spec.drafter.draft(&s.tokens, cfg.max_drafts.min(room));
+            d.propose(*id, drafts, &mut self.sched);
         }
         if !asks.is_empty() {
             self.model_drafts(asks);
@@ -615,21 +624,9 @@ impl<E: BorrowMut<Engine>> Core<E> {
             }
         };
         let ids: Vec<RequestId> = asks.iter().map(|a| a.id).collect();
-        for (id, mut proposed) in ids.into_iter().zip(drafts) {
-            let Some(d) = self.live.get_mut(&id) else {
-                continue;
-            };
-            if let Some(c) = d.constraint.as_mut() {
-                let valid = c.valid_prefix(&proposed);
-                proposed.truncate(valid);
-            }
-            let Some(spec) = d.spec.as_mut() else {
-                continue;
-            };
-            spec.proposed = proposed;
-            if !spec.proposed.is_empty() {
-                self.sched
-                    .set_drafts(id, spec.proposed.clone(), spec.acceptance.p());
+        for (id, proposed) in ids.into_iter().zip(drafts) {
+            if let Some(d) = self.live.get_mut(&id) {
+                d.propose(id, proposed, &mut self.sched);
             }
         }
     }
