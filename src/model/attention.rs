@@ -4,7 +4,9 @@
 //! Two implementations of the same function:
 //! - `fast_cpu`: reads the cache tensors as slices and runs one task per (sequence, KV head, tile of
 //!   up to `TILE_ROWS` query rows) on the rayon pool, each through `kernels::attn` (the query heads
-//!   of a GQA group, and of several tokens of a prefill chunk, share each load of K and V). Written
+//!   of a GQA group, and of several tokens of a prefill chunk, share each load of K and V); on CPUs
+//!   with AMX, a sequence with many query rows (a prefill chunk) runs on the tile units instead
+//!   (`kernels::attn_amx`: each of its KV heads packed once a layer, tiles of `TASK_ROWS`). Written
 //!   by hand because candle has no paged attention on CPU and gathering blocks into a fresh tensor
 //!   per sequence per layer costs more than the attention itself at decode time.
 //! - `generic`: gathers the sequences' slots with `index_select` and runs standard masked
@@ -20,7 +22,8 @@ use crate::error::{EngineError, Result};
 use crate::kv_cache::{slot_of, LayerKv};
 use crate::model::batch::SeqMeta;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
-use crate::model::kernels::cpu::Isa;
+use crate::model::kernels::attn_amx::{self, Packed};
+use crate::model::kernels::cpu::{Amx, Isa};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 
 /// Which attention implementation a model uses.
@@ -81,11 +84,32 @@ pub(crate) struct FastCpuPlan {
     /// division by the block size each time) cost more than the arithmetic it fed.
     seq_rows: Vec<Vec<usize>>,
     tasks: Vec<Task>,
+    /// The tile units, when this CPU has them and they take this head size.
+    amx: Option<Amx>,
+    /// Per sequence, where its KV heads' packs start in `packs` when its rows run on the tile
+    /// units (`attn_amx`: at least `MIN_ROWS` query rows a KV head).
+    tiled: Vec<Option<usize>>,
+    /// The packed positions of each tiled sequence's KV heads, repacked by every layer (the
+    /// memory kept for the step's layers).
+    packs: std::sync::Mutex<Vec<Packed>>,
 }
 
 impl FastCpuPlan {
     pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims) -> Self {
         let kv_dim = d.num_kv_heads * d.head_dim;
+        let group = d.num_heads / d.num_kv_heads;
+        let amx = Isa::best().amx().filter(|_| attn_amx::supports(d.head_dim));
+        let mut n_packs = 0;
+        let tiled: Vec<Option<usize>> = seqs
+            .iter()
+            .map(|s| {
+                (amx.is_some() && s.q_len * group >= attn_amx::MIN_ROWS).then(|| {
+                    n_packs += d.num_kv_heads;
+                    n_packs - d.num_kv_heads
+                })
+            })
+            .collect();
+        let per_seq: Vec<bool> = tiled.iter().map(Option::is_some).collect();
         FastCpuPlan {
             dims: d,
             n_tokens: seqs.iter().map(|s| s.q_len).sum(),
@@ -100,9 +124,13 @@ impl FastCpuPlan {
             tasks: plan_tasks(
                 seqs,
                 d.num_kv_heads,
-                d.num_heads / d.num_kv_heads,
+                group,
                 rayon::current_num_threads(),
+                &per_seq,
             ),
+            amx,
+            tiled,
+            packs: std::sync::Mutex::new((0..n_packs).map(|_| Packed::default()).collect()),
         }
     }
 }
@@ -128,6 +156,27 @@ impl Job<'_> {
         let d = self.plan.dims;
         let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
+        let mut packs = self.plan.packs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(amx) = self.plan.amx {
+            // Each tiled sequence's KV heads packed once for all of its tasks.
+            let owners: Vec<(usize, usize)> = (self.plan.tiled.iter().enumerate())
+                .filter(|(_, t)| t.is_some())
+                .flat_map(|(si, _)| (0..d.num_kv_heads).map(move |h| (si, h)))
+                .collect();
+            packs.par_iter_mut().zip(owners).for_each(|(p, (si, h))| {
+                let s = &self.seqs[si];
+                p.pack(
+                    amx,
+                    s.start_pos + s.q_len,
+                    &self.plan.seq_rows[si],
+                    &ks[h * hd..],
+                    &vs[h * hd..],
+                    hd,
+                    scales.map(|(k, v)| (&k[h..], &v[h..])),
+                );
+            });
+        }
+        let packs: &[Packed] = &packs;
         self.plan
             .tasks
             .par_iter()
@@ -141,6 +190,12 @@ impl Job<'_> {
                     ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), group));
                 }
                 let mut o = vec![0f32; qt.len()];
+                let whole = t.from == 0 && t.to == usize::MAX;
+                if let (Some(amx), Some(at), true) = (self.plan.amx, self.plan.tiled[t.seq], whole)
+                {
+                    let stats = attn_amx::tile(amx, &qt, &ctx, &packs[at + t.kv_head], &mut o);
+                    return (o, stats);
+                }
                 let tile = Tile {
                     q: &qt,
                     from: t.from,
@@ -167,14 +222,26 @@ const TILE_ROWS: usize = 24;
 /// the time, while each task waited on DRAM).
 const MIN_PART: usize = 64;
 
-/// Tasks for a step: tiles of up to `TILE_ROWS` rows; when there are fewer than two per thread,
-/// each decode row's positions are cut into parts (merged after with `merge_parts`).
-fn plan_tasks(seqs: &[SeqMeta], kvh: usize, group: usize, threads: usize) -> Vec<Task> {
-    let per_task = (TILE_ROWS / group).max(1);
+/// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
+/// rows run on the tile units, `tiled`); when there are fewer than two per thread, each decode
+/// row's positions are cut into parts (merged after with `merge_parts`).
+fn plan_tasks(
+    seqs: &[SeqMeta],
+    kvh: usize,
+    group: usize,
+    threads: usize,
+    tiled: &[bool],
+) -> Vec<Task> {
     let base: Vec<Task> = seqs
         .iter()
         .enumerate()
         .flat_map(|(si, s)| {
+            let rows = if tiled[si] {
+                attn_amx::TASK_ROWS
+            } else {
+                TILE_ROWS
+            };
+            let per_task = (rows / group).max(1);
             (0..kvh).flat_map(move |g| {
                 (0..s.q_len).step_by(per_task).map(move |t0| Task {
                     seq: si,
@@ -533,10 +600,20 @@ mod tests {
     /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V (`kv`: 0 F32,
     /// 1 F16, 2 Q8), attended by both implementations.
     fn both_paths(shapes: &[(usize, usize)], order_seed: u64, kv: u8) -> (Vec<f32>, Vec<f32>) {
+        both_paths_of(8, shapes, order_seed, kv)
+    }
+
+    /// `both_paths` with heads of `head_dim` values.
+    fn both_paths_of(
+        head_dim: usize,
+        shapes: &[(usize, usize)],
+        order_seed: u64,
+        kv: u8,
+    ) -> (Vec<f32>, Vec<f32>) {
         let dims = AttnDims {
             num_heads: 6,
             num_kv_heads: 2,
-            head_dim: 8,
+            head_dim,
             block_size: 4,
         };
         let (h, kvd, bs) = (
@@ -618,6 +695,27 @@ mod tests {
         }
     }
 
+    /// Steps whose chunks have enough rows for the tile units (`attn_amx`, on CPUs with AMX:
+    /// several of them, each KV head packed once for its tasks) beside decodes that stay on the
+    /// F32 kernel: the generic path's result within bf16's rounding, and (where the tiles ran)
+    /// not bit for bit, which shows they did.
+    #[test]
+    fn chunks_on_the_tile_units_attend_as_the_generic_path() {
+        let shapes = [(40, 0), (1, 50), (12, 100), (1, 3), (70, 30), (11, 0)];
+        for kv in 0..3 {
+            let (fast, generic) = both_paths_of(64, &shapes, 11, kv);
+            let d = fast
+                .iter()
+                .zip(&generic)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(d <= 1e-2, "kv {kv}: max-abs-diff {d}");
+            if Amx::detect().is_some() && Isa::best().amx().is_some() {
+                assert!(d > 0.0, "kv {kv}: the chunks ran on the tile units");
+            }
+        }
+    }
+
     #[test]
     fn decodes_after_a_chunk_are_put_back_in_step_order() {
         // A chunk first, then decodes with different histories, then another chunk.
@@ -649,7 +747,7 @@ mod tests {
     #[test]
     fn one_decoding_sequence_is_cut_into_parts_for_idle_threads() {
         // Three KV heads on two threads: each head's 300 positions in two parts.
-        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2);
+        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false]);
         assert_eq!(
             spans(&t),
             vec![
@@ -662,7 +760,7 @@ mod tests {
             ]
         );
         // Too short to cut: MIN_PART positions a part at least.
-        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2);
+        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2, &[false]);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
         // Enough tasks already (four sequences): nothing is cut.
         let t = plan_tasks(
@@ -670,11 +768,12 @@ mod tests {
             3,
             3,
             2,
+            &[false; 4],
         );
         assert_eq!(t.len(), 12);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
         // A prefill chunk's tiles are never cut.
-        let t = plan_tasks(&[seq(5, 900)], 1, 3, 2);
+        let t = plan_tasks(&[seq(5, 900)], 1, 3, 2, &[false]);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
     }
 }

@@ -25,18 +25,6 @@
 //! process the tile state. The scalar reference (`reference`) computes the same products of
 //! bf16 values in F64; a seeded proptest compares the two on odd shapes.
 
-/// `asm!` on x86_64. Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing
-/// reaches the functions that use it; they only need to compile.
-#[cfg(target_arch = "x86_64")]
-macro_rules! tile_asm {
-    ($($t:tt)*) => { std::arch::asm!($($t)*) };
-}
-#[cfg(not(target_arch = "x86_64"))]
-macro_rules! tile_asm {
-    ($($t:tt)*) => {
-        unreachable!("AMX tiles exist on x86_64 only")
-    };
-}
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
@@ -244,7 +232,7 @@ fn to_bf16(src: &[f32], dst: &mut [u16]) {
 ///
 /// # Safety
 /// The CPU must have AMX and the process the permission (`cpu::Amx`).
-unsafe fn configure() {
+pub(crate) unsafe fn configure() {
     #[repr(C, align(64))]
     struct Config([u8; 64]);
     let mut cfg = Config([0; 64]);
@@ -260,7 +248,7 @@ unsafe fn configure() {
 ///
 /// # Safety
 /// As `configure`.
-unsafe fn release() {
+pub(crate) unsafe fn release() {
     tile_asm!("tilerelease", options(nostack, nomem));
 }
 

@@ -6,7 +6,8 @@
 //! Q8_1's block sums). `q8_0x8` (Q8_0, Q6_K), `q4_1x8` (Q4_1, Q4_0) and `q4_kx8` (Q4_K) hold
 //! weights repacked eight rows at a time, so one weight load serves 8 output columns and up to 4
 //! activation rows with no horizontal sums (the engine's projections and the tied embedding use
-//! them); `attn` is the attention tile, `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
+//! them); `attn` is the attention tile (`attn_amx` the same on the tile units for prefill
+//! rows), `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
 //! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
 //! in tests; `amx` runs big steps on Intel's tile units from a bf16 copy; `roof` measures this machine's peaks (8-bit dot products, F32 FMAs, read
 //! bandwidth) that the kernels' speed is stated against. Each kernel has a scalar reference that proptests compare it with on odd shapes. The
@@ -26,8 +27,23 @@ macro_rules! dispatch_rows {
     };
 }
 
+/// `asm!` on x86_64, for the tile instructions (`amx`, `attn_amx`: Rust's AMX intrinsics are
+/// unstable). Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing reaches
+/// the functions that use it; they only need to compile.
+#[cfg(target_arch = "x86_64")]
+macro_rules! tile_asm {
+    ($($t:tt)*) => { std::arch::asm!($($t)*) };
+}
+#[cfg(not(target_arch = "x86_64"))]
+macro_rules! tile_asm {
+    ($($t:tt)*) => {
+        unreachable!("AMX tiles exist on x86_64 only")
+    };
+}
+
 pub mod amx;
 pub mod attn;
+pub(crate) mod attn_amx;
 pub mod cpu;
 pub mod q4_1x8;
 pub mod q4_kx8;
