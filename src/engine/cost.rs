@@ -3,13 +3,19 @@
 //! (Sarathi-Serve's stall-free batching sets its chunk budget from such a target; here the budget
 //! follows the measured machine and model instead of a fixed token count).
 //!
-//! The model is linear in four features: a constant (weights read, launch and sampling
+//! The model is linear in six features: a constant (weights read, launch and sampling
 //! overhead), the step's tokens (the matmuls), its attention work (for each token, the
-//! positions it attends to: a chunk of `n` tokens starting at position `p` has `n * p + n(n+1)/2`),
-//! and its rows of logits (the LM head: one per decode, one per speculative draft, one for a
+//! positions it attends to: a chunk of `n` tokens starting at position `p` has `n * p + n(n+1)/2`)
+//! in two parts, that of decode rows and short runs and that of runs of `attn_amx::MIN_TOKENS` or
+//! more (on CPUs with AMX these run on the tile units, several times cheaper a position than a
+//! decode row: one weight for both made a long prompt's chunks beside streaming replies far too
+//! small), the positions such runs see (on the tile units each KV head's positions are packed
+//! once a step, work that grows with the context however short the chunk), and its rows of logits (the LM head: one per decode, one per speculative draft, one for a
 //! prompt's last chunk), so that a draft, which needs its logits, is priced above a prompt token.
 //! The weights are fit by exponentially weighted least squares with a ridge toward priors, so the
 //! first predictions are sensible and a few dozen steps adapt them to the machine. Pure code.
+
+use crate::model::kernels::attn_amx::MIN_TOKENS;
 
 /// What the cost model sees of a step.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -18,6 +24,10 @@ pub struct StepShape {
     pub tokens: usize,
     /// Sum over the step's tokens of the positions each attends to.
     pub attention: f64,
+    /// The part of `attention` from runs of `attn_amx::MIN_TOKENS` tokens or more.
+    pub chunk_attention: f64,
+    /// The positions those runs see, each run counted once.
+    pub chunk_context: f64,
     /// Rows whose logits the step computes.
     pub logits: usize,
 }
@@ -26,7 +36,12 @@ impl StepShape {
     /// Adds a run of `n` tokens starting at position `start` (a chunk, or a decode with `n` 1).
     pub fn add_run(&mut self, start: usize, n: usize) {
         self.tokens += n;
-        self.attention += attention_of(start, n);
+        let a = attention_of(start, n);
+        self.attention += a;
+        if n >= MIN_TOKENS {
+            self.chunk_attention += a;
+            self.chunk_context += (start + n) as f64;
+        }
     }
 
     /// This shape with a run of `n` tokens at `start` added.
@@ -50,7 +65,9 @@ impl StepShape {
         [
             1.0,
             self.tokens as f64 / 100.0,
-            self.attention / 1e5,
+            (self.attention - self.chunk_attention) / 1e5,
+            self.chunk_attention / 1e5,
+            self.chunk_context / 1e4,
             self.logits as f64 / 10.0,
         ]
     }
@@ -64,7 +81,7 @@ pub fn attention_of(start: usize, n: usize) -> f64 {
 }
 
 /// Features of a step.
-const N: usize = 4;
+const N: usize = 6;
 
 /// A step's predicted time in seconds, and what a measured step teaches it.
 pub trait CostModel: Send {
@@ -101,14 +118,16 @@ pub struct LinearCost {
 
 impl Default for LinearCost {
     /// Priors for a small model on two CPU cores: 3 ms a step, 1 ms a token, 0.3 us per attended
-    /// position, 0.5 ms a row of logits.
+    /// position (decode or chunk), nothing for a chunk's context of its own, 0.5 ms a row of
+    /// logits.
     fn default() -> Self {
-        LinearCost::new([0.003, 0.1, 0.03, 0.005])
+        LinearCost::new([0.003, 0.1, 0.03, 0.03, 0.01, 0.005])
     }
 }
 
 impl LinearCost {
-    /// `prior`: seconds for the constant, per 100 tokens, per 100,000 attended positions, per
+    /// `prior`: seconds for the constant, per 100 tokens, per 100,000 attended positions of
+    /// decodes and short runs, per 100,000 of long runs, per 10,000 positions long runs see, per
     /// 10 rows of logits.
     pub fn new(prior: [f64; N]) -> Self {
         LinearCost {
@@ -121,8 +140,7 @@ impl LinearCost {
         }
     }
 
-    /// The current weights (seconds for the constant, per 100 tokens, per 100,000 positions,
-    /// per 10 rows of logits).
+    /// The current weights (as `new`'s priors).
     pub fn weights(&self) -> [f64; N] {
         self.theta
     }
@@ -201,10 +219,17 @@ mod tests {
 
     #[test]
     fn learns_a_machine_that_differs_from_its_priors() {
-        // The "machine": 5 ms a step, 2 ms a token, 1 us per attended position, 1 ms a row of
-        // logits.
+        // The "machine": 5 ms a step, 2 ms a token, 1 us per position a decode row attends to and
+        // a quarter of that for a chunk's (as on the tile units) plus 2 us per position a chunk
+        // sees (packing them), 1 ms a row of logits.
         let truth = |s: &StepShape| {
-            0.005 + 0.002 * s.tokens as f64 + 1e-6 * s.attention + 0.001 * s.logits as f64
+            let decode = s.attention - s.chunk_attention;
+            0.005
+                + 0.002 * s.tokens as f64
+                + 1e-6 * decode
+                + 2.5e-7 * s.chunk_attention
+                + 2e-6 * s.chunk_context
+                + 0.001 * s.logits as f64
         };
         let mut m = LinearCost::default();
         let shapes: Vec<StepShape> = (0..200)
@@ -213,12 +238,15 @@ mod tests {
                 for d in 0..(i % 9) {
                     // Decodes, some with drafts: a row of logits per token.
                     let n = 1 + (i + d) % 3 * (i % 2);
-                    s.add_run(100 + 37 * d, n);
+                    s.add_run(100 + 37 * d + (i * 97) % 3000, n);
                     s.add_logits(n);
                 }
-                // A prompt's chunk: logits for its last token only when it ends.
-                s.with_run((i * 131) % 5000, (i * 17) % 200)
-                    .with_logits(i % 4 / 3)
+                // A prompt's chunk in two steps of three: logits for its last token only when it
+                // ends.
+                if i % 3 > 0 {
+                    s.add_run((i * 131) % 5000, (i * 17) % 200);
+                }
+                s.with_logits(i % 4 / 3)
             })
             .collect();
         for s in &shapes {

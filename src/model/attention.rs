@@ -87,7 +87,7 @@ pub(crate) struct FastCpuPlan {
     /// The tile units, when this CPU has them and they take this head size.
     amx: Option<Amx>,
     /// Per sequence, where its KV heads' packs start in `packs` when its rows run on the tile
-    /// units (`attn_amx`: at least `MIN_ROWS` query rows a KV head).
+    /// units (`attn_amx`: at least `MIN_TOKENS` tokens and `MIN_ROWS` query rows a KV head).
     tiled: Vec<Option<usize>>,
     /// The packed positions of each tiled sequence's KV heads, repacked by every layer (the
     /// memory kept for the step's layers).
@@ -103,7 +103,9 @@ impl FastCpuPlan {
         let tiled: Vec<Option<usize>> = seqs
             .iter()
             .map(|s| {
-                (amx.is_some() && s.q_len * group >= attn_amx::MIN_ROWS).then(|| {
+                let rows = s.q_len * group;
+                let tiles = s.q_len >= attn_amx::MIN_TOKENS && rows >= attn_amx::MIN_ROWS;
+                (amx.is_some() && tiles).then(|| {
                     n_packs += d.num_kv_heads;
                     n_packs - d.num_kv_heads
                 })

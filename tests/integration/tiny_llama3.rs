@@ -492,7 +492,7 @@ fn speculation_run(
     // default model's are; learned ones would make the drafts kept depend on this machine
     // (on a fast one the tiny model's LM head row costs about a whole step: no draft pays).
     core.set_cost_model(Box::new(FixedCost(LinearCost::new([
-        0.005, 0.01, 0.0, 0.001,
+        0.005, 0.01, 0.0, 0.0, 0.0, 0.001,
     ]))));
     for (i, (prompt, sampling, max_tokens, logprobs, forks)) in requests.iter().enumerate() {
         core.add(Request {
@@ -910,7 +910,7 @@ fn a_barge_in_inside_a_drafted_step_keeps_exactly_what_was_heard() {
     ));
     core.pin_draft_costs(0.0005, 200.0);
     core.set_cost_model(Box::new(FixedCost(LinearCost::new([
-        0.005, 0.01, 0.0, 0.001,
+        0.005, 0.01, 0.0, 0.0, 0.0, 0.001,
     ]))));
     core.add(request(0, prompt.clone(), 40)).unwrap();
     let mut reply = Vec::new();

@@ -35,9 +35,15 @@ const KB: usize = 32;
 /// u16 elements in one tile.
 const TILE_ELEMS: usize = TILE * KB;
 
-/// Query rows from which a sequence's attention runs on the tiles: a tile takes 16, and below two
-/// tiles packing the positions costs more than the tiles save.
-pub(crate) const MIN_ROWS: usize = 32;
+/// Query rows (`MIN_TOKENS` tokens at least) from which a sequence's attention runs on the tiles:
+/// a tile takes 16 rows; 4 tokens of a GQA group of 3 already ran 1.2x faster than the F32
+/// kernel at 300 positions, 8 tokens 1.3-1.8x (`cargo bench --bench engine -- --attention 4
+/// --chunk 8 --context 300`).
+pub(crate) const MIN_ROWS: usize = 12;
+
+/// Tokens from which a sequence's attention may run on the tiles (with `MIN_ROWS` rows); the cost
+/// model prices the attention of runs this long apart from decode rows' (`engine::cost`).
+pub const MIN_TOKENS: usize = 4;
 
 /// Query rows a task takes on the tiles: with a GQA group of 3, 32 tokens (six row tiles).
 pub(crate) const TASK_ROWS: usize = 96;
@@ -413,28 +419,48 @@ mod simd {
             Some((ks, vs)) => (ks[rows[i] / d].to_f32(), vs[rows[i] / d].to_f32()),
             None => (1.0, 1.0),
         };
-        // Word r of a position goes to tile row r: 16 words (64 bytes) apart.
-        let index = _mm512_setr_epi32(
-            0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240,
-        );
-        let kp = p.k.as_mut_ptr() as *mut u32;
-        for (i, &at) in rows[..n].iter().enumerate() {
-            let ks = _mm512_set1_ps(scale(i).0);
-            let row = k.as_ptr().add(at);
-            let (pt, c) = (i / TILE, i % TILE);
+        // A position tile at a time: each position's block as 16 words in a register, the 16
+        // registers transposed so that tile row r holds word r of every position.
+        // The rows sit where the block table put them, a pattern the hardware prefetchers do not
+        // follow: ask for the next tile's (`attn` does the same).
+        let ahead = |x: &[T], i: usize| {
+            if let Some(&at) = rows[..n].get(i) {
+                let p = x.as_ptr().add(at) as *const i8;
+                for off in (0..d * std::mem::size_of::<T>()).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off));
+                }
+            }
+        };
+        for pt in 0..n.div_ceil(TILE) {
+            for c in 0..TILE {
+                ahead(k, (pt + 1) * TILE + c);
+            }
             for b in 0..kbs {
-                let lo = bf16_lanes(_mm512_mul_ps(load16(row.add(b * KB)), ks));
-                let hi = bf16_lanes(_mm512_mul_ps(load16(row.add(b * KB + TILE)), ks));
-                let words = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
-                    _mm512_cvtepi32_epi16(hi),
-                );
-                let at = kp.add(((pt * kbs + b) * TILE_ELEMS) / 2 + c);
-                _mm512_i32scatter_epi32::<4>(at as _, index, words);
+                let mut words = [_mm512_setzero_si512(); TILE];
+                for (c, w) in words.iter_mut().enumerate() {
+                    let i = pt * TILE + c;
+                    if i >= n {
+                        break;
+                    }
+                    let ks = _mm512_set1_ps(scale(i).0);
+                    let row = k.as_ptr().add(rows[i] + b * KB);
+                    let lo = bf16_lanes(_mm512_mul_ps(load16(row), ks));
+                    let hi = bf16_lanes(_mm512_mul_ps(load16(row.add(TILE)), ks));
+                    *w = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                        _mm512_cvtepi32_epi16(hi),
+                    );
+                }
+                let dst = p.k.as_mut_ptr().add((pt * kbs + b) * TILE_ELEMS) as *mut __m512i;
+                for (r, x) in transpose16(words).iter().enumerate() {
+                    _mm512_storeu_si512(dst.add(r) as _, *x);
+                }
             }
         }
         let vp = p.v.as_mut_ptr();
         for i in (0..n).step_by(2) {
+            ahead(v, i + TILE);
+            ahead(v, i + TILE + 1);
             let r0 = v.as_ptr().add(rows[i]);
             // An odd last position pairs with zeros.
             let r1 = (i + 1 < n).then(|| (v.as_ptr().add(rows[i + 1]), scale(i + 1).1));
@@ -453,6 +479,40 @@ mod simd {
                 _mm512_storeu_si512(at as _, pair);
             }
         }
+    }
+
+    /// The 16 x 16 transpose of 32-bit words: row `c` of the result is word `c` of every input.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+        // Pairs of rows interleaved, then pairs of pairs: within each 128-bit lane `l`, u[4i + j]
+        // holds word 4l + j of rows 4i..4i + 4.
+        let mut t = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            let (a, b, c, d) = (t[4 * i], t[4 * i + 2], t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i] = _mm512_unpacklo_epi64(a, b);
+            u[4 * i + 1] = _mm512_unpackhi_epi64(a, b);
+            u[4 * i + 2] = _mm512_unpacklo_epi64(c, d);
+            u[4 * i + 3] = _mm512_unpackhi_epi64(c, d);
+        }
+        // Then lane l of u[j], u[4 + j], u[8 + j], u[12 + j] side by side is word 4l + j.
+        let mut out = [_mm512_setzero_si512(); 16];
+        for j in 0..4 {
+            let v0 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+            let v1 = _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]);
+            let v2 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+            let v3 = _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]);
+            out[j] = _mm512_shuffle_i32x4::<0x88>(v0, v2);
+            out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(v0, v2);
+            out[4 + j] = _mm512_shuffle_i32x4::<0x88>(v1, v3);
+            out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(v1, v3);
+        }
+        out
     }
 
     /// `exp(x - m)` for 16 values (`attn::exp8_minus` on 512-bit vectors); lanes below
