@@ -5,7 +5,8 @@
 //! - `fast_cpu`: reads the cache tensors as slices and runs one task per (sequence, KV head, tile of
 //!   up to `TILE_ROWS` query rows) on the rayon pool, each through `kernels::attn` (the query heads
 //!   of a GQA group, and of several tokens of a prefill chunk, share each load of K and V); on CPUs
-//!   with AMX, a sequence with many query rows (a prefill chunk) runs on the tile units instead
+//!   with AMX and an F16 or Q8 cache, a sequence with many query rows (a prefill chunk) runs on
+//!   the tile units instead
 //!   (`kernels::attn_amx`: each of its KV heads packed once a layer, tiles of `TASK_ROWS`). Written
 //!   by hand because candle has no paged attention on CPU and gathering blocks into a fresh tensor
 //!   per sequence per layer costs more than the attention itself at decode time.
@@ -55,7 +56,10 @@ pub fn paged_attention(
     dims: AttnDims,
 ) -> Result<Tensor> {
     match imp {
-        AttentionImpl::FastCpu => fast_cpu(q, kv, seqs, &FastCpuPlan::new(seqs, dims)),
+        AttentionImpl::FastCpu => {
+            let tiles = kv.k.dtype() != DType::F32;
+            fast_cpu(q, kv, seqs, &FastCpuPlan::new(seqs, dims, tiles))
+        }
         AttentionImpl::Generic => {
             let plan = GenericPlan::new(seqs, dims, q.device())?;
             generic(q, kv, dims, &plan)
@@ -95,10 +99,12 @@ pub(crate) struct FastCpuPlan {
 }
 
 impl FastCpuPlan {
-    pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims) -> Self {
+    /// `tiles`: whether chunks may run on the tile units (bf16) where the CPU has them; an F32
+    /// cache is the exact setting, whose attention stays in F32.
+    pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims, tiles: bool) -> Self {
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
-        let amx = Isa::best().amx().filter(|_| attn_amx::supports(d.head_dim));
+        let amx = (Isa::best().amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
         let mut n_packs = 0;
         let tiled: Vec<Option<usize>> = seqs
             .iter()
@@ -700,7 +706,7 @@ mod tests {
     /// Steps whose chunks have enough rows for the tile units (`attn_amx`, on CPUs with AMX:
     /// several of them, each KV head packed once for its tasks) beside decodes that stay on the
     /// F32 kernel: the generic path's result within bf16's rounding, and (where the tiles ran)
-    /// not bit for bit, which shows they did.
+    /// not bit for bit, which shows they did; over an F32 cache, F32 throughout.
     #[test]
     fn chunks_on_the_tile_units_attend_as_the_generic_path() {
         let shapes = [(40, 0), (1, 50), (12, 100), (1, 3), (70, 30), (11, 0)];
@@ -712,7 +718,10 @@ mod tests {
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
             assert!(d <= 1e-2, "kv {kv}: max-abs-diff {d}");
-            if Amx::detect().is_some() && Isa::best().amx().is_some() {
+            // An F32 cache asks for exact attention: F32 all the way.
+            if kv == 0 {
+                assert!(d <= 1e-5, "kv {kv}: max-abs-diff {d}");
+            } else if Amx::detect().is_some() && Isa::best().amx().is_some() {
                 assert!(d > 0.0, "kv {kv}: the chunks ran on the tile units");
             }
         }

@@ -540,7 +540,11 @@ impl Llama {
             sin,
             slot_index,
             attn: match self.attention {
-                AttentionImpl::FastCpu => AttnPlan::Fast(FastCpuPlan::new(&plan.seqs, dims)),
+                AttentionImpl::FastCpu => {
+                    // An F32 cache is the exact setting: no bf16 tiles for its attention.
+                    let tiles = cache.dtype() != crate::kv_cache::KvDtype::F32;
+                    AttnPlan::Fast(FastCpuPlan::new(&plan.seqs, dims, tiles))
+                }
                 AttentionImpl::Generic => {
                     AttnPlan::Generic(GenericPlan::new(&plan.seqs, dims, dev)?)
                 }

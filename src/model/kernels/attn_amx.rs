@@ -4,7 +4,8 @@
 //! Why: a chunk of a long prompt, deep in its context, is bound by attention on CPUs (each of its
 //! query rows against every earlier position), and the F32 kernel (`attn`) runs it at a fraction
 //! of the F32 FMA peak while `tdpbf16ps` has ~13x that peak on the same cores (docs/performance.md,
-//! "Intel Xeon with AMX"). Decode rows (a few a sequence) stay on `attn`: a tile is 16 rows.
+//! "Intel Xeon with AMX"). Decode rows (a few a sequence) stay on `attn` (a tile is 16 rows),
+//! and so does an F32 cache, the setting that asks for exact attention.
 //!
 //! Shape (the one llama.cpp's and oneDNN's CPU flash attention take on AMX, written here because
 //! candle has no paged attention on CPU): one KV head's positions are packed once per layer into
