@@ -93,6 +93,8 @@ pub(crate) struct FastCpuPlan {
     /// Per sequence, where its KV heads' packs start in `packs` when its rows run on the tile
     /// units (`attn_amx`: at least `MIN_TOKENS` tokens and `MIN_ROWS` query rows a KV head).
     tiled: Vec<Option<usize>>,
+    /// Whose positions each of `packs` holds: (sequence, KV head).
+    pack_owners: Vec<(usize, usize)>,
     /// The packed positions of each tiled sequence's KV heads, repacked by every layer (the
     /// memory kept for the step's layers).
     packs: std::sync::Mutex<Vec<Packed>>,
@@ -118,6 +120,10 @@ impl FastCpuPlan {
             })
             .collect();
         let per_seq: Vec<bool> = tiled.iter().map(Option::is_some).collect();
+        let pack_owners: Vec<(usize, usize)> = (per_seq.iter().enumerate())
+            .filter(|(_, &t)| t)
+            .flat_map(|(si, _)| (0..d.num_kv_heads).map(move |h| (si, h)))
+            .collect();
         FastCpuPlan {
             dims: d,
             n_tokens: seqs.iter().map(|s| s.q_len).sum(),
@@ -138,7 +144,10 @@ impl FastCpuPlan {
             ),
             amx,
             tiled,
-            packs: std::sync::Mutex::new((0..n_packs).map(|_| Packed::default()).collect()),
+            packs: std::sync::Mutex::new(
+                (0..pack_owners.len()).map(|_| Packed::default()).collect(),
+            ),
+            pack_owners,
         }
     }
 }
@@ -167,11 +176,8 @@ impl Job<'_> {
         let mut packs = self.plan.packs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(amx) = self.plan.amx {
             // Each tiled sequence's KV heads packed once for all of its tasks.
-            let owners: Vec<(usize, usize)> = (self.plan.tiled.iter().enumerate())
-                .filter(|(_, t)| t.is_some())
-                .flat_map(|(si, _)| (0..d.num_kv_heads).map(move |h| (si, h)))
-                .collect();
-            packs.par_iter_mut().zip(owners).for_each(|(p, (si, h))| {
+            let owners = &self.plan.pack_owners;
+            packs.par_iter_mut().zip(owners).for_each(|(p, &(si, h))| {
                 let s = &self.seqs[si];
                 p.pack(
                     amx,

@@ -32,11 +32,11 @@ use rayon::prelude::*;
 use super::cpu::Amx;
 
 /// Rows of a tile; also the F32 columns of an output tile.
-const TILE: usize = 16;
+pub(crate) const TILE: usize = 16;
 /// bf16 values in a tile row (64 bytes): one 32-value block.
-const KB: usize = 32;
+pub(crate) const KB: usize = 32;
 /// u16 elements in one weight tile.
-const TILE_ELEMS: usize = TILE * KB;
+pub(crate) const TILE_ELEMS: usize = TILE * KB;
 /// Weight rows (and tokens) per task block: two tiles each way.
 const BLOCK: usize = 32;
 
@@ -375,18 +375,9 @@ pub fn reference(w: &[f32], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32>
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_data::lcg;
+    use super::super::test_data::{amx_for_test, lcg};
     use super::*;
     use proptest::prelude::*;
-
-    /// The token, or a note on stderr that the calling test compares nothing on this CPU.
-    fn amx_for_test(test: &str) -> Option<Amx> {
-        let t = Amx::detect();
-        if t.is_none() {
-            eprintln!("{test}: skipped, this CPU (or kernel) gives this process no AMX tiles");
-        }
-        t
-    }
 
     fn check(amx: Amx, m: usize, n: usize, k: usize, seed: u64) {
         let w = lcg(seed, n * k);

@@ -387,6 +387,18 @@ unsafe fn softmax_avx2(s: &mut [f32]) -> (f32, f32) {
     (m, sum)
 }
 
+/// Cephes' `expf`: `ln 2` in two parts for the range reduction, and the degree-5 polynomial's
+/// coefficients, highest first (`exp8_minus` here, `attn_amx`'s sixteen-lane one).
+pub(crate) const LN2_PARTS: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+pub(crate) const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// `exp(x[i] - m)` for 8 values, `x[i] - m <= 0`: Cephes' `expf` (range reduction by `ln 2` in two
 /// parts, degree-5 polynomial, 2^n by the exponent bits), within 2 ulp of libm; results below
 /// `exp(-87)` flush to 0, as softmax weights that small do not count.
@@ -405,17 +417,11 @@ pub(crate) unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::ar
         _mm256_mul_ps(v, _mm256_set1_ps(std::f32::consts::LOG2_E)),
         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
     );
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), v);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_PARTS[0]), v);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_PARTS[1]), r);
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(*c));
     }
     let r2 = _mm256_mul_ps(r, r);
     let e = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0));

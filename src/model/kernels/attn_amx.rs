@@ -25,16 +25,9 @@
 
 use std::cell::RefCell;
 
-use super::amx::{bf16_bits, configure, release};
-use super::attn::{softmax, KvElem};
-use super::cpu::{Amx, Isa};
-
-/// Rows of a tile; also the F32 columns of an output tile.
-const TILE: usize = 16;
-/// bf16 values in a tile row (64 bytes).
-const KB: usize = 32;
-/// u16 elements in one tile.
-const TILE_ELEMS: usize = TILE * KB;
+use super::amx::{bf16_bits, configure, release, KB, TILE, TILE_ELEMS};
+use super::attn::KvElem;
+use super::cpu::Amx;
 
 /// Query rows (`MIN_TOKENS` tokens at least) from which a sequence's attention runs on the tiles:
 /// a tile takes 16 rows; 4 tokens of a GQA group of 3 already ran 1.2x faster than the F32
@@ -52,6 +45,19 @@ pub(crate) const TASK_ROWS: usize = 96;
 /// Whether the tiles run heads of `d` values (whole 64-value groups of four output tiles).
 pub(crate) fn supports(d: usize) -> bool {
     d.is_multiple_of(64) && d <= 256
+}
+
+/// A Q8 cache layer's K and V scales for one KV head (`[slots, heads]` from the head's own), or
+/// `None` for F32 and F16.
+type Scales<'a> = Option<(&'a [half::f16], &'a [half::f16])>;
+
+/// The K and V scales of the position whose row starts at `at` (1 and 1 without scales).
+#[inline]
+fn scale_at(scales: Scales, at: usize, d: usize) -> (f32, f32) {
+    match scales {
+        Some((ks, vs)) => (ks[at / d].to_f32(), vs[at / d].to_f32()),
+        None => (1.0, 1.0),
+    }
 }
 
 /// One KV head's positions `0..n` as bf16 tiles (module doc), padded with zeros to whole
@@ -79,7 +85,7 @@ impl Packed {
         k: &[T],
         v: &[T],
         d: usize,
-        scales: Option<(&[half::f16], &[half::f16])>,
+        scales: Scales,
     ) {
         assert!(supports(d), "head size {d}");
         assert!(rows.len() >= n, "a row offset for every position");
@@ -118,18 +124,9 @@ impl Packed {
 
     /// `pack`'s layout one value at a time (the reference for the vector code).
     #[cfg(any(test, not(target_arch = "x86_64")))]
-    fn pack_scalar<T: KvElem>(
-        &mut self,
-        rows: &[usize],
-        k: &[T],
-        v: &[T],
-        scales: Option<(&[half::f16], &[half::f16])>,
-    ) {
+    fn pack_scalar<T: KvElem>(&mut self, rows: &[usize], k: &[T], v: &[T], scales: Scales) {
         let (n, d) = (self.n, self.d);
-        let scale = |p: usize| match scales {
-            Some((ks, vs)) => (ks[rows[p] / d].to_f32(), vs[rows[p] / d].to_f32()),
-            None => (1.0, 1.0),
-        };
+        let scale = |p: usize| scale_at(scales, rows[p], d);
         let kbs = d / KB;
         let dts = d / TILE;
         let mut vals = vec![0u16; d];
@@ -182,7 +179,6 @@ pub(crate) fn tile(
         "every row sees 1..={} positions",
         packed.n
     );
-    let isa = Isa::Amx(amx);
     let stride = packed.n.div_ceil(KB) * KB;
     let kbs = d / KB;
     let dts = d / TILE;
@@ -231,7 +227,7 @@ pub(crate) fn tile(
                     continue;
                 }
                 let c = ctx[r0 + r];
-                let st = weights(isa, &s[r * stride..r * stride + c], row);
+                let st = weights(amx, &s[r * stride..r * stride + c], row);
                 inv[r] = 1.0 / st.1;
                 stats.push(st);
                 row[c..].fill(0);
@@ -361,25 +357,20 @@ unsafe fn weighted_values(
 
 /// A row's softmax weights, not normalized: `w[p] = bf16(exp(s[p] - max))` for the row's
 /// positions; returns (max, the sum of the F32 exponentials).
-fn weights(isa: Isa, s: &[f32], w: &mut [u16]) -> (f32, f32) {
+fn weights(_amx: Amx, s: &[f32], w: &mut [u16]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if isa.amx().is_some() {
-        // SAFETY: the token implies AVX-512 F/BW/VL; `w` holds at least `s.len()` values.
-        return unsafe { simd::weights(s, w) };
-    }
-    let mut e = s.to_vec();
-    let (m, sum) = softmax(isa, &mut e);
-    for (x, y) in w.iter_mut().zip(&e) {
-        *x = bf16_bits(y * sum);
-    }
-    (m, sum)
+    // SAFETY: the token implies AVX-512 F/BW/VL; `simd::weights` checks `w`'s length.
+    return unsafe { simd::weights(s, w) };
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("AMX tiles exist on x86_64 only")
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{KvElem, Packed, KB, TILE, TILE_ELEMS};
+    use super::super::attn::{EXP_POLY, LN2_PARTS};
+    use super::{KvElem, Packed, Scales, KB, TILE, TILE_ELEMS};
 
     /// F32 lanes rounded to bf16 (to nearest, ties to even; no NaN here), each in its lane's low
     /// 16 bits.
@@ -412,14 +403,11 @@ mod simd {
         rows: &[usize],
         k: &[T],
         v: &[T],
-        scales: Option<(&[half::f16], &[half::f16])>,
+        scales: Scales,
     ) {
         let (n, d) = (p.n, p.d);
         let (kbs, dts) = (d / KB, d / TILE);
-        let scale = |i: usize| match scales {
-            Some((ks, vs)) => (ks[rows[i] / d].to_f32(), vs[rows[i] / d].to_f32()),
-            None => (1.0, 1.0),
-        };
+        let scale = |i: usize| super::scale_at(scales, rows[i], d);
         // A position tile at a time: each position's block as 16 words in a register, the 16
         // registers transposed so that tile row r holds word r of every position.
         // The rows sit where the block table put them, a pattern the hardware prefetchers do not
@@ -527,17 +515,11 @@ mod simd {
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(v, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), v);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
-        for c in [
-            1.398_199_9e-3,
-            8.333_452e-3,
-            4.166_579_6e-2,
-            1.666_666_5e-1,
-            0.5,
-        ] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[0]), v);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[1]), r);
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
         }
         let r2 = _mm512_mul_ps(r, r);
         let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
@@ -597,13 +579,10 @@ pub(crate) fn reference<T: KvElem>(
     k: &[T],
     v: &[T],
     d: usize,
-    scales: Option<(&[half::f16], &[half::f16])>,
+    scales: Scales,
 ) -> Vec<f32> {
     let bf = |x: f32| crate::model::kernels::amx::bf16_value(bf16_bits(x)) as f64;
-    let scale = |p: usize| match scales {
-        Some((ks, vs)) => (ks[rows[p] / d].to_f32(), vs[rows[p] / d].to_f32()),
-        None => (1.0, 1.0),
-    };
+    let scale = |p: usize| scale_at(scales, rows[p], d);
     let mut out = vec![0f32; q.len()];
     for (r, &c) in ctx.iter().enumerate() {
         let qr = &q[r * d..(r + 1) * d];
@@ -631,7 +610,7 @@ pub(crate) fn reference<T: KvElem>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::test_data::lcg;
+    use super::super::test_data::{amx_for_test, lcg};
     use super::*;
     use proptest::prelude::*;
 
@@ -682,14 +661,6 @@ mod tests {
                 "n {n} c {c} d {d}: out[{i}] = {g}, reference {w}"
             );
         }
-    }
-
-    fn amx_for_test(test: &str) -> Option<Amx> {
-        let t = Amx::detect();
-        if t.is_none() {
-            eprintln!("{test}: skipped, this CPU (or kernel) gives this process no AMX tiles");
-        }
-        t
     }
 
     /// The vector packing lays out exactly what the scalar one does, for every cache type and an

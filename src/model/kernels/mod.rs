@@ -104,6 +104,15 @@ pub fn with_cpu_slice_of<T: candle_core::WithDType, R>(
 /// Deterministic test data for the kernels' tests.
 #[cfg(test)]
 pub(crate) mod test_data {
+    /// The AMX token, or a note on stderr that the calling test compares nothing on this CPU.
+    pub fn amx_for_test(test: &str) -> Option<super::cpu::Amx> {
+        let t = super::cpu::Amx::detect();
+        if t.is_none() {
+            eprintln!("{test}: skipped, this CPU (or kernel) gives this process no AMX tiles");
+        }
+        t
+    }
+
     /// `n` successive states of a 64-bit LCG started from `seed`.
     pub fn lcg_states(seed: u64, n: usize) -> Vec<u64> {
         let mut x = seed | 1;
