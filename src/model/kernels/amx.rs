@@ -411,6 +411,7 @@ mod tests {
         assert!(bf16_value(bf16_bits(f32::NAN)).is_nan());
     }
 
+    #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
     #[test]
     fn tiles_match_the_reference_on_the_models_shapes() {
         let Some(amx) = amx_for_test("tiles_match_the_reference_on_the_models_shapes") else {
@@ -431,6 +432,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
         #[test]
         fn tiles_match_the_reference_on_odd_shapes(
             m in 1usize..70, n in 1usize..90, blocks in 1usize..20, seed in any::<u64>()

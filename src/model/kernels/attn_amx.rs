@@ -665,6 +665,7 @@ mod tests {
 
     /// The vector packing lays out exactly what the scalar one does, for every cache type and an
     /// odd number of positions.
+    #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
     #[test]
     fn packs_equal_the_scalar_layout() {
         let Some(amx) = amx_for_test("packs_equal_the_scalar_layout") else {
@@ -695,6 +696,7 @@ mod tests {
         both(amx, 64, |x| (x * 60.0 + 128.0) as u8, true);
     }
 
+    #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
     #[test]
     fn tiles_match_the_reference_on_a_prefill_chunk() {
         let Some(amx) = amx_for_test("tiles_match_the_reference_on_a_prefill_chunk") else {
@@ -707,6 +709,7 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
         #[test]
         fn tiles_match_the_reference_on_odd_shapes(
             n in 1usize..70, c in 1usize..140, wide in any::<bool>(), kind in 0u8..3, seed in any::<u64>()
