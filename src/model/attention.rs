@@ -715,7 +715,17 @@ mod tests {
     /// not bit for bit, which shows they did; over an F32 cache, F32 throughout.
     #[test]
     fn chunks_on_the_tile_units_attend_as_the_generic_path() {
-        let shapes = [(40, 0), (1, 50), (12, 100), (1, 3), (70, 30), (11, 0)];
+        // Chunks of 18+ tokens on the tiles; a decode with drafts (5 tokens) and a short chunk
+        // (11) on the F32 kernel.
+        let shapes = [
+            (40, 0),
+            (1, 50),
+            (5, 100),
+            (1, 3),
+            (70, 30),
+            (11, 0),
+            (18, 7),
+        ];
         for kv in 0..3 {
             let (fast, generic) = both_paths_of(64, &shapes, 11, kv);
             let d = fast

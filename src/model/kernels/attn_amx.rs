@@ -35,9 +35,12 @@ use super::cpu::Amx;
 /// --chunk 8 --context 300`).
 pub(crate) const MIN_ROWS: usize = 12;
 
-/// Tokens from which a sequence's attention may run on the tiles (with `MIN_ROWS` rows); the cost
-/// model prices the attention of runs this long apart from decode rows' (`engine::cost`).
-pub const MIN_TOKENS: usize = 4;
+/// Tokens from which a sequence's attention may run on the tiles (with `MIN_ROWS` rows): longer
+/// than the longest run a reply's drafts make (a decode and at most 16 drafts,
+/// `scheduler.speculate_tokens`), so a reply's sampled rows keep F32 attention and speculating
+/// does not change them (the tiles round to bf16). The cost model prices the attention of runs
+/// this long apart from decode rows' (`engine::cost`).
+pub const MIN_TOKENS: usize = 18;
 
 /// Query rows a task takes on the tiles: with a GQA group of 3, 32 tokens (six row tiles).
 pub(crate) const TASK_ROWS: usize = 96;
