@@ -496,6 +496,8 @@ fn attention(
             q_len,
             start_pos: ctx,
             block_table: order[i * blocks_per_seq * 30..][..blocks_per_seq].to_vec(),
+            exact: false,
+            more: false,
         })
         .collect();
     let dims = AttnDims {

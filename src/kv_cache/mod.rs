@@ -14,7 +14,7 @@ pub mod q8;
 pub mod storage;
 
 pub use block_pool::{BlockHash, BlockPool, CacheScope, Salt};
-pub use storage::{KvCache, KvCacheSpec, KvDtype, KvShape, LayerKv, SlotIndex};
+pub use storage::{KvCache, KvCacheSpec, KvDtype, KvShape, LayerKv, SlotIndex, Written};
 
 /// Number of blocks needed to hold `tokens` tokens.
 pub fn blocks_for(tokens: usize, block_size: usize) -> usize {

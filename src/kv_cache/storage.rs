@@ -7,6 +7,14 @@
 //!
 //! Writes go through candle's in-place `scatter_set`, so they work on every device; the CPU fast
 //! attention path reads the same tensors as plain slices.
+//!
+//! Every write stamps the blocks it touched, per layer (`Written`): what is derived from a
+//! block's rows and kept across steps (the tile packs of a long prompt, `model::tile_packs`)
+//! knows from the stamps whether the rows are still the ones it was made from. Stamps come from
+//! one counter for the whole process, so no two writes anywhere, in any cache, share one.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -66,6 +74,31 @@ pub struct LayerKv {
     pub k: Tensor,
     pub v: Tensor,
     pub scales: Option<(Tensor, Tensor)>,
+    /// When each block of this layer was last written (`None`: not tracked, as for views made
+    /// outside a `KvCache`).
+    pub written: Option<Written>,
+}
+
+/// One layer's write stamps, a stamp per block: it changes whenever any row of the block is
+/// written, copied into or shifted into.
+#[derive(Clone)]
+pub struct Written {
+    pub layer: usize,
+    pub block_size: usize,
+    stamps: Arc<[AtomicU64]>,
+}
+
+impl Written {
+    /// Block `block`'s current stamp.
+    pub fn stamp(&self, block: u32) -> u64 {
+        self.stamps[block as usize].load(Ordering::Acquire)
+    }
+}
+
+/// The next unused stamp (of `n` taken together).
+fn new_stamps(n: usize) -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(n as u64, Ordering::Relaxed)
 }
 
 impl LayerKv {
@@ -86,6 +119,8 @@ impl LayerKv {
 pub struct SlotIndex {
     rows: Tensor,
     heads: Option<Tensor>,
+    /// The blocks the rows are in.
+    blocks: Vec<u32>,
 }
 
 /// How big the cache is and how it is cut.
@@ -137,6 +172,8 @@ pub struct KvCache {
     v: Tensor,
     /// Q8's scales for K and V.
     scales: Option<(Tensor, Tensor)>,
+    /// Per layer, each block's write stamp (`Written`).
+    stamps: Vec<Arc<[AtomicU64]>>,
 }
 
 impl KvCache {
@@ -169,6 +206,14 @@ impl KvCache {
             }
             _ => None,
         };
+        let stamps = (0..shape.layers)
+            .map(|_| {
+                let first = new_stamps(spec.num_blocks);
+                (0..spec.num_blocks as u64)
+                    .map(|b| AtomicU64::new(first + b))
+                    .collect()
+            })
+            .collect();
         Ok(KvCache {
             spec,
             shape,
@@ -178,7 +223,30 @@ impl KvCache {
             k,
             v,
             scales,
+            stamps,
         })
+    }
+
+    /// Stamps `blocks` of `layers` as written now.
+    fn stamp(&self, layers: std::ops::Range<usize>, blocks: &[u32]) {
+        for layer in layers {
+            let stamps = &self.stamps[layer];
+            let first = new_stamps(blocks.len());
+            for (i, &b) in blocks.iter().enumerate() {
+                if let Some(s) = stamps.get(b as usize) {
+                    s.store(first + i as u64, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// The blocks of `slots`, each once.
+    fn blocks_of(&self, slots: &[u32]) -> Vec<u32> {
+        let bs = self.spec.block_size as u32;
+        let mut blocks: Vec<u32> = slots.iter().map(|s| s / bs).collect();
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks
     }
 
     pub fn spec(&self) -> KvCacheSpec {
@@ -215,6 +283,11 @@ impl KvCache {
                 Some((ks, vs)) => Some((ks.get(layer)?, vs.get(layer)?)),
                 None => None,
             },
+            written: Some(Written {
+                layer,
+                block_size: self.spec.block_size,
+                stamps: self.stamps[layer].clone(),
+            }),
         })
     }
 
@@ -233,6 +306,7 @@ impl KvCache {
                 Some(_) => Some(index(self.shape.heads)?),
                 None => None,
             },
+            blocks: self.blocks_of(slots),
         })
     }
 
@@ -247,6 +321,7 @@ impl KvCache {
         for layer in 0..self.layers {
             self.copy_rows(&self.layer(layer)?, &from, &to)?;
         }
+        self.stamp(0..self.layers, &to.blocks);
         Ok(())
     }
 
@@ -281,6 +356,7 @@ impl KvCache {
         if !self.k.device().is_cpu() || self.scales.is_some() {
             return self.shift_slots_generic(src, dst, rot);
         }
+        self.stamp(0..self.layers, &self.blocks_of(dst));
         let op = |turn| ShiftRows {
             src,
             dst,
@@ -300,6 +376,7 @@ impl KvCache {
         let device = self.k.device();
         let from = Tensor::from_slice(src, src.len(), device)?;
         let to = self.slot_index(dst)?;
+        self.stamp(0..self.layers, &to.blocks);
         let half = rot.cos.len();
         let cos = Tensor::from_slice(&rot.cos, (1, 1, 1, half), device)?;
         let sin = Tensor::from_slice(&rot.sin, (1, 1, 1, half), device)?;
@@ -329,6 +406,7 @@ impl KvCache {
             Some((ks, vs)) => (Some(ks), Some(vs)),
             None => (None, None),
         };
+        self.stamp(layer..layer + 1, &index.blocks);
         self.put(&kv.k, ks, index, k)?;
         self.put(&kv.v, vs, index, v)
     }

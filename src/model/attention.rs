@@ -20,12 +20,13 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::kv_cache::{slot_of, LayerKv};
+use crate::kv_cache::{slot_of, LayerKv, Written};
 use crate::model::batch::SeqMeta;
 use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
 use crate::model::kernels::attn_amx::{self, Packed};
 use crate::model::kernels::cpu::{Amx, Isa};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
+use crate::model::tile_packs::{self, PackStore, SeqPacks};
 
 /// Which attention implementation a model uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,14 +91,15 @@ pub(crate) struct FastCpuPlan {
     tasks: Vec<Task>,
     /// The tile units, when this CPU has them and they take this head size.
     amx: Option<Amx>,
-    /// Per sequence, where its KV heads' packs start in `packs` when its rows run on the tile
-    /// units (`attn_amx`: at least `MIN_TOKENS` tokens and `MIN_ROWS` query rows a KV head).
+    /// Per sequence, which of `packs` is its when its rows run on the tile units (`attn_amx`: a
+    /// prompt's run, never a reply's decode, of at least `MIN_TOKENS` tokens and `MIN_ROWS`
+    /// query rows a KV head).
     tiled: Vec<Option<usize>>,
-    /// Whose positions each of `packs` holds: (sequence, KV head).
-    pack_owners: Vec<(usize, usize)>,
-    /// The packed positions of each tiled sequence's KV heads, repacked by every layer (the
-    /// memory kept for the step's layers).
-    packs: std::sync::Mutex<Vec<Packed>>,
+    /// Whose each of `packs` is (a sequence).
+    pack_owners: Vec<usize>,
+    /// The packed positions of each tiled sequence's KV heads (`tile_packs`: kept per layer and
+    /// across steps for a prompt that goes on, else one layer's, packed again by every layer).
+    packs: std::sync::Mutex<Vec<SeqPacks>>,
 }
 
 impl FastCpuPlan {
@@ -107,23 +109,21 @@ impl FastCpuPlan {
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
         let amx = (Isa::best().amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
-        let mut n_packs = 0;
-        let tiled: Vec<Option<usize>> = seqs
+        let per_seq: Vec<bool> = seqs
             .iter()
             .map(|s| {
                 let rows = s.q_len * group;
-                let tiles = s.q_len >= attn_amx::MIN_TOKENS && rows >= attn_amx::MIN_ROWS;
-                (amx.is_some() && tiles).then(|| {
-                    n_packs += d.num_kv_heads;
-                    n_packs - d.num_kv_heads
-                })
+                amx.is_some()
+                    && !s.exact
+                    && s.q_len >= attn_amx::MIN_TOKENS
+                    && rows >= attn_amx::MIN_ROWS
             })
             .collect();
-        let per_seq: Vec<bool> = tiled.iter().map(Option::is_some).collect();
-        let pack_owners: Vec<(usize, usize)> = (per_seq.iter().enumerate())
-            .filter(|(_, &t)| t)
-            .flat_map(|(si, _)| (0..d.num_kv_heads).map(move |h| (si, h)))
-            .collect();
+        let pack_owners: Vec<usize> = (0..seqs.len()).filter(|&i| per_seq[i]).collect();
+        let mut tiled = vec![None; seqs.len()];
+        for (at, &si) in pack_owners.iter().enumerate() {
+            tiled[si] = Some(at);
+        }
         FastCpuPlan {
             dims: d,
             n_tokens: seqs.iter().map(|s| s.q_len).sum(),
@@ -145,10 +145,40 @@ impl FastCpuPlan {
             amx,
             tiled,
             packs: std::sync::Mutex::new(
-                (0..pack_owners.len()).map(|_| Packed::default()).collect(),
+                (0..pack_owners.len())
+                    .map(|_| SeqPacks::for_the_step())
+                    .collect(),
             ),
             pack_owners,
         }
+    }
+
+    /// Takes from `store` the packs kept for the tiled sequences, and packs to keep for those
+    /// whose prompt goes on in a later step (`SeqMeta::more`; at most `tile_packs::KEEP`, the
+    /// longest contexts): their layers keep their packs, and `put_packs` hands those that go
+    /// on back after the step. A prompt's last chunk uses its kept packs, if any, and drops them.
+    pub(crate) fn take_packs(&self, seqs: &[SeqMeta], store: &mut PackStore) {
+        let owner = |at: usize| &seqs[self.pack_owners[at]];
+        let mut going_on: Vec<usize> = (0..self.pack_owners.len())
+            .filter(|&at| owner(at).more)
+            .collect();
+        going_on.sort_by_key(|&at| std::cmp::Reverse(owner(at).context_len()));
+        going_on.truncate(tile_packs::KEEP);
+        let mut wanted: Vec<usize> = going_on.clone();
+        wanted.extend((0..self.pack_owners.len()).filter(|&at| !owner(at).more));
+        let tables: Vec<(&[u32], bool)> = (wanted.iter())
+            .map(|&at| (&owner(at).block_table[..], owner(at).more))
+            .collect();
+        let mut packs = self.packs.lock().unwrap_or_else(|e| e.into_inner());
+        for (at, p) in wanted.into_iter().zip(store.take(&tables)) {
+            packs[at] = p;
+        }
+    }
+
+    /// Hands the packs kept per layer back to `store` for the next step.
+    pub(crate) fn put_packs(&self, store: &mut PackStore) {
+        let mut packs = self.packs.lock().unwrap_or_else(|e| e.into_inner());
+        store.put(std::mem::take(&mut *packs));
     }
 }
 
@@ -159,6 +189,8 @@ struct Job<'a> {
     /// Distance between query rows in `qs` (Q may sit inside wider rows, as in a stacked QKV output).
     q_stride: usize,
     isa: Isa,
+    /// The layer's write stamps (which of the kept packs still hold).
+    written: Option<&'a Written>,
 }
 
 /// A task's output rows and each row's softmax statistics.
@@ -174,14 +206,26 @@ impl Job<'_> {
         let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
         let scale = 1.0 / (hd as f32).sqrt();
         let mut packs = self.plan.packs.lock().unwrap_or_else(|e| e.into_inner());
+        let layer = self.written.map_or(0, |w| w.layer);
         if let Some(amx) = self.plan.amx {
-            // Each tiled sequence's KV heads packed once for all of its tasks.
-            let owners = &self.plan.pack_owners;
-            packs.par_iter_mut().zip(owners).for_each(|(p, &(si, h))| {
+            // Each tiled sequence's KV heads packed once for all of its tasks: the positions
+            // its kept packs do not hold.
+            let mut work = Vec::new();
+            for (p, &si) in packs.iter_mut().zip(&self.plan.pack_owners) {
                 let s = &self.seqs[si];
-                p.pack(
+                let n = s.start_pos + s.q_len;
+                let l = p.layer(layer, d.num_kv_heads);
+                let keep = l.kept(&s.block_table, self.written);
+                l.record(&s.block_table, n, self.written);
+                for (h, pack) in l.heads.iter_mut().enumerate() {
+                    work.push((pack, si, h, keep, n));
+                }
+            }
+            work.into_par_iter().for_each(|(p, si, h, keep, n)| {
+                p.pack_from(
                     amx,
-                    s.start_pos + s.q_len,
+                    keep,
+                    n,
                     &self.plan.seq_rows[si],
                     &ks[h * hd..],
                     &vs[h * hd..],
@@ -190,7 +234,7 @@ impl Job<'_> {
                 );
             });
         }
-        let packs: &[Packed] = &packs;
+        let packs: Vec<&[Packed]> = packs.iter().map(|p| p.heads(layer)).collect();
         self.plan
             .tasks
             .par_iter()
@@ -207,7 +251,7 @@ impl Job<'_> {
                 let whole = t.from == 0 && t.to == usize::MAX;
                 if let (Some(amx), Some(at), true) = (self.plan.amx, self.plan.tiled[t.seq], whole)
                 {
-                    let stats = attn_amx::tile(amx, &qt, &ctx, &packs[at + t.kv_head], &mut o);
+                    let stats = attn_amx::tile(amx, &qt, &ctx, &packs[at][t.kv_head], &mut o);
                     return (o, stats);
                 }
                 let tile = Tile {
@@ -331,6 +375,7 @@ pub(crate) fn fast_cpu_rows(
         plan,
         q_stride,
         isa: Isa::best(),
+        written: kv.written.as_ref(),
     };
     let (kc, vc) = (&kv.k, &kv.v);
     let outs = match (kc.dtype(), &kv.scales) {
@@ -614,16 +659,19 @@ mod tests {
     /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V (`kv`: 0 F32,
     /// 1 F16, 2 Q8), attended by both implementations.
     fn both_paths(shapes: &[(usize, usize)], order_seed: u64, kv: u8) -> (Vec<f32>, Vec<f32>) {
-        both_paths_of(8, shapes, order_seed, kv)
+        let (fast, generic, _) = both_paths_of(8, shapes, &[], order_seed, kv);
+        (fast, generic)
     }
 
-    /// `both_paths` with heads of `head_dim` values.
+    /// `both_paths` with heads of `head_dim` values, the runs at `decodes` a reply's decodes
+    /// (`SeqMeta::exact`); third, the CPU kernel's result with the tile units left out.
     fn both_paths_of(
         head_dim: usize,
         shapes: &[(usize, usize)],
+        decodes: &[usize],
         order_seed: u64,
         kv: u8,
-    ) -> (Vec<f32>, Vec<f32>) {
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let dims = AttnDims {
             num_heads: 6,
             num_kv_heads: 2,
@@ -646,12 +694,14 @@ mod tests {
             order.swap(i, (r >> 33) as usize % (i + 1));
         }
         let (mut seqs, mut q_start, mut next) = (Vec::new(), 0, 0);
-        for (&(q_len, start_pos), &n) in shapes.iter().zip(&per_seq) {
+        for (i, (&(q_len, start_pos), &n)) in shapes.iter().zip(&per_seq).enumerate() {
             seqs.push(SeqMeta {
                 q_start,
                 q_len,
                 start_pos,
                 block_table: order[next..next + n].to_vec(),
+                exact: decodes.contains(&i),
+                more: false,
             });
             q_start += q_len;
             next += n;
@@ -666,6 +716,7 @@ mod tests {
                     k: kc.to_dtype(dt).unwrap(),
                     v: vc.to_dtype(dt).unwrap(),
                     scales: None,
+                    written: None,
                 }
             }
             _ => {
@@ -675,19 +726,19 @@ mod tests {
                     k,
                     v,
                     scales: Some((ks, vs)),
+                    written: None,
                 }
             }
         };
         let q = Tensor::rand(-1f32, 1.0, (q_start, h), &dev).unwrap();
-        let run = |imp| {
-            paged_attention(imp, &q, &layer, &seqs, dims)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap()
-        };
-        (run(AttentionImpl::FastCpu), run(AttentionImpl::Generic))
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let run = |imp| flat(paged_attention(imp, &q, &layer, &seqs, dims).unwrap());
+        let untiled = FastCpuPlan::new(&seqs, dims, false);
+        (
+            run(AttentionImpl::FastCpu),
+            run(AttentionImpl::Generic),
+            flat(fast_cpu(&q, &layer, &seqs, &untiled).unwrap()),
+        )
     }
 
     proptest! {
@@ -709,36 +760,55 @@ mod tests {
         }
     }
 
-    /// Steps whose chunks have enough rows for the tile units (`attn_amx`, on CPUs with AMX:
+    /// Steps whose prompt runs have enough rows for the tile units (`attn_amx`, on CPUs with AMX:
     /// several of them, each KV head packed once for its tasks) beside decodes that stay on the
-    /// F32 kernel: the generic path's result within bf16's rounding, and (where the tiles ran)
-    /// not bit for bit, which shows they did; over an F32 cache, F32 throughout.
+    /// F32 kernel, drafts and all: the generic path's result within bf16's rounding, and (where
+    /// the tiles ran) not bit for bit, which shows they did; the decodes' rows as the kernel
+    /// gives them with no run on the tiles; over an F32 cache, F32 throughout.
     #[test]
     fn chunks_on_the_tile_units_attend_as_the_generic_path() {
-        // Chunks of 18+ tokens on the tiles; a decode with drafts (5 tokens) and a short chunk
-        // (11) on the F32 kernel.
+        // Prompt runs of 4+ tokens on the tiles; decodes, one with 6 drafts (7 tokens), and a
+        // 3-token run on the F32 kernel.
         let shapes = [
             (40, 0),
             (1, 50),
-            (5, 100),
+            (7, 100),
             (1, 3),
             (70, 30),
             (11, 0),
-            (18, 7),
+            (3, 9),
+            (4, 7),
         ];
-        for kv in 0..3 {
-            let (fast, generic) = both_paths_of(64, &shapes, 11, kv);
-            let d = fast
-                .iter()
-                .zip(&generic)
+        let decodes = [1, 2, 3];
+        let width = 6 * 64;
+        let rows_of = |i: usize| {
+            let start: usize = shapes[..i].iter().map(|s| s.0).sum();
+            start * width..(start + shapes[i].0) * width
+        };
+        let max_diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
                 .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
+                .fold(0f32, f32::max)
+        };
+        for kv in 0..3 {
+            let (fast, generic, exact) = both_paths_of(64, &shapes, &decodes, 11, kv);
+            let d = max_diff(&fast, &generic);
             assert!(d <= 1e-2, "kv {kv}: max-abs-diff {d}");
+            for i in decodes.into_iter().chain([6]) {
+                let r = rows_of(i);
+                let d = max_diff(&fast[r.clone()], &exact[r]);
+                assert!(d <= 1e-6, "kv {kv}, run {i} (F32): max-abs-diff {d}");
+            }
             // An F32 cache asks for exact attention: F32 all the way.
             if kv == 0 {
                 assert!(d <= 1e-5, "kv {kv}: max-abs-diff {d}");
             } else if Amx::detect().is_some() && Isa::best().amx().is_some() {
-                assert!(d > 0.0, "kv {kv}: the chunks ran on the tile units");
+                for i in [0, 4, 5, 7] {
+                    let r = rows_of(i);
+                    let d = max_diff(&fast[r.clone()], &generic[r]);
+                    assert!(d > 0.0, "kv {kv}: run {i} ran on the tile units");
+                }
             }
         }
     }
@@ -763,6 +833,8 @@ mod tests {
             q_len,
             start_pos,
             block_table: Vec::new(),
+            exact: false,
+            more: false,
         }
     }
 

@@ -31,6 +31,11 @@ pub enum Logits {
     Last,
     /// Every token's, in order (scoring a text: `llama-relay perplexity`).
     All,
+    /// Every token's, for a reply's decode: its last sampled token and the drafts that follow it.
+    /// Each row's logits are what a one-token decode of it would give: the run's attention stays
+    /// in F32 (never on the bf16 tile units, `kernels::attn_amx`), so verifying drafts never
+    /// changes what a reply samples.
+    Decode,
 }
 
 impl Logits {
@@ -59,6 +64,11 @@ pub struct SeqMeta {
     /// Position of the first new token.
     pub start_pos: usize,
     pub block_table: Vec<u32>,
+    /// A reply's decode (`Logits::Decode`): its attention runs exactly as a one-token decode's.
+    pub exact: bool,
+    /// More of this sequence's prompt follows in a later step (`Logits::None`: a prefill chunk
+    /// before the prompt's last).
+    pub more: bool,
 }
 
 impl SeqMeta {
@@ -152,7 +162,7 @@ impl StepBatch {
             match s.logits {
                 Logits::None => {}
                 Logits::Last => plan.logit_rows.push((q_start + s.tokens.len() - 1) as u32),
-                Logits::All => plan
+                Logits::All | Logits::Decode => plan
                     .logit_rows
                     .extend((q_start..q_start + s.tokens.len()).map(|r| r as u32)),
             }
@@ -161,6 +171,8 @@ impl StepBatch {
                 q_len: s.tokens.len(),
                 start_pos: s.start_pos,
                 block_table: s.block_table.clone(),
+                exact: s.logits == Logits::Decode,
+                more: s.logits == Logits::None,
             });
         }
         Ok(plan)

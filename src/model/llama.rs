@@ -30,6 +30,7 @@ use super::kernels::with_cpu_slice;
 use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use super::profile::{time, Part};
+use super::tile_packs::PackStore;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::storage::KeyRotation;
 use crate::kv_cache::{KvCache, SlotIndex};
@@ -414,6 +415,8 @@ pub struct Llama {
     /// Whether the layers run on the CPU layer path (see the module doc).
     cpu_layers: bool,
     device: Device,
+    /// The tile packs kept between steps for long prompts (`tile_packs`).
+    tile_packs: std::sync::Mutex<PackStore>,
 }
 
 impl Llama {
@@ -448,7 +451,12 @@ impl Llama {
             max_positions,
             attention,
             device: device.clone(),
+            tile_packs: Default::default(),
         })
+    }
+
+    fn pack_store(&self) -> std::sync::MutexGuard<'_, PackStore> {
+        self.tile_packs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -543,7 +551,9 @@ impl Llama {
                 AttentionImpl::FastCpu => {
                     // An F32 cache is the exact setting: no bf16 tiles for its attention.
                     let tiles = cache.dtype() != crate::kv_cache::KvDtype::F32;
-                    AttnPlan::Fast(FastCpuPlan::new(&plan.seqs, dims, tiles))
+                    let fast = FastCpuPlan::new(&plan.seqs, dims, tiles);
+                    fast.take_packs(&plan.seqs, &mut self.pack_store());
+                    AttnPlan::Fast(fast)
                 }
                 AttentionImpl::Generic => {
                     AttnPlan::Generic(GenericPlan::new(&plan.seqs, dims, dev)?)
@@ -570,6 +580,9 @@ impl Llama {
             for (i, layer) in self.layers.iter().enumerate() {
                 x = layer.forward(&x, i, &ctx)?;
             }
+        }
+        if let AttnPlan::Fast(fast) = &ctx.attn {
+            fast.put_packs(&mut self.pack_store());
         }
         if plan.logit_rows.is_empty() {
             return Ok(None);

@@ -9,6 +9,7 @@ pub mod linear;
 pub mod llama;
 pub mod loader;
 pub mod profile;
+pub(crate) mod tile_packs;
 
 pub use attention::AttentionImpl;
 pub use config::ModelConfig;

@@ -131,8 +131,6 @@ impl Settings {
                 "\"auto\" or \"off\"",
             ));
         }
-        // A reply's verification run (a decode and its drafts) stays off the bf16 tiles.
-        const _: () = assert!(1 + 16 < crate::model::kernels::attn_amx::MIN_TOKENS);
         if !(1..=16).contains(&c.speculate_tokens) {
             return Err(invalid(
                 "scheduler.speculate_tokens",

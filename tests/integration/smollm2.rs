@@ -6,6 +6,7 @@
 use llama_relay::default_model::ensure_default_model;
 use llama_relay::engine::{Engine, EngineOptions, Logits, SeqChunk, StepBatch};
 use llama_relay::generate::{generate, GenerateParams};
+use llama_relay::kv_cache::KvDtype;
 use llama_relay::model::loader::WeightMode;
 
 use crate::common::*;
@@ -180,5 +181,97 @@ fn cpu_layer_path_equals_candle_ops() {
     // summation order in a norm moves these quantized logits by up to ~1).
     for (i, (a, b)) in rows_path.iter().zip(&ops_path).enumerate() {
         assert_eq!(max_abs_diff(a, b), 0.0, "row {i}");
+    }
+}
+
+/// One step of `seqs`; the rows of logits it returns, in order.
+fn step(e: &mut Engine, seqs: Vec<SeqChunk>) -> Vec<Vec<f32>> {
+    e.model
+        .forward(&StepBatch { seqs }, &e.cache)
+        .unwrap()
+        .map(|t| rows(&t))
+        .unwrap_or_default()
+}
+
+/// Prefills `prompts` side by side (same length), `chunk` tokens of each a step, over `tables`,
+/// the first `steps` steps (all of them: `None`). `keep`: the chunks before a prompt's last ask
+/// for no logits, so the model keeps their tile packs from step to step (`model::tile_packs`,
+/// on CPUs with AMX); else every chunk asks for its last token's and nothing is kept. Returns
+/// each prompt's last logits when it ends.
+fn side_by_side(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    tables: &[Vec<u32>],
+    chunk: usize,
+    keep: bool,
+    steps: Option<usize>,
+) -> Vec<Vec<f32>> {
+    let n = prompts[0].len();
+    let mut last = Vec::new();
+    for (i, start) in (0..n).step_by(chunk).enumerate() {
+        if steps.is_some_and(|s| i == s) {
+            break;
+        }
+        let end = (start + chunk).min(n);
+        let seqs = (prompts.iter().zip(tables))
+            .map(|(p, t)| SeqChunk {
+                tokens: p[start..end].to_vec(),
+                start_pos: start,
+                block_table: t.clone(),
+                logits: if end < n && keep {
+                    Logits::None
+                } else {
+                    Logits::Last
+                },
+            })
+            .collect();
+        last = step(e, seqs);
+    }
+    last
+}
+
+/// A long prompt's tile packs kept from step to step (`model::tile_packs`) give the logits that
+/// packs made afresh every step give, to the bit, for two prompts side by side; and packs left
+/// behind by a prompt cut short are not used for the next prompt on the same blocks (their
+/// write stamps changed), whose logits are those of a fresh prefill. Without AMX no pack is
+/// made and the runs agree trivially.
+#[test]
+fn kept_tile_packs_give_the_logits_of_packs_made_afresh() {
+    let _g = model_lock();
+    for kv in [KvDtype::F16, KvDtype::Q8] {
+        let mut o = EngineOptions::for_model(ensure_default_model().unwrap());
+        o.kv_dtype = kv;
+        kept_packs_equal_fresh_ones(&mut Engine::load(&o).unwrap());
+    }
+}
+
+fn kept_packs_equal_fresh_ones(e: &mut Engine) {
+    let bs = e.cache.block_size();
+    let prompt = |seed: u32| -> Vec<u32> {
+        (0..700u32)
+            .map(|i| 100 + (i * 7919 + seed * 104_729) % 30_000)
+            .collect()
+    };
+    let prompts = [prompt(1), prompt(2)];
+    let tables: Vec<Vec<u32>> = (prompts.iter())
+        .map(|p| {
+            let mut t = Vec::new();
+            assert!(e.pool.ensure_capacity(&mut t, p.len(), bs));
+            t
+        })
+        .collect();
+    let fresh = side_by_side(e, &prompts, &tables, 90, false, None);
+    let kept = side_by_side(e, &prompts, &tables, 90, true, None);
+    assert_eq!(fresh.len(), 2);
+    assert!(kept == fresh, "kept packs changed the logits");
+    // Four chunks of a prompt, its packs kept; then another prompt on the same blocks, whose
+    // first chunk is longer than what the packs hold.
+    let (first, other) = (&prompts[..1], [prompt(3)]);
+    side_by_side(e, first, &tables[..1], 90, true, Some(4));
+    let after = side_by_side(e, &other, &tables[..1], 400, true, None);
+    let fresh = side_by_side(e, &other, &tables[..1], 400, false, None);
+    assert!(after == fresh, "packs of other rows were used");
+    for t in &tables {
+        e.pool.release(t);
     }
 }

@@ -68,7 +68,7 @@ impl Scheduler {
             .collect();
         let mut shape = StepShape::default();
         for &i in &decoding {
-            shape.add_run(self.running[i].computed, 1);
+            shape.add_decode(self.running[i].computed, 1);
             shape.add_logits(1);
         }
         let limit = (self.cfg.itl_target).map(|t| t.as_secs_f64() * PLAN_FRACTION / self.safety());
@@ -90,7 +90,9 @@ impl Scheduler {
                 break;
             };
             let s = &self.running[decoding[j]];
-            let next = shape.with_run(s.computed + 1 + keep[j], 1).with_logits(1);
+            let next = shape
+                .with_decode(s.computed + 1 + keep[j], 1)
+                .with_logits(1);
             let with = self.cost.predict(&next);
             let extra = (with - cost).max(1e-9);
             if chance * cost < GAIN * tokens * extra || limit.is_some_and(|l| with > l) {

@@ -328,7 +328,7 @@ impl Scheduler {
                 tokens,
                 start_pos: s.computed,
                 block_table: s.blocks.table().to_vec(),
-                logits: if n > 1 { Logits::All } else { Logits::Last },
+                logits: Logits::Decode,
             });
             out.entries.push(Entry {
                 id: s.id,
@@ -337,7 +337,7 @@ impl Scheduler {
             if n > 1 {
                 out.drafted.push((s.id, s.drafts.clone()));
             }
-            b.shape.add_run(s.computed, n);
+            b.shape.add_decode(s.computed, n);
             b.shape.add_logits(n);
             s.computed += n;
             b.tokens = b.tokens.saturating_sub(n);

@@ -4,12 +4,14 @@
 //! Why: a chunk of a long prompt, deep in its context, is bound by attention on CPUs (each of its
 //! query rows against every earlier position), and the F32 kernel (`attn`) runs it at a fraction
 //! of the F32 FMA peak while `tdpbf16ps` has ~13x that peak on the same cores (docs/performance.md,
-//! "Intel Xeon with AMX"). Decode rows (a few a sequence) stay on `attn` (a tile is 16 rows),
-//! and so does an F32 cache, the setting that asks for exact attention.
+//! "Intel Xeon with AMX"). A reply's decode rows, drafts and all, stay on `attn` (bf16 would
+//! make speculating change a reply), and so does an F32 cache, the setting that asks for exact
+//! attention.
 //!
 //! Shape (the one llama.cpp's and oneDNN's CPU flash attention take on AMX, written here because
 //! candle has no paged attention on CPU): one KV head's positions are packed once per layer into
-//! bf16 tiles in the layout `tdpbf16ps` reads as its `B` operand (`Packed`): K as 16 positions x
+//! bf16 tiles in the layout `tdpbf16ps` reads as its `B` operand (`Packed`; a long prompt's packs
+//! are kept from step to step, only new positions packed: `model::tile_packs`): K as 16 positions x
 //! 32 dimensions a tile, (even, odd) dimension pairs, for `Q . K^T`; V as 32 positions x 16
 //! dimensions a tile, (even, odd) position pairs, for `P . V`; a Q8 cache's scales are applied as
 //! they are packed. The tasks of that head then share the packs: per 16 query rows (rounded to
@@ -35,12 +37,11 @@ use super::cpu::Amx;
 /// --chunk 8 --context 300`).
 pub(crate) const MIN_ROWS: usize = 12;
 
-/// Tokens from which a sequence's attention may run on the tiles (with `MIN_ROWS` rows): longer
-/// than the longest run a reply's drafts make (a decode and at most 16 drafts,
-/// `scheduler.speculate_tokens`), so a reply's sampled rows keep F32 attention and speculating
-/// does not change them (the tiles round to bf16). The cost model prices the attention of runs
-/// this long apart from decode rows' (`engine::cost`).
-pub const MIN_TOKENS: usize = 18;
+/// Tokens from which a prompt's run may take the tiles (with `MIN_ROWS` rows). A reply's decode
+/// never does, whatever its drafts (`SeqMeta::exact`): the tiles round to bf16, and speculating
+/// must not change what a reply samples. The cost model prices the attention of prompt runs this
+/// long apart from decode rows' (`engine::cost`).
+pub const MIN_TOKENS: usize = 4;
 
 /// Query rows a task takes on the tiles: with a GQA group of 3, 32 tokens (six row tiles).
 pub(crate) const TASK_ROWS: usize = 96;
@@ -79,10 +80,32 @@ impl Packed {
     ///
     /// # Panics
     /// When an offset points outside `k`, `v` or the scales, or `d` is not supported.
+    #[cfg(test)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pack<T: KvElem>(
         &mut self,
+        amx: Amx,
+        n: usize,
+        rows: &[usize],
+        k: &[T],
+        v: &[T],
+        d: usize,
+        scales: Scales,
+    ) {
+        self.pack_from(amx, 0, n, rows, k, v, d, scales);
+    }
+
+    /// `pack` keeping positions `0..keep` as they are (packed before from the same rows, with
+    /// the same `d`): only positions `keep..n` are read and written.
+    ///
+    /// # Panics
+    /// As `pack`, and when `keep` is not a whole number of 32-position blocks or more than
+    /// this pack holds, or `d` differs from the pack's.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn pack_from<T: KvElem>(
+        &mut self,
         _amx: Amx,
+        keep: usize,
         n: usize,
         rows: &[usize],
         k: &[T],
@@ -92,7 +115,12 @@ impl Packed {
     ) {
         assert!(supports(d), "head size {d}");
         assert!(rows.len() >= n, "a row offset for every position");
-        let last = rows[..n].iter().copied().max().unwrap_or(0) + d;
+        assert!(
+            keep.is_multiple_of(KB) && keep <= self.n.min(n) && (keep == 0 || d == self.d),
+            "kept positions {keep} of {} packed",
+            self.n
+        );
+        let last = rows[keep..n].iter().copied().max().unwrap_or(0) + d;
         assert!(
             last <= k.len() && last <= v.len(),
             "row offsets inside the cache"
@@ -106,12 +134,12 @@ impl Packed {
         let padded = n.div_ceil(KB) * KB;
         self.n = n;
         self.d = d;
-        // Every position below `n` is written; the rest of the last 32-position block is zeroed
-        // (K's and V's tiles of one block are contiguous).
+        // Every position in `keep..n` is written; the rest of the last 32-position block is
+        // zeroed (K's and V's tiles of one block are contiguous).
         let last = (padded - KB) * d..padded * d;
         for buf in [&mut self.k, &mut self.v] {
             buf.resize(padded * d, 0);
-            if n > 0 {
+            if n > keep {
                 buf[last.clone()].fill(0);
             }
         }
@@ -119,21 +147,28 @@ impl Packed {
         // SAFETY: the token implies AVX-512 F/BW/VL and F16C; offsets checked above, the packs
         // sized for `padded` positions.
         unsafe {
-            simd::pack(self, rows, k, v, scales)
+            simd::pack(self, keep, rows, k, v, scales)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        self.pack_scalar(rows, k, v, scales);
+        self.pack_scalar(keep, rows, k, v, scales);
     }
 
-    /// `pack`'s layout one value at a time (the reference for the vector code).
+    /// `pack_from`'s layout one value at a time (the reference for the vector code).
     #[cfg(any(test, not(target_arch = "x86_64")))]
-    fn pack_scalar<T: KvElem>(&mut self, rows: &[usize], k: &[T], v: &[T], scales: Scales) {
+    fn pack_scalar<T: KvElem>(
+        &mut self,
+        keep: usize,
+        rows: &[usize],
+        k: &[T],
+        v: &[T],
+        scales: Scales,
+    ) {
         let (n, d) = (self.n, self.d);
         let scale = |p: usize| scale_at(scales, rows[p], d);
         let kbs = d / KB;
         let dts = d / TILE;
         let mut vals = vec![0u16; d];
-        for p in 0..n {
+        for p in keep..n {
             let (ks, vs) = scale(p);
             // K: tile (position tile, 32-value block), row = dimension pair, column = position.
             let row = &k[rows[p]..rows[p] + d];
@@ -403,6 +438,7 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn pack<T: KvElem>(
         p: &mut Packed,
+        keep: usize,
         rows: &[usize],
         k: &[T],
         v: &[T],
@@ -423,7 +459,7 @@ mod simd {
                 }
             }
         };
-        for pt in 0..n.div_ceil(TILE) {
+        for pt in keep / TILE..n.div_ceil(TILE) {
             for c in 0..TILE {
                 ahead(k, (pt + 1) * TILE + c);
             }
@@ -450,7 +486,7 @@ mod simd {
             }
         }
         let vp = p.v.as_mut_ptr();
-        for i in (0..n).step_by(2) {
+        for i in (keep..n).step_by(2) {
             ahead(v, i + TILE);
             ahead(v, i + TILE + 1);
             let r0 = v.as_ptr().add(rows[i]);
@@ -690,9 +726,27 @@ mod tests {
             slow.pack(amx, n, &rows, &k, &v, d, scales);
             slow.k.fill(0);
             slow.v.fill(0);
-            slow.pack_scalar(&rows, &k, &v, scales);
+            slow.pack_scalar(0, &rows, &k, &v, scales);
             assert!(fast.k == slow.k, "K, d {d}");
             assert!(fast.v == slow.v, "V, d {d}");
+            // Grown from a kept prefix: 64 positions kept, the rest (one more than before,
+            // from other rows) packed on top, as a whole pack of the new rows lays them out.
+            let mut moved = rows.clone();
+            moved[64..]
+                .iter_mut()
+                .for_each(|r| *r = (*r + 3 * d) % (slots * d));
+            moved.push(((n + 5) % slots) * d);
+            let mut grown = Packed::default();
+            grown.pack(amx, n, &rows, &k, &v, d, scales);
+            grown.pack_from(amx, 64, n + 1, &moved, &k, &v, d, scales);
+            let mut whole = Packed::default();
+            whole.pack(amx, n + 1, &moved, &k, &v, d, scales);
+            assert!(grown.k == whole.k, "grown K, d {d}");
+            assert!(grown.v == whole.v, "grown V, d {d}");
+            // Cut back to a kept prefix and packed again: the positions past it zeroed.
+            grown.pack_from(amx, 32, 40, &moved, &k, &v, d, scales);
+            whole.pack(amx, 40, &moved, &k, &v, d, scales);
+            assert!(grown.k == whole.k && grown.v == whole.v, "cut, d {d}");
         }
         both(amx, 64, |x| x, false);
         both(amx, 128, half::f16::from_f32, false);

@@ -128,7 +128,7 @@ fn drafts_run_after_the_last_token_and_only_the_kept_ones_stay() {
     assert_eq!(entries(&out), vec![(1, true)]);
     assert_eq!(out.batch.seqs[0].tokens, vec![7, 20, 21, 22]);
     assert_eq!(out.batch.seqs[0].start_pos, 5);
-    assert_eq!(out.batch.seqs[0].logits, Logits::All);
+    assert_eq!(out.batch.seqs[0].logits, Logits::Decode);
     assert_eq!(out.drafted, vec![(id(1), vec![20, 21, 22])]);
     assert_eq!(
         s.kv().pool().used_count(),
