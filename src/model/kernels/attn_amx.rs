@@ -76,31 +76,14 @@ pub(crate) struct Packed {
 
 impl Packed {
     /// Packs positions `0..n` of one KV head: position `p`'s `d` values start at `rows[p]` in `k`
-    /// and `v`; a Q8 cache's `scales` (K, V) at `rows[p] / d`. Reuses this pack's memory.
+    /// and `v`; a Q8 cache's `scales` (K, V) at `rows[p] / d`. Positions `0..keep` are kept as
+    /// they are (packed before from the same rows, with the same `d`; 0 packs all): only
+    /// positions `keep..n` are read and written. Reuses this pack's memory.
     ///
     /// # Panics
-    /// When an offset points outside `k`, `v` or the scales, or `d` is not supported.
-    #[cfg(test)]
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn pack<T: KvElem>(
-        &mut self,
-        amx: Amx,
-        n: usize,
-        rows: &[usize],
-        k: &[T],
-        v: &[T],
-        d: usize,
-        scales: Scales,
-    ) {
-        self.pack_from(amx, 0, n, rows, k, v, d, scales);
-    }
-
-    /// `pack` keeping positions `0..keep` as they are (packed before from the same rows, with
-    /// the same `d`): only positions `keep..n` are read and written.
-    ///
-    /// # Panics
-    /// As `pack`, and when `keep` is not a whole number of 32-position blocks or more than
-    /// this pack holds, or `d` differs from the pack's.
+    /// When an offset points outside `k`, `v` or the scales, `d` is not supported, `keep` is not
+    /// a whole number of 32-position blocks or more than this pack holds, or `d` differs from
+    /// the pack's.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn pack_from<T: KvElem>(
         &mut self,
@@ -430,11 +413,11 @@ mod simd {
         _mm512_castpd_ps(_mm512_insertf64x4::<1>(_mm512_castps_pd(lo), hi))
     }
 
-    /// `Packed::pack` sixteen values at a time: K's (even, odd) dimension pairs as 32-bit words
+    /// `Packed::pack_from` sixteen values at a time: K's (even, odd) dimension pairs as 32-bit words
     /// scattered to their position's column, V's position pairs interleaved as whole tile rows.
     ///
     /// # Safety
-    /// AVX-512 F/BW/VL, AVX2, FMA, F16C; `p` sized and the offsets checked by `pack`.
+    /// AVX-512 F/BW/VL, AVX2, FMA, F16C; `p` sized and the offsets checked by `pack_from`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn pack<T: KvElem>(
         p: &mut Packed,
@@ -689,7 +672,7 @@ mod tests {
             .map(|r| (c + r / 3 + 1).saturating_sub(tokens).max(1))
             .collect();
         let mut packed = Packed::default();
-        packed.pack(amx, c, &rows, &k, &v, d, scales);
+        packed.pack_from(amx, 0, c, &rows, &k, &v, d, scales);
         let mut got = vec![0f32; n * d];
         tile(amx, &q, &ctx, &packed, &mut got);
         let want = reference(&q, &ctx, &rows, &k, &v, d, scales);
@@ -721,9 +704,9 @@ mod tests {
             let scales = q8.then_some((&sc[..], &sc[..]));
             let rows: Vec<usize> = (0..n).map(|p| ((p * 7 + 2) % slots) * d).collect();
             let mut fast = Packed::default();
-            fast.pack(amx, n, &rows, &k, &v, d, scales);
+            fast.pack_from(amx, 0, n, &rows, &k, &v, d, scales);
             let mut slow = Packed::default();
-            slow.pack(amx, n, &rows, &k, &v, d, scales);
+            slow.pack_from(amx, 0, n, &rows, &k, &v, d, scales);
             slow.k.fill(0);
             slow.v.fill(0);
             slow.pack_scalar(0, &rows, &k, &v, scales);
@@ -737,15 +720,15 @@ mod tests {
                 .for_each(|r| *r = (*r + 3 * d) % (slots * d));
             moved.push(((n + 5) % slots) * d);
             let mut grown = Packed::default();
-            grown.pack(amx, n, &rows, &k, &v, d, scales);
+            grown.pack_from(amx, 0, n, &rows, &k, &v, d, scales);
             grown.pack_from(amx, 64, n + 1, &moved, &k, &v, d, scales);
             let mut whole = Packed::default();
-            whole.pack(amx, n + 1, &moved, &k, &v, d, scales);
+            whole.pack_from(amx, 0, n + 1, &moved, &k, &v, d, scales);
             assert!(grown.k == whole.k, "grown K, d {d}");
             assert!(grown.v == whole.v, "grown V, d {d}");
             // Cut back to a kept prefix and packed again: the positions past it zeroed.
             grown.pack_from(amx, 32, 40, &moved, &k, &v, d, scales);
-            whole.pack(amx, 40, &moved, &k, &v, d, scales);
+            whole.pack_from(amx, 0, 40, &moved, &k, &v, d, scales);
             assert!(grown.k == whole.k && grown.v == whole.v, "cut, d {d}");
         }
         both(amx, 64, |x| x, false);
