@@ -12,9 +12,9 @@
 //! beside streaming replies far too small), the positions such runs see (on the tile units each
 //! KV head's positions are packed for the step unless the packs are kept from the step before,
 //! `model::tile_packs`: work that grows with the context however short the chunk; where packs
-//! are kept its weight fits to about zero), and its rows of logits (the LM head: one per decode, one per speculative draft,
-//! one for a prompt's last chunk), so that a draft, which needs its logits, is priced above a
-//! prompt token.
+//! are kept its weight fits to about zero), and its rows of logits (the LM head: one per decode,
+//! one per speculative draft, one for a prompt's last chunk), so that a draft, which needs its
+//! logits, is priced above a prompt token.
 //! The weights are fit by exponentially weighted least squares with a ridge toward priors, so the
 //! first predictions are sensible and a few dozen steps adapt them to the machine. Pure code.
 
@@ -38,11 +38,9 @@ pub struct StepShape {
 impl StepShape {
     /// Adds a prompt's run of `n` tokens starting at position `start` (a prefill chunk).
     pub fn add_run(&mut self, start: usize, n: usize) {
-        self.tokens += n;
-        let a = attention_of(start, n);
-        self.attention += a;
+        self.add_decode(start, n);
         if n >= MIN_TOKENS {
-            self.chunk_attention += a;
+            self.chunk_attention += attention_of(start, n);
             self.chunk_context += (start + n) as f64;
         }
     }
@@ -134,8 +132,7 @@ pub struct LinearCost {
 
 impl Default for LinearCost {
     /// Priors for a small model on two CPU cores: 3 ms a step, 1 ms a token, 0.3 us per attended
-    /// position (decode or chunk), nothing for a chunk's context of its own, 0.5 ms a row of
-    /// logits.
+    /// position (decode or chunk), 1 us per position a long run sees, 0.5 ms a row of logits.
     fn default() -> Self {
         LinearCost::new([0.003, 0.1, 0.03, 0.03, 0.01, 0.005])
     }
@@ -180,8 +177,10 @@ impl LinearCost {
                 a[i] = [0.0; N];
                 a[i][i] = 1.0;
                 b[i] = 0.0;
-                for row in a.iter_mut().enumerate().filter(|(r, _)| *r != i) {
-                    row.1[i] = 0.0;
+                for (r, row) in a.iter_mut().enumerate() {
+                    if r != i {
+                        row[i] = 0.0;
+                    }
                 }
             }
             let Some(t) = solve(a, b) else { return };

@@ -58,8 +58,7 @@ pub fn paged_attention(
 ) -> Result<Tensor> {
     match imp {
         AttentionImpl::FastCpu => {
-            let tiles = kv.k.dtype() != DType::F32;
-            fast_cpu(q, kv, seqs, &FastCpuPlan::new(seqs, dims, tiles))
+            fast_cpu(q, kv, seqs, &FastCpuPlan::new(seqs, dims, kv.k.dtype()))
         }
         AttentionImpl::Generic => {
             let plan = GenericPlan::new(seqs, dims, q.device())?;
@@ -103,9 +102,11 @@ pub(crate) struct FastCpuPlan {
 }
 
 impl FastCpuPlan {
-    /// `tiles`: whether chunks may run on the tile units (bf16) where the CPU has them; an F32
-    /// cache is the exact setting, whose attention stays in F32.
-    pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims, tiles: bool) -> Self {
+    /// `cache`: the type the cache stores K and V in. Prompt runs may run on the tile units (bf16)
+    /// where the CPU has them, except over an F32 cache: the exact setting, whose attention stays
+    /// in F32.
+    pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims, cache: DType) -> Self {
+        let tiles = cache != DType::F32;
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
         let amx = (Isa::best().amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
@@ -733,7 +734,8 @@ mod tests {
         let q = Tensor::rand(-1f32, 1.0, (q_start, h), &dev).unwrap();
         let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let run = |imp| flat(paged_attention(imp, &q, &layer, &seqs, dims).unwrap());
-        let untiled = FastCpuPlan::new(&seqs, dims, false);
+        // As over an F32 cache: no run on the tiles.
+        let untiled = FastCpuPlan::new(&seqs, dims, DType::F32);
         (
             run(AttentionImpl::FastCpu),
             run(AttentionImpl::Generic),

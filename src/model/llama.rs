@@ -549,9 +549,7 @@ impl Llama {
             slot_index,
             attn: match self.attention {
                 AttentionImpl::FastCpu => {
-                    // An F32 cache is the exact setting: no bf16 tiles for its attention.
-                    let tiles = cache.dtype() != crate::kv_cache::KvDtype::F32;
-                    let fast = FastCpuPlan::new(&plan.seqs, dims, tiles);
+                    let fast = FastCpuPlan::new(&plan.seqs, dims, cache.dtype().storage());
                     fast.take_packs(&plan.seqs, &mut self.pack_store());
                     AttnPlan::Fast(fast)
                 }
