@@ -22,7 +22,9 @@ use rayon::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{slot_of, LayerKv, Written};
 use crate::model::batch::SeqMeta;
-use crate::model::kernels::attn::{attend, merge_parts, KvElem, Tile};
+use crate::model::kernels::attn::{
+    attend, attend_heads, heads_kernel, merge_parts, Heads, KvElem, Tile,
+};
 use crate::model::kernels::attn_amx::{self, Packed};
 use crate::model::kernels::cpu::{Amx, Isa};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
@@ -67,12 +69,14 @@ pub fn paged_attention(
     }
 }
 
-/// One task of a `fast_cpu` call: a tile of consecutive tokens' GQA rows of one sequence and KV
-/// head, over positions `from..` the rows' own ends, cut at `to`.
+/// One task of a `fast_cpu` call: a tile of consecutive tokens' GQA rows of one sequence and
+/// `heads` KV heads from `kv_head` (several only for a decode row, `FastCpuPlan::heads_together`),
+/// over positions `from..` the rows' own ends, cut at `to`.
 #[derive(Debug, Clone, Copy)]
 struct Task {
     seq: usize,
     kv_head: usize,
+    heads: usize,
     t0: usize,
     tokens: usize,
     from: usize,
@@ -96,6 +100,10 @@ pub(crate) struct FastCpuPlan {
     tiled: Vec<Option<usize>>,
     /// Whose each of `packs` is (a sequence).
     pack_owners: Vec<usize>,
+    /// Whether a one-token row runs as one task over all its KV heads (`attn::attend_heads`),
+    /// which reads each cache row's heads side by side, where the kernel for it pays here
+    /// (`attn::heads_kernel`: an F32 or F16 cache on AVX-512).
+    heads_together: bool,
     /// The packed positions of each tiled sequence's KV heads (`tile_packs`: kept per layer and
     /// across steps for a prompt that goes on, else one layer's, packed again by every layer).
     packs: std::sync::Mutex<Vec<SeqPacks>>,
@@ -121,6 +129,11 @@ impl FastCpuPlan {
             })
             .collect();
         let pack_owners: Vec<usize> = (0..seqs.len()).filter(|&i| per_seq[i]).collect();
+        let heads_together = match cache {
+            DType::F16 => heads_kernel::<half::f16>(Isa::best(), d.head_dim),
+            DType::F32 => heads_kernel::<f32>(Isa::best(), d.head_dim),
+            _ => false,
+        };
         let mut tiled = vec![None; seqs.len()];
         for (at, &si) in pack_owners.iter().enumerate() {
             tiled[si] = Some(at);
@@ -142,8 +155,10 @@ impl FastCpuPlan {
                 group,
                 rayon::current_num_threads(),
                 &per_seq,
+                heads_together,
             ),
             amx,
+            heads_together,
             tiled,
             packs: std::sync::Mutex::new(
                 (0..pack_owners.len())
@@ -241,14 +256,31 @@ impl Job<'_> {
             .par_iter()
             .map(|t| {
                 let s = &self.seqs[t.seq];
-                let mut qt = Vec::with_capacity(t.tokens * group * hd);
-                let mut ctx = Vec::with_capacity(t.tokens * group);
+                let rows = group * t.heads;
+                let mut qt = Vec::with_capacity(t.tokens * rows * hd);
+                let mut ctx = Vec::with_capacity(t.tokens * rows);
                 for i in t.t0..t.t0 + t.tokens {
                     let row = (s.q_start + i) * self.q_stride + t.kv_head * group * hd;
-                    qt.extend(qs[row..row + group * hd].iter().map(|x| x * scale));
-                    ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), group));
+                    qt.extend(qs[row..row + rows * hd].iter().map(|x| x * scale));
+                    ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), rows));
                 }
                 let mut o = vec![0f32; qt.len()];
+                if self.plan.heads_together && t.tokens == 1 && self.plan.tiled[t.seq].is_none() {
+                    let heads = Heads {
+                        q: &qt,
+                        group,
+                        heads: t.heads,
+                        from: t.from,
+                        ctx: ctx[0],
+                        rows: &self.plan.seq_rows[t.seq],
+                        k: &ks[t.kv_head * hd..],
+                        v: &vs[t.kv_head * hd..],
+                        d: hd,
+                        scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
+                    };
+                    let stats = attend_heads(self.isa, &heads, &mut o);
+                    return (o, stats);
+                }
                 let whole = t.from == 0 && t.to == usize::MAX;
                 if let (Some(amx), Some(at), true) = (self.plan.amx, self.plan.tiled[t.seq], whole)
                 {
@@ -282,14 +314,17 @@ const TILE_ROWS: usize = 24;
 const MIN_PART: usize = 64;
 
 /// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
-/// rows run on the tile units, `tiled`); when there are fewer than two per thread, each decode
-/// row's positions are cut into parts (merged after with `merge_parts`).
+/// rows run on the tile units, `tiled`), one KV head each, except with `heads_together` a
+/// one-token sequence's row and each token of a reply's decode with drafts (`SeqMeta::exact`):
+/// one task for all its KV heads. When there are fewer than two tasks per
+/// thread, each decode row's positions are cut into parts (merged after with `merge_parts`).
 fn plan_tasks(
     seqs: &[SeqMeta],
     kvh: usize,
     group: usize,
     threads: usize,
     tiled: &[bool],
+    heads_together: bool,
 ) -> Vec<Task> {
     let base: Vec<Task> = seqs
         .iter()
@@ -300,11 +335,19 @@ fn plan_tasks(
             } else {
                 TILE_ROWS
             };
-            let per_task = (rows / group).max(1);
-            (0..kvh).flat_map(move |g| {
+            // A reply's decode with drafts takes the kernel its plain decode takes, token by
+            // token: speculation must not change a reply.
+            let together = heads_together && !tiled[si] && (s.q_len == 1 || s.exact);
+            let (per_task, step, heads) = if together {
+                (1, kvh, kvh)
+            } else {
+                ((rows / group).max(1), 1, 1)
+            };
+            (0..kvh).step_by(step).flat_map(move |g| {
                 (0..s.q_len).step_by(per_task).map(move |t0| Task {
                     seq: si,
                     kv_head: g,
+                    heads,
                     t0,
                     tokens: per_task.min(s.q_len - t0),
                     from: 0,
@@ -414,9 +457,10 @@ pub(crate) fn fast_cpu_rows(
             j += 1;
         }
         for (k, tok) in (t.t0..t.t0 + t.tokens).enumerate() {
+            let rows = group * t.heads;
             let at = (seqs[t.seq].q_start + tok) * h * hd + t.kv_head * group * hd;
-            for r in 0..group {
-                let row = k * group + r;
+            for r in 0..rows {
+                let row = k * rows + r;
                 let dst = &mut out[at + r * hd..at + (r + 1) * hd];
                 if j == i + 1 {
                     dst.copy_from_slice(&outs[i].0[row * hd..(row + 1) * hd]);
@@ -673,6 +717,27 @@ mod tests {
         order_seed: u64,
         kv: u8,
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (seqs, q, layer, dims) = step(head_dim, shapes, decodes, order_seed, kv);
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let run = |imp| flat(paged_attention(imp, &q, &layer, &seqs, dims).unwrap());
+        // As over an F32 cache: no run on the tiles.
+        let untiled = FastCpuPlan::new(&seqs, dims, DType::F32);
+        (
+            run(AttentionImpl::FastCpu),
+            run(AttentionImpl::Generic),
+            flat(fast_cpu(&q, &layer, &seqs, &untiled).unwrap()),
+        )
+    }
+
+    /// A step of `shapes` as `both_paths_of` makes it: its sequences, query rows, one layer's
+    /// cache and the shapes.
+    fn step(
+        head_dim: usize,
+        shapes: &[(usize, usize)],
+        decodes: &[usize],
+        order_seed: u64,
+        kv: u8,
+    ) -> (Vec<SeqMeta>, Tensor, LayerKv, AttnDims) {
         let dims = AttnDims {
             num_heads: 6,
             num_kv_heads: 2,
@@ -732,15 +797,53 @@ mod tests {
             }
         };
         let q = Tensor::rand(-1f32, 1.0, (q_start, h), &dev).unwrap();
-        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let run = |imp| flat(paged_attention(imp, &q, &layer, &seqs, dims).unwrap());
-        // As over an F32 cache: no run on the tiles.
-        let untiled = FastCpuPlan::new(&seqs, dims, DType::F32);
-        (
-            run(AttentionImpl::FastCpu),
-            run(AttentionImpl::Generic),
-            flat(fast_cpu(&q, &layer, &seqs, &untiled).unwrap()),
-        )
+        (seqs, q, layer, dims)
+    }
+
+    /// Decode rows as one task over all their KV heads (`heads_together`, forced on, whatever
+    /// this CPU measured) or a task per head give the generic path's rows: many decodes, one
+    /// decode cut into parts for idle threads, decodes beside a chunk, both head sizes the
+    /// kernel takes, F32 and F16 caches; over a Q8 cache (whose scores on a CPU with VNNI come
+    /// from quantized queries, so not the generic path's), one task or one a head alike.
+    #[test]
+    fn decode_rows_over_all_kv_heads_attend_as_the_generic_path() {
+        let steps: [&[(usize, usize)]; 3] = [
+            &[(1, 70), (1, 3), (1, 130), (1, 0), (1, 64)],
+            &[(1, 299)],
+            &[(1, 40), (6, 20), (1, 9)],
+        ];
+        for head_dim in [64, 128] {
+            for shapes in steps {
+                for kv in 0..3 {
+                    let decodes: Vec<usize> = (0..shapes.len()).collect();
+                    let (seqs, q, layer, dims) = step(head_dim, shapes, &decodes, 5, kv);
+                    let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    let generic = flat(
+                        paged_attention(AttentionImpl::Generic, &q, &layer, &seqs, dims).unwrap(),
+                    );
+                    let mut runs = Vec::new();
+                    for together in [true, false] {
+                        let mut plan = FastCpuPlan::new(&seqs, dims, layer.k.dtype());
+                        let tiled: Vec<bool> = plan.tiled.iter().map(|t| t.is_some()).collect();
+                        plan.heads_together = together;
+                        plan.tasks = plan_tasks(&seqs, 2, 3, 2, &tiled, together);
+                        runs.push(flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap()));
+                    }
+                    let want = if kv == 2 { &runs[1] } else { &generic };
+                    for (fast, together) in runs.iter().zip([true, false]) {
+                        let d = fast
+                            .iter()
+                            .zip(want)
+                            .map(|(a, b)| (a - b).abs())
+                            .fold(0f32, f32::max);
+                        assert!(
+                            d <= 1e-5,
+                            "head_dim {head_dim}, {shapes:?}, kv {kv}, together {together}: {d}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     proptest! {
@@ -846,9 +949,48 @@ mod tests {
     }
 
     #[test]
+    fn a_decode_row_is_one_task_for_all_its_kv_heads_where_that_pays() {
+        // Four decodes and a chunk: each decode one task over the 3 heads, the chunk one a head.
+        let mut shapes = vec![seq(1, 40); 4];
+        shapes.push(seq(5, 10));
+        let t = plan_tasks(&shapes, 3, 3, 2, &[false; 5], true);
+        assert_eq!(
+            t.iter()
+                .map(|t| (t.seq, t.kv_head, t.heads))
+                .collect::<Vec<_>>(),
+            vec![
+                (0, 0, 3),
+                (1, 0, 3),
+                (2, 0, 3),
+                (3, 0, 3),
+                (4, 0, 1),
+                (4, 1, 1),
+                (4, 2, 1)
+            ]
+        );
+        // A decode with 2 drafts: a task a token, as its plain decode would run.
+        let mut drafts = seq(3, 40);
+        drafts.exact = true;
+        let t = plan_tasks(&[drafts], 3, 3, 2, &[false], true);
+        assert_eq!(
+            t.iter()
+                .map(|t| (t.t0, t.tokens, t.heads))
+                .collect::<Vec<_>>(),
+            vec![(0, 1, 3), (1, 1, 3), (2, 1, 3)]
+        );
+        // One decode on two threads: its 300 positions in four parts.
+        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false], true);
+        assert_eq!(
+            spans(&t),
+            vec![(0, 0, 75), (0, 75, 150), (0, 150, 225), (0, 225, 300)]
+        );
+        assert!(t.iter().all(|t| t.heads == 3));
+    }
+
+    #[test]
     fn one_decoding_sequence_is_cut_into_parts_for_idle_threads() {
         // Three KV heads on two threads: each head's 300 positions in two parts.
-        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false]);
+        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false], false);
         assert_eq!(
             spans(&t),
             vec![
@@ -861,7 +1003,7 @@ mod tests {
             ]
         );
         // Too short to cut: MIN_PART positions a part at least.
-        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2, &[false]);
+        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2, &[false], false);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
         // Enough tasks already (four sequences): nothing is cut.
         let t = plan_tasks(
@@ -870,11 +1012,12 @@ mod tests {
             3,
             2,
             &[false; 4],
+            false,
         );
         assert_eq!(t.len(), 12);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
         // A prefill chunk's tiles are never cut.
-        let t = plan_tasks(&[seq(5, 900)], 1, 3, 2, &[false]);
+        let t = plan_tasks(&[seq(5, 900)], 1, 3, 2, &[false], false);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
     }
 }

@@ -32,6 +32,12 @@ pub(crate) trait KvElem: Copy + Send + Sync + 'static {
     /// The CPU must support AVX2, FMA and F16C; `p` must point to 8 readable values.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen values from `p` as F32 lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F; `p` must point to 16 readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
     /// The cache as Q8 codes, when it is one (the 8-bit score kernel reads them as bytes).
     fn codes(_k: &[Self]) -> Option<&[u8]> {
         None
@@ -48,6 +54,11 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
 }
 
 impl KvElem for half::f16 {
@@ -60,6 +71,12 @@ impl KvElem for half::f16 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
 }
 
@@ -76,6 +93,13 @@ impl KvElem for u8 {
         use std::arch::x86_64::*;
         let codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
         _mm256_cvtepi32_ps(_mm256_sub_epi32(codes, _mm256_set1_epi32(128)))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm512_cvtepi32_ps(_mm512_sub_epi32(codes, _mm512_set1_epi32(128)))
     }
     fn codes(k: &[Self]) -> Option<&[u8]> {
         Some(k)
@@ -220,6 +244,87 @@ pub(crate) fn attend<T: KvElem>(isa: Isa, t: &Tile<T>, out: &mut [f32]) -> Vec<(
         }
     }
     tile_scalar(&t, out)
+}
+
+/// One token's query rows for `heads` consecutive KV heads of one sequence (a reply's decode row):
+/// the GQA groups one after another, `[heads * group, d]`, already multiplied by the softmax
+/// scale, over positions `from..ctx` read through `rows`, which point at the first head's values
+/// (head `h`'s lie `h * d` further on: a cache row holds every KV head of its position).
+pub(crate) struct Heads<'a, T> {
+    pub q: &'a [f32],
+    pub group: usize,
+    pub heads: usize,
+    pub from: usize,
+    pub ctx: usize,
+    pub rows: &'a [usize],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    pub d: usize,
+    /// A Q8 cache's K and V scales from the first head's (`Tile::scales`; head `h`'s `h` further).
+    pub scales: Option<(&'a [half::f16], &'a [half::f16])>,
+}
+
+/// Whether `attend_heads` runs its own kernel for heads of `d` values over an F32 or F16 cache
+/// here, so that a decode row is worth one task for all its KV heads: AVX-512 and the 512-bit
+/// kernel measured faster than the 256-bit one per head (`avx512::pays`). Elsewhere, and for a
+/// Q8 cache (whose scores take the 8-bit kernel per head), `attend_heads` runs `attend` head by
+/// head, and a task per head spreads better over the threads.
+pub(crate) fn heads_kernel<T: KvElem>(isa: Isa, d: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(vnni) = isa.avx512_vnni() {
+        return std::mem::size_of::<T>() > 1 && matches!(d, 64 | 128) && avx512::pays(vnni);
+    }
+    let _ = (isa, d);
+    false
+}
+
+/// `attend` for the rows of a decode step's token over several KV heads (`Heads`); returns each
+/// row's softmax statistics, heads in order.
+///
+/// # Panics
+/// When the shapes disagree or a row offset points outside `k` or `v`, as `attend`.
+pub(crate) fn attend_heads<T: KvElem>(isa: Isa, t: &Heads<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
+    let (g, d) = (t.group, t.d);
+    assert_eq!(t.q.len(), t.heads * g * d, "query rows are d wide");
+    assert_eq!(out.len(), t.q.len(), "output rows are d wide");
+    assert!(t.ctx > t.from, "every row sees at least one position");
+    assert!(t.ctx <= t.rows.len(), "a row offset for every position");
+    let last = t.rows[t.from..t.ctx].iter().copied().max().unwrap_or(0) + t.heads * d;
+    assert!(
+        last <= t.k.len() && last <= t.v.len(),
+        "row offsets inside the cache"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if t.scales.is_none() && heads_kernel::<T>(isa, d) {
+        // SAFETY: `heads_kernel` saw the AVX-512 token; shapes and offsets checked above.
+        match d {
+            64 => return unsafe { avx512::heads::<T, 64>(t, out) },
+            128 => return unsafe { avx512::heads::<T, 128>(t, out) },
+            _ => {}
+        }
+    }
+    per_head(isa, t, out)
+}
+
+/// `attend_heads` through `attend`, one KV head at a time.
+fn per_head<T: KvElem>(isa: Isa, t: &Heads<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
+    let (g, d) = (t.group, t.d);
+    let ctx = vec![t.ctx; g];
+    let mut stats = Vec::with_capacity(t.heads * g);
+    for h in 0..t.heads {
+        let tile = Tile {
+            q: &t.q[h * g * d..(h + 1) * g * d],
+            from: t.from,
+            ctx: &ctx,
+            rows: t.rows,
+            k: &t.k[h * d..],
+            v: &t.v[h * d..],
+            d,
+            scales: t.scales.map(|(k, v)| (&k[h..], &v[h..])),
+        };
+        stats.extend(attend(isa, &tile, &mut out[h * g * d..(h + 1) * g * d]));
+    }
+    stats
 }
 
 #[cfg(test)]
@@ -805,6 +910,287 @@ mod avx2 {
     }
 }
 
+/// The decode kernel on 512-bit vectors: one task reads a position's keys (then values) for all
+/// the KV heads of its row, which lie side by side in the cache row, instead of one KV head's
+/// 128 bytes at the stride of the whole row per task; the first head's pass prefetches the whole
+/// rows, so the other heads find them in cache. Scores take up to 4 query rows against 4 keys
+/// (16 accumulators of 16 lanes; each key converted to F32 once for the 4 rows, where the 256-bit
+/// kernel's 2-row groups convert it twice for a group of 3), reduced 4 positions at a time by
+/// 128-bit lane shuffles; values take up to 4 rows over 64 columns (16 accumulators).
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+    use std::sync::OnceLock;
+    use std::time::Instant;
+
+    use super::{softmax_avx2, Heads, KvElem, PREFETCH_AHEAD};
+    use crate::model::kernels::cpu::{Avx512Vnni, Isa};
+
+    /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
+    const ROWS: usize = 4;
+
+    /// Whether `heads` runs faster than the 256-bit kernel head by head here:
+    /// `LLAMA_RELAY_ATTN_WIDTH` (`256` or `512`) when set, else timed once (a few milliseconds:
+    /// both over the same cache-resident decode row, 3 KV heads of 3 query rows, 512 positions,
+    /// alternating, best of 7 rounds each; 512 bits must win by 5%).
+    pub(super) fn pays(vnni: Avx512Vnni) -> bool {
+        static PAYS: OnceLock<bool> = OnceLock::new();
+        *PAYS.get_or_init(|| {
+            if let Ok(v) = std::env::var("LLAMA_RELAY_ATTN_WIDTH") {
+                match v.as_str() {
+                    "512" => return true,
+                    "256" => return false,
+                    _ => tracing::warn!("LLAMA_RELAY_ATTN_WIDTH={v:?} is not 256 or 512; measuring"),
+                }
+            }
+            let (n_heads, group, d, n) = (3, 3, 64, 512);
+            let width = n_heads * d;
+            let values = |salt: usize| -> Vec<half::f16> {
+                (0..n * width)
+                    .map(|i| half::f16::from_f32(((i * 37 + salt) % 101) as f32 / 50.0 - 1.0))
+                    .collect()
+            };
+            let (k, v) = (values(1), values(7));
+            let q: Vec<f32> = (0..n_heads * group * d)
+                .map(|i| (i % 13) as f32 / 40.0 - 0.15)
+                .collect();
+            // Positions in a shuffled order, as blocks lie in the cache.
+            let rows: Vec<usize> = (0..n).map(|p| (p * 173 % n) * width).collect();
+            let t = Heads {
+                q: &q,
+                group,
+                heads: n_heads,
+                from: 0,
+                ctx: n,
+                rows: &rows,
+                k: &k,
+                v: &v,
+                d,
+                scales: None,
+            };
+            let mut out = vec![0f32; q.len()];
+            let narrow_isa = Isa::Avx2(vnni.avx2());
+            let mut time = |wide: bool| {
+                let start = Instant::now();
+                for _ in 0..10 {
+                    if wide {
+                        // SAFETY: the token proves AVX-512; the row offsets lie in the cache.
+                        unsafe { heads::<half::f16, 64>(&t, &mut out) };
+                    } else {
+                        super::per_head(narrow_isa, &t, &mut out);
+                    }
+                    std::hint::black_box(&out);
+                }
+                start.elapsed()
+            };
+            let (mut narrow, mut wide) = (std::time::Duration::MAX, std::time::Duration::MAX);
+            for _ in 0..7 {
+                narrow = narrow.min(time(false));
+                wide = wide.min(time(true));
+            }
+            let pick = wide.as_secs_f64() < 0.95 * narrow.as_secs_f64();
+            tracing::info!(
+                "decode attention: 512-bit all heads {:.1} us, 256-bit per head {:.1} us a row; using {} bits",
+                wide.as_secs_f64() * 1e6 / 10.0,
+                narrow.as_secs_f64() * 1e6 / 10.0,
+                if pick { 512 } else { 256 }
+            );
+            pick
+        })
+    }
+
+    /// # Safety
+    /// AVX2, FMA, F16C and AVX-512 F/BW/VL; `t` checked by `attend_heads`; `D == t.d`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn heads<T: KvElem, const D: usize>(
+        t: &Heads<T>,
+        out: &mut [f32],
+    ) -> Vec<(f32, f32)> {
+        let (g, n) = (t.group, t.ctx - t.from);
+        let rows = t.rows[t.from..].as_ptr();
+        let row_bytes = t.heads * D * std::mem::size_of::<T>();
+        let mut s = vec![0f32; t.heads * g * n];
+        let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
+        // Row groups of up to `ROWS` within each head's GQA group: (head, first row, rows).
+        let groups: Vec<(usize, usize, usize)> = (0..t.heads)
+            .flat_map(|h| {
+                (0..g)
+                    .step_by(ROWS)
+                    .map(move |r| (h, h * g + r, (g - r).min(ROWS)))
+            })
+            .collect();
+        for &(h, r, nr) in &groups {
+            // The first group of the first head asks for the whole rows ahead.
+            let pf = if r == 0 { row_bytes } else { 0 };
+            let (qr, sr, kh) = (q.add(r * D), sp.add(r * n), k.add(h * D));
+            match nr {
+                4 => qk::<T, D, 4>(qr, rows, kh, k, sr, n, pf),
+                3 => qk::<T, D, 3>(qr, rows, kh, k, sr, n, pf),
+                2 => qk::<T, D, 2>(qr, rows, kh, k, sr, n, pf),
+                _ => qk::<T, D, 1>(qr, rows, kh, k, sr, n, pf),
+            }
+        }
+        let stats: Vec<(f32, f32)> = s.chunks_exact_mut(n).map(|row| softmax_avx2(row)).collect();
+        let op = out.as_mut_ptr();
+        for &(h, r, nr) in &groups {
+            for col in (0..D).step_by(64) {
+                let pf = if r == 0 && col == 0 { row_bytes } else { 0 };
+                let (wr, or, vh) = (sp.add(r * n), op.add(r * D + col), v.add(h * D + col));
+                match nr {
+                    4 => pv::<T, D, 4>(wr, n, rows, vh, v, or, pf),
+                    3 => pv::<T, D, 3>(wr, n, rows, vh, v, or, pf),
+                    2 => pv::<T, D, 2>(wr, n, rows, vh, v, or, pf),
+                    _ => pv::<T, D, 1>(wr, n, rows, vh, v, or, pf),
+                }
+            }
+        }
+        stats
+    }
+
+    /// Asks for `bytes` from `p` (a hint: never faults, no effect on results).
+    #[inline(always)]
+    unsafe fn prefetch<T>(p: *const T, bytes: usize) {
+        let mut off = 0;
+        while off < bytes {
+            _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
+            off += 64;
+        }
+    }
+
+    /// The four sums of `a[0..4]` in one vector: 128-bit lanes of pairs added (`shuffle_f32x4`),
+    /// then of the pairs' sums, leaving vector `j`'s four partial sums in lane `j`, which two
+    /// in-lane swaps add up.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn hsum4(a: [__m512; 4]) -> __m128 {
+        // [a0.0 a0.1 a1.0 a1.1] + [a0.2 a0.3 a1.2 a1.3] (128-bit lanes).
+        let p01 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[0], a[1]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[0], a[1]),
+        );
+        let p23 = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a[2], a[3]),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a[2], a[3]),
+        );
+        // Lane j: four partial sums of a[j].
+        let w = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(p01, p23),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(p01, p23),
+        );
+        let w = _mm512_add_ps(w, _mm512_permute_ps::<0b10_11_00_01>(w));
+        let w = _mm512_add_ps(w, _mm512_permute_ps::<0b01_00_11_10>(w));
+        let lane0 = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+        _mm512_castps512_ps128(_mm512_permutexvar_ps(lane0, w))
+    }
+
+    /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
+    /// at `kh + rows[p]`; with `pf` > 0, asks for `pf` bytes of each row `PREFETCH_AHEAD`
+    /// positions ahead from `k0 + rows[p]` (the row's first head).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(
+        q: *const f32,
+        rows: *const usize,
+        kh: *const T,
+        k0: *const T,
+        s: *mut f32,
+        n: usize,
+        pf: usize,
+    ) {
+        let mut p = 0;
+        while p + 4 <= n {
+            if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
+                for j in 0..4 {
+                    prefetch(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
+                }
+            }
+            let kr = [
+                kh.add(*rows.add(p)),
+                kh.add(*rows.add(p + 1)),
+                kh.add(*rows.add(p + 2)),
+                kh.add(*rows.add(p + 3)),
+            ];
+            let mut acc = [[_mm512_setzero_ps(); 4]; NR];
+            let mut c = 0;
+            while c < D {
+                let kv = [
+                    T::load16(kr[0].add(c)),
+                    T::load16(kr[1].add(c)),
+                    T::load16(kr[2].add(c)),
+                    T::load16(kr[3].add(c)),
+                ];
+                for (r, a) in acc.iter_mut().enumerate() {
+                    let qv = _mm512_loadu_ps(q.add(r * D + c));
+                    for j in 0..4 {
+                        a[j] = _mm512_fmadd_ps(qv, kv[j], a[j]);
+                    }
+                }
+                c += 16;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm_storeu_ps(s.add(r * n + p), hsum4(*a));
+            }
+            p += 4;
+        }
+        while p < n {
+            let kr = kh.add(*rows.add(p));
+            let mut acc = [_mm512_setzero_ps(); NR];
+            let mut c = 0;
+            while c < D {
+                let kv = T::load16(kr.add(c));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_fmadd_ps(_mm512_loadu_ps(q.add(r * D + c)), kv, *a);
+                }
+                c += 16;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                *s.add(r * n + p) = _mm512_reduce_add_ps(*a);
+            }
+            p += 1;
+        }
+    }
+
+    /// `out[r][0..64] = sum_p w[r * n + p] * v(p)[0..64]` for `NR` rows (`out` rows `D` apart),
+    /// values at `vh + rows[p]`; with `pf` > 0, asks for `pf` bytes of each row ahead from
+    /// `v0 + rows[p]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    unsafe fn pv<T: KvElem, const D: usize, const NR: usize>(
+        w: *const f32,
+        n: usize,
+        rows: *const usize,
+        vh: *const T,
+        v0: *const T,
+        out: *mut f32,
+        pf: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; NR];
+        for p in 0..n {
+            if pf > 0 && p + PREFETCH_AHEAD < n {
+                prefetch(v0.add(*rows.add(p + PREFETCH_AHEAD)), pf);
+            }
+            let vr = vh.add(*rows.add(p));
+            let vv = [
+                T::load16(vr),
+                T::load16(vr.add(16)),
+                T::load16(vr.add(32)),
+                T::load16(vr.add(48)),
+            ];
+            for (r, a) in acc.iter_mut().enumerate() {
+                let wv = _mm512_set1_ps(*w.add(r * n + p));
+                for i in 0..4 {
+                    a[i] = _mm512_fmadd_ps(wv, vv[i], a[i]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, x) in a.iter().enumerate() {
+                _mm512_storeu_ps(out.add(r * D + 16 * i), *x);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -943,6 +1329,174 @@ mod tests {
             let q = q8(&c);
             check(&c, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
         }
+    }
+
+    /// A decode row over `heads` KV heads of `group` rows each, over positions `from..from + len`
+    /// of a shuffled cache whose rows hold 4 KV heads, the row's first at head `h0`.
+    struct HeadsCase {
+        q: Vec<f32>,
+        rows: Vec<usize>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        group: usize,
+        heads: usize,
+        from: usize,
+        ctx: usize,
+        d: usize,
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn heads_case(
+        seed: u64,
+        d: usize,
+        group: usize,
+        heads: usize,
+        h0: usize,
+        from: usize,
+        len: usize,
+    ) -> HeadsCase {
+        let width = 4 * d;
+        let ctx = from + len;
+        let slots = ctx + 5;
+        let order = lcg_states(seed ^ 0x55, slots);
+        let mut perm: Vec<usize> = (0..slots).collect();
+        perm.sort_by_key(|&i| order[i]);
+        HeadsCase {
+            q: lcg(seed, heads * group * d)
+                .iter()
+                .map(|x| x * 0.6)
+                .collect(),
+            rows: perm[..ctx].iter().map(|&s| s * width + h0 * d).collect(),
+            k: lcg(seed ^ 1, slots * width),
+            v: lcg(seed ^ 2, slots * width),
+            group,
+            heads,
+            from,
+            ctx,
+            d,
+        }
+    }
+
+    /// Every level's `attend_heads`, and the 512-bit kernel itself where the CPU has AVX-512
+    /// (whether or not it was measured faster here), against `tile_scalar` head by head.
+    fn check_heads<T: KvElem>(
+        c: &HeadsCase,
+        k: &[T],
+        v: &[T],
+    ) -> std::result::Result<(), TestCaseError> {
+        let (g, d) = (c.group, c.d);
+        let ctx = vec![c.ctx; g];
+        let mut want = vec![0f32; c.q.len()];
+        let mut want_st = Vec::new();
+        for h in 0..c.heads {
+            let t = Tile {
+                q: &c.q[h * g * d..(h + 1) * g * d],
+                from: c.from,
+                ctx: &ctx,
+                rows: &c.rows,
+                k: &k[h * d..],
+                v: &v[h * d..],
+                d,
+                scales: None,
+            };
+            want_st.extend(tile_scalar(&t, &mut want[h * g * d..(h + 1) * g * d]));
+        }
+        let t = Heads {
+            q: &c.q,
+            group: g,
+            heads: c.heads,
+            from: c.from,
+            ctx: c.ctx,
+            rows: &c.rows,
+            k,
+            v,
+            d,
+            scales: None,
+        };
+        let mut runs = Vec::new();
+        for isa in Isa::simd_levels_for_test("heads_equal_the_reference") {
+            let mut got = vec![0f32; c.q.len()];
+            let st = attend_heads(isa, &t, &mut got);
+            runs.push((format!("{isa:?}"), got, st));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best().avx512_vnni().is_some() {
+            let mut got = vec![0f32; c.q.len()];
+            // SAFETY: the CPU has AVX-512; the case's offsets lie in its cache.
+            let st = unsafe {
+                match d {
+                    64 => avx512::heads::<T, 64>(&t, &mut got),
+                    _ => avx512::heads::<T, 128>(&t, &mut got),
+                }
+            };
+            runs.push(("the 512-bit kernel".into(), got, st));
+        }
+        for (name, got, st) in runs {
+            for (a, b) in got.iter().zip(&want) {
+                prop_assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{}: {} vs {}",
+                    name,
+                    a,
+                    b
+                );
+            }
+            prop_assert_eq!(st.len(), want_st.len());
+            for (a, b) in st.iter().zip(&want_st) {
+                prop_assert!(
+                    (a.0 - b.0).abs() <= 1e-4 && (a.1 - b.1).abs() <= 1e-4 * b.1,
+                    "{}: stats {:?} vs {:?}",
+                    name,
+                    a,
+                    b
+                );
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// The decode kernel over all of a row's KV heads equals the reference: GQA groups of 1 to
+        /// 9 rows (whole and partial groups of 4), 1 to 3 heads from any head of the cache row,
+        /// contexts that leave partial position quads, parts that start past position 0, F32 and
+        /// F16 caches, both head sizes it takes.
+        #[test]
+        fn heads_equal_the_reference(
+            seed in any::<u64>(),
+            d in prop::sample::select(vec![64usize, 128]),
+            group in 1usize..10,
+            heads in 1usize..4,
+            h0 in 0usize..2,
+            from in 0usize..40,
+            len in 1usize..90,
+        ) {
+            let c = heads_case(seed, d, group, heads, h0, from, len);
+            check_heads::<f32>(&c, &c.k, &c.v)?;
+            let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            check_heads(&c, &k16, &v16)?;
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "row offsets inside the cache")]
+    fn heads_past_the_cache_row_are_refused() {
+        // Two heads from the cache row's fourth: the second lies past the last row's end.
+        let c = heads_case(9, 64, 3, 2, 3, 0, 20);
+        let t = Heads {
+            q: &c.q,
+            group: 3,
+            heads: 2,
+            from: 0,
+            ctx: c.ctx,
+            rows: &c.rows,
+            k: &c.k[..c.rows.iter().max().unwrap() + 64],
+            v: &c.v,
+            d: 64,
+            scales: None,
+        };
+        attend_heads(Isa::best(), &t, &mut vec![0f32; c.q.len()]);
     }
 
     /// Attention over a Q8 cache is attention over the values its codes stand for: the scales
