@@ -70,13 +70,15 @@ pub fn paged_attention(
 }
 
 /// One task of a `fast_cpu` call: a tile of consecutive tokens' GQA rows of one sequence and
-/// `heads` KV heads from `kv_head` (several only for a decode row, `FastCpuPlan::heads_together`),
+/// `heads` KV heads from `kv_head` (several only for a decode row, `plan_tasks`' `heads_together`),
 /// over positions `from..` the rows' own ends, cut at `to`.
 #[derive(Debug, Clone, Copy)]
 struct Task {
     seq: usize,
     kv_head: usize,
     heads: usize,
+    /// One token's rows over all KV heads, on `attn::attend_heads`.
+    together: bool,
     t0: usize,
     tokens: usize,
     from: usize,
@@ -100,10 +102,6 @@ pub(crate) struct FastCpuPlan {
     tiled: Vec<Option<usize>>,
     /// Whose each of `packs` is (a sequence).
     pack_owners: Vec<usize>,
-    /// Whether a one-token row runs as one task over all its KV heads (`attn::attend_heads`),
-    /// which reads each cache row's heads side by side, where the kernel for it pays here
-    /// (`attn::heads_kernel`: an F32 or F16 cache on AVX-512).
-    heads_together: bool,
     /// The packed positions of each tiled sequence's KV heads (`tile_packs`: kept per layer and
     /// across steps for a prompt that goes on, else one layer's, packed again by every layer).
     packs: std::sync::Mutex<Vec<SeqPacks>>,
@@ -129,6 +127,9 @@ impl FastCpuPlan {
             })
             .collect();
         let pack_owners: Vec<usize> = (0..seqs.len()).filter(|&i| per_seq[i]).collect();
+        // A one-token row runs as one task over all its KV heads (`attn::attend_heads`, which
+        // reads each cache row's heads side by side) where the kernel for it pays here
+        // (`attn::heads_kernel`: an F32 or F16 cache on AVX-512).
         let heads_together = match cache {
             DType::F16 => heads_kernel::<half::f16>(Isa::best(), d.head_dim),
             DType::F32 => heads_kernel::<f32>(Isa::best(), d.head_dim),
@@ -158,7 +159,6 @@ impl FastCpuPlan {
                 heads_together,
             ),
             amx,
-            heads_together,
             tiled,
             packs: std::sync::Mutex::new(
                 (0..pack_owners.len())
@@ -265,7 +265,7 @@ impl Job<'_> {
                     ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), rows));
                 }
                 let mut o = vec![0f32; qt.len()];
-                if self.plan.heads_together && t.tokens == 1 && self.plan.tiled[t.seq].is_none() {
+                if t.together {
                     let heads = Heads {
                         q: &qt,
                         group,
@@ -308,16 +308,18 @@ impl Job<'_> {
 /// each block of keys and values is loaded once for 24 rows; a decode step's task is one token.
 const TILE_ROWS: usize = 24;
 
-/// The fewest positions a part of a decode row's history gets when a step has too few tasks to
-/// keep every thread busy (one sequence: three KV heads on two threads left one idle a third of
-/// the time, while each task waited on DRAM).
+/// The fewest positions a part of a decode row's history gets. A decode row is cut into up to
+/// two parts a thread, so that one sequence keeps every thread busy (one task a decode row left
+/// one of two threads idle: 5.9 against 3.8 ms a step at context 1,500), whatever else the step
+/// holds: the cut must not depend on the other rows (`plan_tasks`).
 const MIN_PART: usize = 64;
 
 /// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
 /// rows run on the tile units, `tiled`), one KV head each, except with `heads_together` a
 /// one-token sequence's row and each token of a reply's decode with drafts (`SeqMeta::exact`):
-/// one task for all its KV heads. When there are fewer than two tasks per
-/// thread, each decode row's positions are cut into parts (merged after with `merge_parts`).
+/// one task for all its KV heads; a decode with drafts, a token a task either way. Each decode
+/// row's positions are cut into parts (merged after with `merge_parts`) by its history's length
+/// alone.
 fn plan_tasks(
     seqs: &[SeqMeta],
     kvh: usize,
@@ -335,19 +337,20 @@ fn plan_tasks(
             } else {
                 TILE_ROWS
             };
-            // A reply's decode with drafts takes the kernel its plain decode takes, token by
-            // token: speculation must not change a reply.
+            // A reply's decode with drafts runs token by token, each as its plain decode runs:
+            // speculation must not change a reply.
             let together = heads_together && !tiled[si] && (s.q_len == 1 || s.exact);
-            let (per_task, step, heads) = if together {
-                (1, kvh, kvh)
-            } else {
-                ((rows / group).max(1), 1, 1)
+            let (per_task, step, heads) = match (together, s.exact) {
+                (true, _) => (1, kvh, kvh),
+                (false, true) => (1, 1, 1),
+                (false, false) => ((rows / group).max(1), 1, 1),
             };
             (0..kvh).step_by(step).flat_map(move |g| {
                 (0..s.q_len).step_by(per_task).map(move |t0| Task {
                     seq: si,
                     kv_head: g,
                     heads,
+                    together,
                     t0,
                     tokens: per_task.min(s.q_len - t0),
                     from: 0,
@@ -356,16 +359,17 @@ fn plan_tasks(
             })
         })
         .collect();
-    if base.len() >= 2 * threads {
+    if threads < 2 {
         return base;
     }
-    let want = (2 * threads).div_ceil(base.len());
     base.into_iter()
         .flat_map(|t| {
-            // Only one-token tiles (decode rows) are cut: a chunk's rows end at different positions.
+            // Only one-token tiles (decode rows) are cut: a chunk's rows end at different
+            // positions. The cut depends on the row's history alone, never on the rest of the
+            // step: a row rounds the same beside any other rows, and with drafts or without.
             let ctx = seqs[t.seq].start_pos + t.t0 + 1;
             let parts = if t.tokens == 1 {
-                want.min(ctx / MIN_PART).max(1)
+                (ctx / MIN_PART).clamp(1, 2 * threads)
             } else {
                 1
             };
@@ -825,7 +829,6 @@ mod tests {
                     for together in [true, false] {
                         let mut plan = FastCpuPlan::new(&seqs, dims, layer.k.dtype());
                         let tiled: Vec<bool> = plan.tiled.iter().map(|t| t.is_some()).collect();
-                        plan.heads_together = together;
                         plan.tasks = plan_tasks(&seqs, 2, 3, 2, &tiled, together);
                         runs.push(flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap()));
                     }
@@ -932,6 +935,73 @@ mod tests {
         }
     }
 
+    /// A reply's decode rounds the same however the step around it is made: a row of a decode
+    /// with drafts (`SeqMeta::exact`) equals, bit for bit, the same token's plain decode alone
+    /// in its step and beside other decodes, over a long history that is cut into parts for
+    /// idle threads; one task for all KV heads or one a head; F32, F16 and Q8 caches. Speculation
+    /// must not change a reply, and another visitor's presence must not either.
+    #[test]
+    fn a_decode_row_rounds_the_same_whatever_the_step_around_it() {
+        for kv in 0..3 {
+            for together in [true, false] {
+                let start = 300;
+                let (seqs, q, layer, dims) = step(64, &[(3, start)], &[0], 9, kv);
+                let table = seqs[0].block_table.clone();
+                let width = dims.num_heads * dims.head_dim;
+                let run = |seqs: &[SeqMeta], q: &Tensor| {
+                    let mut plan = FastCpuPlan::new(seqs, dims, layer.k.dtype());
+                    let tiled: Vec<bool> = plan.tiled.iter().map(|t| t.is_some()).collect();
+                    plan.tasks = plan_tasks(seqs, 2, 3, 2, &tiled, together);
+                    let out = fast_cpu(q, &layer, seqs, &plan).unwrap();
+                    out.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+                };
+                let drafts = run(&seqs, &q);
+                for i in 0..3 {
+                    let row = q.narrow(0, i, 1).unwrap();
+                    let decode = |q_start: usize| SeqMeta {
+                        q_start,
+                        q_len: 1,
+                        start_pos: start + i,
+                        block_table: table.clone(),
+                        exact: true,
+                        more: false,
+                    };
+                    let alone = run(&[decode(0)], &row);
+                    // Four other decodes over the same cache, this one third.
+                    let mut crowd: Vec<SeqMeta> = (0..5)
+                        .map(|j| SeqMeta {
+                            start_pos: 40 * j,
+                            ..decode(j)
+                        })
+                        .collect();
+                    crowd[2] = decode(2);
+                    let others = Tensor::rand(-1f32, 1.0, (5, width), &Device::Cpu).unwrap();
+                    let rows = Tensor::cat(
+                        &[
+                            others.narrow(0, 0, 2).unwrap(),
+                            row,
+                            others.narrow(0, 3, 2).unwrap(),
+                        ],
+                        0,
+                    )
+                    .unwrap();
+                    let beside = run(&crowd, &rows);
+                    let want = &drafts[i * width..(i + 1) * width];
+                    assert_eq!(
+                        &alone[..],
+                        want,
+                        "kv {kv}, together {together}, token {i} alone"
+                    );
+                    assert_eq!(
+                        &beside[2 * width..3 * width],
+                        want,
+                        "kv {kv}, together {together}, token {i} beside others"
+                    );
+                }
+            }
+        }
+    }
+
     fn seq(q_len: usize, start_pos: usize) -> SeqMeta {
         SeqMeta {
             q_start: 0,
@@ -989,33 +1059,46 @@ mod tests {
 
     #[test]
     fn one_decoding_sequence_is_cut_into_parts_for_idle_threads() {
-        // Three KV heads on two threads: each head's 300 positions in two parts.
+        // A task a KV head, on two threads: each head's 300 positions in four parts.
         let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false], false);
-        assert_eq!(
-            spans(&t),
-            vec![
-                (0, 0, 150),
-                (0, 150, 300),
-                (1, 0, 150),
-                (1, 150, 300),
-                (2, 0, 150),
-                (2, 150, 300)
-            ]
-        );
+        let quarters = [(0, 75), (75, 150), (150, 225), (225, 300)];
+        let want: Vec<_> = (0..3)
+            .flat_map(|h| quarters.map(|(a, b)| (h, a, b)))
+            .collect();
+        assert_eq!(spans(&t), want);
         // Too short to cut: MIN_PART positions a part at least.
         let t = plan_tasks(&[seq(1, 100)], 3, 3, 2, &[false], false);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
-        // Enough tasks already (four sequences): nothing is cut.
+        // Four sequences: each row cut as it would be alone (the cut depends on the row's
+        // history, not on the step), into four parts on two threads.
         let t = plan_tasks(
-            &[seq(1, 999), seq(1, 999), seq(1, 999), seq(1, 999)],
+            &[seq(1, 999), seq(1, 999), seq(1, 99), seq(1, 999)],
             3,
             3,
             2,
             &[false; 4],
             false,
         );
-        assert_eq!(t.len(), 12);
-        assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
+        assert_eq!(t.len(), 3 * (4 + 4 + 1 + 4));
+        let first: Vec<_> = t.iter().filter(|t| t.seq == 0 && t.kv_head == 0).collect();
+        assert_eq!(
+            first.iter().map(|t| (t.from, t.to)).collect::<Vec<_>>(),
+            vec![(0, 250), (250, 500), (500, 750), (750, 1000)]
+        );
+        // A decode with 2 drafts on the per-head kernel: a task a token and head, each token's
+        // positions cut as its plain decode's would be.
+        let mut drafts = seq(3, 299);
+        drafts.exact = true;
+        let t = plan_tasks(&[drafts], 3, 3, 2, &[false], false);
+        assert_eq!(t.len(), 3 * 3 * 4);
+        assert!(t.iter().all(|t| t.tokens == 1));
+        assert_eq!(
+            t[..4]
+                .iter()
+                .map(|t| (t.t0, t.from, t.to))
+                .collect::<Vec<_>>(),
+            vec![(0, 0, 75), (0, 75, 150), (0, 150, 225), (0, 225, 300)]
+        );
         // A prefill chunk's tiles are never cut.
         let t = plan_tasks(&[seq(5, 900)], 1, 3, 2, &[false], false);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
