@@ -921,28 +921,19 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
-    use std::time::Instant;
 
     use super::{softmax_avx2, Heads, KvElem, PREFETCH_AHEAD};
-    use crate::model::kernels::cpu::{Avx512Vnni, Isa};
+    use crate::model::kernels::cpu::{wide_pays, Avx512Vnni, Isa};
 
     /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
     const ROWS: usize = 4;
 
     /// Whether `heads` runs faster than the 256-bit kernel head by head here:
-    /// `LLAMA_RELAY_ATTN_WIDTH` (`256` or `512`) when set, else timed once (a few milliseconds:
-    /// both over the same cache-resident decode row, 3 KV heads of 3 query rows, 512 positions,
-    /// alternating, best of 7 rounds each; 512 bits must win by 5%).
+    /// `cpu::wide_pays` with `LLAMA_RELAY_ATTN_WIDTH`, timed once (a few milliseconds) over the
+    /// same cache-resident decode row, 3 KV heads of 3 query rows, 512 positions.
     pub(super) fn pays(vnni: Avx512Vnni) -> bool {
         static PAYS: OnceLock<bool> = OnceLock::new();
         *PAYS.get_or_init(|| {
-            if let Ok(v) = std::env::var("LLAMA_RELAY_ATTN_WIDTH") {
-                match v.as_str() {
-                    "512" => return true,
-                    "256" => return false,
-                    _ => tracing::warn!("LLAMA_RELAY_ATTN_WIDTH={v:?} is not 256 or 512; measuring"),
-                }
-            }
             let (n_heads, group, d, n) = (3, 3, 64, 512);
             let width = n_heads * d;
             let values = |salt: usize| -> Vec<half::f16> {
@@ -968,34 +959,22 @@ mod avx512 {
                 d,
                 scales: None,
             };
-            let mut out = vec![0f32; q.len()];
             let narrow_isa = Isa::Avx2(vnni.avx2());
-            let mut time = |wide: bool| {
-                let start = Instant::now();
-                for _ in 0..10 {
-                    if wide {
-                        // SAFETY: the token proves AVX-512; the row offsets lie in the cache.
-                        unsafe { heads::<half::f16, 64>(&t, &mut out) };
-                    } else {
-                        super::per_head(narrow_isa, &t, &mut out);
-                    }
-                    std::hint::black_box(&out);
-                }
-                start.elapsed()
-            };
-            let (mut narrow, mut wide) = (std::time::Duration::MAX, std::time::Duration::MAX);
-            for _ in 0..7 {
-                narrow = narrow.min(time(false));
-                wide = wide.min(time(true));
-            }
-            let pick = wide.as_secs_f64() < 0.95 * narrow.as_secs_f64();
-            tracing::info!(
-                "decode attention: 512-bit all heads {:.1} us, 256-bit per head {:.1} us a row; using {} bits",
-                wide.as_secs_f64() * 1e6 / 10.0,
-                narrow.as_secs_f64() * 1e6 / 10.0,
-                if pick { 512 } else { 256 }
-            );
-            pick
+            let (mut o1, mut o2) = (vec![0f32; q.len()], vec![0f32; q.len()]);
+            wide_pays(
+                "decode attention (a row over all heads against head by head)",
+                "LLAMA_RELAY_ATTN_WIDTH",
+                10,
+                || {
+                    super::per_head(narrow_isa, &t, &mut o1);
+                    std::hint::black_box(&o1);
+                },
+                || {
+                    // SAFETY: the token proves AVX-512; the row offsets lie in the cache.
+                    unsafe { heads::<half::f16, 64>(&t, &mut o2) };
+                    std::hint::black_box(&o2);
+                },
+            )
         })
     }
 

@@ -234,6 +234,49 @@ impl Isa {
     }
 }
 
+/// Whether a 512-bit kernel runs faster here than the 256-bit one it would replace: the
+/// environment variable `env` (`256` or `512`) when set, else timed: `narrow` and `wide` (each
+/// `reps` passes over the same cache-resident data) alternating, best of 7 rounds each; 512 bits
+/// must win by 5%. Measured, never assumed: a 512-bit op takes one issue slot for two 256-bit
+/// ones but has the same peak on Zen 4, and on other cores 512-bit code may lower the clock.
+/// Logs both times (`what`, per pass) at info. Callers keep the answer (a `OnceLock`).
+pub(crate) fn wide_pays(
+    what: &str,
+    env: &str,
+    reps: usize,
+    mut narrow: impl FnMut(),
+    mut wide: impl FnMut(),
+) -> bool {
+    if let Ok(v) = std::env::var(env) {
+        match v.as_str() {
+            "512" => return true,
+            "256" => return false,
+            _ => tracing::warn!("{env}={v:?} is not 256 or 512; measuring"),
+        }
+    }
+    let time = |f: &mut dyn FnMut()| {
+        let start = std::time::Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        start.elapsed()
+    };
+    let (mut n, mut w) = (std::time::Duration::MAX, std::time::Duration::MAX);
+    for _ in 0..7 {
+        n = n.min(time(&mut narrow));
+        w = w.min(time(&mut wide));
+    }
+    let pick = w.as_secs_f64() < 0.95 * n.as_secs_f64();
+    let per_pass = |d: std::time::Duration| d.as_secs_f64() * 1e6 / reps as f64;
+    tracing::info!(
+        "{what}: 512-bit {:.1} us, 256-bit {:.1} us a pass; using {} bits",
+        per_pass(w),
+        per_pass(n),
+        if pick { 512 } else { 256 }
+    );
+    pick
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -26,7 +26,7 @@ use super::q8_0x8::{pair_by_halves, RowGroups, GROUP, TILE_ROWS};
 /// only, and read from memory the pair kernel ran 1.5-2.5x slower than the one-group one (the
 /// output projection at 1-4 rows); from 8 rows, where the tiles reuse a pair from L1, it was as
 /// fast or faster (`docs/performance.md`, "Two groups a tile").
-const PAIR_MIN_ROWS: usize = 8;
+pub(crate) const PAIR_MIN_ROWS: usize = 8;
 /// Bytes per GGUF Q4_1 block: f16 scale, f16 minimum, 16 bytes of nibbles.
 pub const BLOCK_BYTES: usize = 20;
 /// Bytes per GGUF Q4_0 block: f16 scale, 16 bytes of nibbles.
@@ -361,29 +361,23 @@ mod vnni {
 /// `vpdpbusd` has the 256-bit one's peak on Zen 4 but takes one issue slot for two, and on other
 /// cores 512-bit code may lower the clock.
 #[cfg(target_arch = "x86_64")]
+pub(crate) use vnni_pair::wide as wide_vnni_pays;
+
+#[cfg(target_arch = "x86_64")]
 mod vnni_pair {
     use super::*;
-    use crate::model::kernels::cpu::Avx512Vnni;
+    use crate::model::kernels::cpu::{wide_pays, Avx512Vnni};
     use crate::model::kernels::q8_0::quantize_rows;
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
-    use std::time::Instant;
 
-    /// Whether `tile512` runs faster than `tile256` here: `LLAMA_RELAY_VNNI_WIDTH` (`256` or
-    /// `512`) when set, else timed once (a few milliseconds: both kernels over 16 cache-resident
-    /// group pairs and 4 rows, alternating, best of 7 rounds each; 512 bits must win by 5%).
+    /// Whether `tile512` runs faster than `tile256` here: `cpu::wide_pays` with
+    /// `LLAMA_RELAY_VNNI_WIDTH`, timed once (a few milliseconds) over 16 cache-resident group
+    /// pairs and 4 rows. The Q8_0 pair kernel (`q8_0x8`) follows the same answer: the question is
+    /// this core's 512-bit `vpdpbusd` rate and clock, which both kernels are bound by.
     pub fn wide(_vnni: Avx512Vnni) -> bool {
         static WIDE: OnceLock<bool> = OnceLock::new();
         *WIDE.get_or_init(|| {
-            if let Ok(v) = std::env::var("LLAMA_RELAY_VNNI_WIDTH") {
-                match v.as_str() {
-                    "512" => return true,
-                    "256" => return false,
-                    _ => {
-                        tracing::warn!("LLAMA_RELAY_VNNI_WIDTH={v:?} is not 256 or 512; measuring")
-                    }
-                }
-            }
             let (n, k) = (256, 512);
             let bytes: Vec<u8> = (0..n * k / QK * BLOCK_BYTES)
                 .map(|i| (i * 131 % 251) as u8 & 0x3b)
@@ -391,32 +385,22 @@ mod vnni_pair {
             let rp = Repacked::from_q4_1(&bytes, n, k);
             let x: Vec<f32> = (0..4 * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
             let a = quantize_rows(&x, 4, k);
-            let mut out = [0f32; TILE_ROWS * 2 * GROUP];
-            let mut time = |kernel: unsafe fn(&[u8], &QuantizedRows, usize, &mut [f32])| {
-                let t = Instant::now();
-                for _ in 0..20 {
-                    for p in 0..n / (2 * GROUP) {
-                        // SAFETY: the token proves the features; each pair of groups and the 4
-                        // rows exist.
-                        unsafe { kernel(rp.groups(2 * p, 2), &a, 0, &mut out) };
-                        std::hint::black_box(&out);
-                    }
+            let pass = |kernel: unsafe fn(&[u8], &QuantizedRows, usize, &mut [f32])| {
+                let mut out = [0f32; TILE_ROWS * 2 * GROUP];
+                for p in 0..n / (2 * GROUP) {
+                    // SAFETY: the token proves the features; each pair of groups and the 4
+                    // rows exist.
+                    unsafe { kernel(rp.groups(2 * p, 2), &a, 0, &mut out) };
+                    std::hint::black_box(&out);
                 }
-                t.elapsed()
             };
-            let (mut narrow, mut wide) = (std::time::Duration::MAX, std::time::Duration::MAX);
-            for _ in 0..7 {
-                narrow = narrow.min(time(tile256::<4>));
-                wide = wide.min(time(tile512::<4>));
-            }
-            let pick = wide.as_secs_f64() < 0.95 * narrow.as_secs_f64();
-            tracing::info!(
-                "Q4_1 pair kernel: 512-bit {:.1} us, 256-bit {:.1} us a pass; using {} bits",
-                wide.as_secs_f64() * 1e6 / 20.0,
-                narrow.as_secs_f64() * 1e6 / 20.0,
-                if pick { 512 } else { 256 }
-            );
-            pick
+            wide_pays(
+                "Q4_1 pair kernel",
+                "LLAMA_RELAY_VNNI_WIDTH",
+                20,
+                || pass(tile256::<4>),
+                || pass(tile512::<4>),
+            )
         })
     }
 

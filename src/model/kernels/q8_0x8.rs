@@ -25,6 +25,9 @@ use rayon::prelude::*;
 use super::cpu::Isa;
 use crate::model::profile::{time, Part};
 
+#[cfg(target_arch = "x86_64")]
+use super::q4_1x8::wide_vnni_pays;
+use super::q4_1x8::PAIR_MIN_ROWS;
 use super::q8_0::{quantize_rows, QuantizedRows, BLOCK_BYTES, QK, QK_K};
 
 /// Weight rows per group (one AVX2 register of 32-bit lanes).
@@ -185,6 +188,40 @@ impl<const S: usize> RowGroups for Rows8<S> {
 
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
         tile::<S>(w, a, r0, nr, out, isa)
+    }
+
+    /// Q8_0 from `q4_1x8::PAIR_MIN_ROWS` rows where 512-bit VNNI pays (see `vnni_pair`).
+    fn pairs(&self, rows: usize, isa: Isa) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let (1, true, Some(vnni)) = (S, rows >= PAIR_MIN_ROWS, isa.avx512_vnni()) {
+            return wide_vnni_pays(vnni);
+        }
+        let _ = (rows, isa);
+        false
+    }
+
+    fn tile_pair(
+        &self,
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        nr: usize,
+        out: &mut [f32],
+        isa: Isa,
+    ) {
+        let gbytes = a.blocks * Self::GBB;
+        assert!(nr <= TILE_ROWS && r0 + nr <= a.rows);
+        assert!(w.len() >= 2 * gbytes && out.len() >= nr * 2 * GROUP);
+        #[cfg(target_arch = "x86_64")]
+        if let (1, Some(_vnni)) = (S, isa.avx512_vnni()) {
+            // SAFETY: the token proves AVX2, FMA, AVX512F/BW/VL and AVX512VNNI; S = 1, bounds
+            // asserted above.
+            unsafe { dispatch_rows!(nr, vnni_pair::tile512(w, a, r0, out)) }
+            return;
+        }
+        pair_by_halves(&w[..2 * gbytes], nr, out, |wh, one| {
+            self.tile(wh, a, r0, nr, one, isa)
+        });
     }
 }
 
@@ -488,6 +525,78 @@ mod vnni {
     }
 }
 
+/// Two groups of Q8_0 (16 output columns) a call on 512-bit vectors, for the steps of 8 rows and
+/// more where this CPU runs 512-bit `vpdpbusd` faster than two 256-bit ones (the answer the Q4_1
+/// pair kernel measured, `q4_1x8::wide_vnni_pays`): each activation broadcast and scale product
+/// feeds both groups, half the issue slots a column of the one-group `vnni::tile`. The output
+/// projection of a 16-row decode step (49,152 columns) is its main user.
+#[cfg(target_arch = "x86_64")]
+mod vnni_pair {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Eight f32 values at `lo` then eight at `hi`, in one register.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(lo as *const f32))),
+            _mm256_castps_pd(_mm256_loadu_ps(hi as *const f32)),
+        ))
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA, AVX512F/BW/VL and AVX512VNNI; `w` must hold two groups of
+    /// `a.blocks` group blocks of `Rows8<1>`; rows `r0..r0+NR` must exist in `a`; `out` must
+    /// hold `NR * 16` values.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
+    pub unsafe fn tile512<const NR: usize>(
+        w: &[u8],
+        a: &QuantizedRows,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let gbb = group_block_bytes(1);
+        let gbytes = a.blocks * gbb;
+        debug_assert!(w.len() >= 2 * gbytes && r0 + NR <= a.rows);
+        debug_assert!(out.len() >= NR * 2 * GROUP);
+        let flip = _mm512_set1_epi8(-128);
+        let m128 = _mm512_set1_ps(-128.0);
+        let mut acc = [_mm512_setzero_ps(); NR];
+        let (w0, w1) = (w.as_ptr(), w.as_ptr().add(gbytes));
+        let ap = a.qs.as_ptr();
+        for b in 0..a.blocks {
+            let (g0, g1) = (w0.add(b * gbb), w1.add(b * gbb));
+            let (q0, q1) = (g0.add(GROUP * 4), g1.add(GROUP * 4));
+            let mut isum = [[_mm512_setzero_si512(); 2]; NR];
+            for c in 0..QK / 4 {
+                let v = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(q0.add(c * 32) as *const __m256i)),
+                    _mm256_loadu_si256(q1.add(c * 32) as *const __m256i),
+                );
+                let v = _mm512_xor_si512(v, flip);
+                for (r, s) in isum.iter_mut().enumerate() {
+                    let at = ap.add((r0 + r) * a.blocks * QK + b * QK + c * 4);
+                    let av = _mm512_set1_epi32((at as *const i32).read_unaligned());
+                    s[c % 2] = _mm512_dpbusd_epi32(s[c % 2], v, av);
+                }
+            }
+            let dw = halves(g0, g1);
+            let mw = _mm512_mul_ps(dw, m128);
+            for r in 0..NR {
+                let ai = (r0 + r) * a.blocks + b;
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.scales.get_unchecked(ai)));
+                let i = _mm512_add_epi32(isum[r][0], isum[r][1]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, acc[r]);
+                acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.sums.get_unchecked(ai)), acc[r]);
+            }
+        }
+        for (r, v) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.as_mut_ptr().add(r * 2 * GROUP), *v);
+        }
+    }
+}
+
 /// One group against rows `r0..r0+nr` (`nr <= 4`) into `out` (`nr x 8`).
 fn tile<const S: usize>(
     w: &[u8],
@@ -584,6 +693,34 @@ mod tests {
             let a = quantize_rows(&x, m, k);
             for isa in Isa::available() {
                 assert_matches_reference(&rp.matmul_with(&x, m, isa), &a, &deq, n);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 32, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// The 512-bit Q8_0 pair kernel, called whatever `wide_vnni_pays` chose here, against
+        /// the scalar reference on each group, 1-4 rows from any first row (on a CPU with
+        /// AVX-512 VNNI; elsewhere nothing runs it).
+        #[test]
+        #[cfg(target_arch = "x86_64")]
+        fn the_pair_kernel_equals_scalar(kb in 1usize..7, nr in 1usize..5, r0 in 0usize..3, seed in any::<u64>()) {
+            let Some(_vnni) = crate::model::kernels::cpu::Avx512Vnni::detect() else {
+                return Ok(());
+            };
+            let (n, k, m) = (16, kb * QK, 7);
+            let rp = Repacked::from_q8_0(&q8_0_bytes(&lcg(seed ^ 0xabc, n * k), n, k), n, k);
+            let a = quantize_rows(&lcg(seed, m * k), m, k);
+            let mut got = [0f32; 64];
+            // SAFETY: the CPU has AVX-512 VNNI (detected above); both groups and rows
+            // r0..r0 + nr (at most 6 of 7) exist.
+            unsafe { dispatch_rows!(nr, vnni_pair::tile512(rp.groups(0, 2), &a, r0, &mut got)) };
+            let mut want = [0f32; 64];
+            pair_by_halves(rp.groups(0, 2), nr, &mut want, |wh, one| {
+                tile_scalar::<1>(wh, &a, r0, nr, one)
+            });
+            for (i, (g, w)) in got[..nr * 16].iter().zip(&want[..nr * 16]).enumerate() {
+                prop_assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "nr {nr} r0 {r0} [{i}]: {g} vs {w}");
             }
         }
     }
