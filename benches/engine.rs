@@ -739,6 +739,49 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
             e.pool.release(t);
         }
     }
+    // A step of a burst of chat turns, as the chat workload's first turns run: two turns of 27
+    // tokens after a shared 430-token prompt beside 8 replies decoding after it.
+    {
+        let (ctx0, turn, turns, decodes) = (430, 27, 2, 8);
+        let tables = prefilled(e, turns + decodes, ctx0, turn, 2000);
+        let batch = StepBatch {
+            seqs: (tables.iter().enumerate())
+                .map(|(i, t)| SeqChunk {
+                    tokens: if i < turns {
+                        tokens(turn, 3000 + i as u64, vocab)
+                    } else {
+                        vec![300 + i as u32]
+                    },
+                    start_pos: ctx0,
+                    block_table: t.clone(),
+                    logits: Logits::Last,
+                })
+                .collect(),
+        };
+        // First touch of the step's KV pages, untimed.
+        e.model.forward(&batch, &e.cache).unwrap();
+        let steps = 5;
+        parts_of(
+            e,
+            &format!(
+                "a chat burst's step ({turns} turns of {turn} tokens and {decodes} decodes after \
+                 {ctx0} cached), by part"
+            ),
+            turns * turn + decodes,
+            turns + decodes,
+            ((turns + decodes) * ctx0) as f64,
+            Box::new(move |e| {
+                for _ in 0..steps {
+                    let logits = e.model.forward(&batch, &e.cache).unwrap().unwrap();
+                    let _ = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+                }
+                steps
+            }),
+        );
+        for t in &tables {
+            e.pool.release(t);
+        }
+    }
     println!("kernel (q4_1x8, cold)  rows   ms    GOP/s  % int8     GB/s  % read");
     for (name, n, k) in shapes {
         let (wf, data) = q4_1_matrix(n, k);
