@@ -368,15 +368,22 @@ impl Constraint {
 
     /// The masks of the rows of a decode that runs `drafts` after its last token: the first is
     /// `mask()`, each next one the mask after the drafts before it, as far as the grammar
-    /// allows them (a draft it forbids, or a mask it cannot give, ends the list). The state is
+    /// allows them (a draft it forbids, a draft after it is complete, or a mask it cannot give,
+    /// ends the list). The state is
     /// as before: the tokens the rows sample are `accept`ed after, one by one.
     pub fn masks_along(&mut self, drafts: &[u32]) -> Result<Vec<Mask>, String> {
         let mut masks = vec![self.mask()?];
+        // Only drafts the grammar takes in a row are consumed, and none once it is complete (the
+        // row that completes it ends the reply): a token it refuses (an end-of-turn id after
+        // its end, which the end's mask allows) puts the matcher into an error state that no
+        // rollback leaves.
+        let valid = self.valid_prefix(drafts);
         let mut consumed = 0;
-        for &d in drafts {
-            if !masks.last().is_some_and(|m| m.allows(d)) || self.accept(d).is_err() {
+        for &d in &drafts[..valid] {
+            if self.is_complete() || !masks.last().is_some_and(|m| m.allows(d)) {
                 break;
             }
+            self.accept(d)?;
             consumed += 1;
             match self.mask() {
                 Ok(m) => masks.push(m),
@@ -505,6 +512,39 @@ mod tests {
             c.accept(t).unwrap();
         }
         assert!(c.is_complete() || c.mask().unwrap().allows(tok.eos_ids()[0]));
+    }
+
+    /// Drafts that run past the grammar's end (an n-gram draft copies an earlier reply: its last
+    /// words, its end-of-turn id, what followed): the masks stop where the grammar ended and the
+    /// state stays usable. The end-of-turn id after the end, allowed by the end's mask, once
+    /// put the matcher into its error state ("parser stopped in consume_token"), and the reply
+    /// failed on its next mask.
+    #[test]
+    fn drafts_past_the_grammars_end_leave_it_usable() {
+        let (tok, g) = grammars();
+        let format = regex("(yes|no)");
+        let yes = tok.encode_text("yes").unwrap();
+        let more = tok.encode_text(" and more").unwrap();
+        for eot in [EOT, END] {
+            let mut c = g.compile(&format, 1).unwrap().unwrap();
+            let mut drafts = yes.clone();
+            drafts.push(eot);
+            drafts.extend(&more);
+            let masks = c.masks_along(&drafts).unwrap();
+            assert!(masks.len() <= yes.len() + 2, "{} masks", masks.len());
+            // The state is the start's: the reply takes its tokens one by one.
+            assert!(!c.is_complete());
+            c.mask().unwrap();
+            for &t in &yes {
+                c.accept(t).unwrap();
+            }
+            assert!(c.is_complete() || c.mask().unwrap().allows(eot));
+            // Twice over: the first walk left nothing behind.
+            let mut c = g.compile(&format, 1).unwrap().unwrap();
+            c.masks_along(&drafts).unwrap();
+            c.masks_along(&drafts).unwrap();
+            assert_eq!(c.valid_prefix(&yes), yes.len());
+        }
     }
 
     #[test]
