@@ -27,7 +27,9 @@
 
 use std::cell::RefCell;
 
-use super::amx::{bf16_bits, configure, release, KB, TILE, TILE_ELEMS};
+#[cfg(any(test, not(target_arch = "x86_64")))]
+use super::amx::bf16_bits;
+use super::amx::{configure, release, to_bf16, KB, TILE, TILE_ELEMS};
 use super::attn::KvElem;
 use super::cpu::Amx;
 
@@ -224,10 +226,7 @@ pub(crate) fn tile(
             let blocks = seen.div_ceil(KB);
             for (r, dst) in qa.chunks_exact_mut(d).enumerate() {
                 match q.get((r0 + r) * d..(r0 + r + 1) * d) {
-                    Some(src) if r < rows => dst
-                        .iter_mut()
-                        .zip(src)
-                        .for_each(|(x, y)| *x = bf16_bits(*y)),
+                    Some(src) if r < rows => to_bf16(amx, src, dst),
                     _ => dst.fill(0),
                 }
             }
