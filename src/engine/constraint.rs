@@ -373,13 +373,12 @@ impl Constraint {
     /// as before: the tokens the rows sample are `accept`ed after, one by one.
     pub fn masks_along(&mut self, drafts: &[u32]) -> Result<Vec<Mask>, String> {
         let mut masks = vec![self.mask()?];
-        // Only drafts the grammar takes in a row are consumed, and none once it is complete (the
+        // Only drafts each mask allows are consumed, and none once the grammar is complete (the
         // row that completes it ends the reply): a token it refuses (an end-of-turn id after
-        // its end, which the end's mask allows) puts the matcher into an error state that no
-        // rollback leaves.
-        let valid = self.valid_prefix(drafts);
+        // its end, which the end's mask still allows) puts the matcher into an error state that
+        // no rollback leaves.
         let mut consumed = 0;
-        for &d in &drafts[..valid] {
+        for &d in drafts {
             if self.is_complete() || !masks.last().is_some_and(|m| m.allows(d)) {
                 break;
             }
