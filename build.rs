@@ -7,7 +7,7 @@ fn main() {
     println!("cargo::rerun-if-changed=build.rs");
     let flags = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let has = |f: &str| flags.split_whitespace().any(|w| w == f);
-    if has("amx_tile") && has("amx_bf16") {
+    if has("amx_tile") && has("amx_bf16") && has("amx_int8") {
         println!("cargo::rustc-cfg=amx_tiles");
     }
 }

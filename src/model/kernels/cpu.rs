@@ -69,8 +69,8 @@ impl Avx512Vnni {
     }
 }
 
-/// Proof that the CPU has everything `Avx512Vnni` stands for plus AMX-TILE and AMX-BF16 (Intel
-/// Sapphire Rapids and later), the OS saves the tile state, and this process may use it.
+/// Proof that the CPU has everything `Avx512Vnni` stands for plus AMX-TILE, AMX-BF16 and
+/// AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this process may use it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Amx(());
 
@@ -88,7 +88,7 @@ impl Amx {
     }
 }
 
-/// CPUID leaf 7 says AMX-TILE and AMX-BF16, XCR0 has the tile config and data bits set, and
+/// CPUID leaf 7 says AMX-TILE, AMX-BF16 and AMX-INT8, XCR0 has the tile config and data bits set, and
 /// Linux grants the permission to use the tile data (asked once per process).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn amx_granted() -> bool {
@@ -100,7 +100,9 @@ fn amx_granted() -> bool {
     let leaf7 = __cpuid_count(7, 0);
     const AMX_BF16: u32 = 1 << 22;
     const AMX_TILE: u32 = 1 << 24;
-    if leaf7.edx & (AMX_BF16 | AMX_TILE) != AMX_BF16 | AMX_TILE {
+    const AMX_INT8: u32 = 1 << 25;
+    let all = AMX_BF16 | AMX_TILE | AMX_INT8;
+    if leaf7.edx & all != all {
         return false;
     }
     // OSXSAVE (leaf 1, ECX bit 27) says XGETBV may run.

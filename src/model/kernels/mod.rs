@@ -42,6 +42,7 @@ macro_rules! tile_asm {
 }
 
 pub mod amx;
+pub mod amx_int8;
 pub mod attn;
 pub(crate) mod attn_amx;
 pub mod cpu;

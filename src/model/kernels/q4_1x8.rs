@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::cpu::Isa;
 
 use super::q8_0::{QuantizedRows, QK};
-use super::q8_0x8::{pair_by_halves, RowGroups, GROUP, TILE_ROWS};
+use super::q8_0x8::{matmul_grouped, pair_by_halves, RowGroups, GROUP, TILE_ROWS};
 
 /// Rows from which the 16-column pair kernel runs: with fewer, each weight is used by one tile
 /// only, and read from memory the pair kernel ran 1.5-2.5x slower than the one-group one (the
@@ -160,6 +160,15 @@ impl RowGroups for Repacked {
 
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa) {
         tile(w, a, r0, nr, out, isa)
+    }
+
+    /// On the tile units from `amx_int8::MIN_ROWS` rows where the CPU has AMX (the same values
+    /// as the VNNI kernels), else the 8-row kernels.
+    fn matmul_quantized_with(&self, a: &QuantizedRows, isa: Isa) -> Vec<f32> {
+        if let Some(amx) = isa.amx().filter(|_| a.rows >= super::amx_int8::MIN_ROWS) {
+            return super::amx_int8::matmul_q4_1(amx, self, a);
+        }
+        matmul_grouped(self, a, isa)
     }
 
     /// From `PAIR_MIN_ROWS` rows with AVX-512 VNNI (see `vnni_pair`).

@@ -371,24 +371,34 @@ pub trait RowGroups: Sync {
 
     /// As `matmul_quantized`, at level `isa`.
     fn matmul_quantized_with(&self, a: &QuantizedRows, isa: Isa) -> Vec<f32> {
-        let (n, k) = self.dims();
-        assert_eq!(
-            a.blocks * QK,
-            k,
-            "activations {} wide for a matrix {k} wide",
-            a.blocks * QK
-        );
-        grouped_matmul(
-            n,
-            a,
-            |g, count| self.groups(g, count),
-            self.pairs(a.rows, isa),
-            |w, count, a, r0, nr, out| match count {
-                2 => self.tile_pair(w, a, r0, nr, out, isa),
-                _ => self.tile(w, a, r0, nr, out, isa),
-            },
-        )
+        matmul_grouped(self, a, isa)
     }
+}
+
+/// `RowGroups::matmul_quantized_with` on the 8-row kernels (`grouped_matmul`): the default, and
+/// what a layout with kernels of its own runs where those do not.
+pub(crate) fn matmul_grouped<R: RowGroups + ?Sized>(
+    w: &R,
+    a: &QuantizedRows,
+    isa: Isa,
+) -> Vec<f32> {
+    let (n, k) = w.dims();
+    assert_eq!(
+        a.blocks * QK,
+        k,
+        "activations {} wide for a matrix {k} wide",
+        a.blocks * QK
+    );
+    grouped_matmul(
+        n,
+        a,
+        |g, count| w.groups(g, count),
+        w.pairs(a.rows, isa),
+        |wb, count, a, r0, nr, out| match count {
+            2 => w.tile_pair(wb, a, r0, nr, out, isa),
+            _ => w.tile(wb, a, r0, nr, out, isa),
+        },
+    )
 }
 
 /// Scalar reference: one group of `Rows8<S>` against rows `r0..r0+nr`; `out` is `nr x 8`.

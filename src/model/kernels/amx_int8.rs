@@ -1,0 +1,396 @@
+//! Q4_1 weights (`q4_1x8`'s 8-row layout, as loaded; Q4_0 is repacked into it) times Q8_0
+//! activations on Intel's tile units (AMX-INT8), for steps of a dozen to a few dozen rows: the
+//! decode steps of many replies.
+//!
+//! Why: at 16 rows the 512-bit VNNI pair kernel (`q4_1x8::vnni_pair`) ran at ~20% of this
+//! machine's 8-bit peak (the roof report, `cargo bench --bench engine -- --roof`): per activation
+//! row and 32-value block it broadcasts the activations and runs eight `vpdpbusd`, four rows at a
+//! time. One `tdpbsud` multiplies 16 activation rows by 16 weight rows over a block; what stays on
+//! the vector units is unpacking the nibbles (once per block for all 16 rows) and the per-block
+//! scaling, which the format needs whatever multiplies. (Q8_0, read from memory at 1.1 bytes a
+//! weight, was measured too: its 16-row LM head is bound by reading and ran slower on the tiles,
+//! so it stays on `q8_0x8`.)
+//!
+//! The same numbers as the VNNI kernel, to the bit: the tile sums a block's 32 products exactly in
+//! int32, as `vpdpbusd` does, and the scaling is the same F32 operations in the same order
+//! (`acc = fma(f32(s), d * da, acc); acc = fma(m, sa, acc)`). Which kernel a step's size picks
+//! therefore never changes a row's result (tests compare them bit for bit), and the weights need
+//! no other copy: each block's nibbles are unpacked into a 512-byte B tile (8 rows of 16 weight
+//! rows x 4 values). The layout makes that two masks: the low nibbles of a group block's `s`-th 32
+//! bytes are values `8s..8s + 3` of each of its 8 rows, the high ones `8s + 4..8s + 8`, which are
+//! tile rows `2s` and `2s + 1` for 8 of the 16 columns; a pair of groups fills the 16.
+//!
+//! Activations are laid out once per call as tiles of 16 rows x 32 bytes, zero rows past the last,
+//! so a tile load never reads past them. Tasks take runs of group pairs; each configures the tiles
+//! once (C 16 x 64 bytes, A 16 x 32, B 8 x 64), runs every 16-row chunk of its pairs and releases
+//! them. The tile instructions are written with `asm!` and run only with the `cpu::Amx` token.
+
+use rayon::prelude::*;
+
+use super::cpu::Amx;
+use super::q4_1x8::GROUP_BLOCK_BYTES;
+use super::q8_0::{QuantizedRows, QK};
+use super::q8_0x8::{RowGroups, GROUP};
+
+/// Activation rows (and C tile rows) per tile.
+const ROWS: usize = 16;
+/// Bytes of one activation tile: 16 rows of a 32-value block.
+const A_TILE: usize = ROWS * QK;
+/// Offset of the minimums, then of the nibbles, in a Q4_1 group block (`q4_1x8`'s layout).
+const MINS: usize = GROUP * 2;
+const QS: usize = GROUP * 4;
+
+/// Rows from which a Q4_1 matmul runs here rather than on the VNNI kernels (below it the
+/// per-block tile work is shared by too few rows; docs/performance.md, "AMX-INT8 for decode
+/// steps").
+pub const MIN_ROWS: usize = 12;
+
+/// `out[m, n] = a[m, k] . w[n, k]` for Q4_1 (and Q4_0) weights `w` on the tile units: the same
+/// values as `w.matmul_quantized_with(a, Isa::Avx512Vnni(..))`.
+pub fn matmul_q4_1(amx: Amx, w: &super::q4_1x8::Repacked, a: &QuantizedRows) -> Vec<f32> {
+    matmul(amx, w, a)
+}
+
+/// The driver.
+fn matmul(_amx: Amx, w: &impl RowGroups, a: &QuantizedRows) -> Vec<f32> {
+    let (n, k) = w.dims();
+    assert_eq!(
+        a.blocks * QK,
+        k,
+        "activations {} wide for {k}",
+        a.blocks * QK
+    );
+    let (m, blocks) = (a.rows, a.blocks);
+    let chunks = m.div_ceil(ROWS);
+    // Activation tiles: chunk c, block b at `(c * blocks + b) * A_TILE`, rows 32 bytes apart.
+    let mut at = vec![0i8; chunks * blocks * A_TILE];
+    for r in 0..m {
+        let (c, t) = (r / ROWS, r % ROWS);
+        for b in 0..blocks {
+            at[(c * blocks + b) * A_TILE + t * QK..][..QK]
+                .copy_from_slice(&a.qs[r * k + b * QK..][..QK]);
+        }
+    }
+    let groups = n.div_ceil(GROUP);
+    let pairs = groups.div_ceil(2);
+    let gbytes = blocks * GROUP_BLOCK_BYTES;
+    // A lone last group runs beside zeros (scales 0, its columns not copied out).
+    let zeros = vec![0u8; if groups % 2 == 1 { gbytes } else { 0 }];
+    let per_task = pairs
+        .div_ceil(rayon::current_num_threads().max(1) * 4)
+        .max(1);
+    let mut out: Vec<f32> = Vec::with_capacity(m * n);
+    let base = Out(out.as_mut_ptr());
+    (0..pairs.div_ceil(per_task)).into_par_iter().for_each(|t| {
+        let base = &base;
+        let mut buf = Scratch {
+            c: [0; RUN * ROWS * 16],
+            b: [0; RUN * 8 * 64],
+            y: [0.0; ROWS * 16],
+        };
+        // SAFETY: the token proves the tiles (AMX-TILE and AMX-INT8) and AVX-512 F/BW/VL, F16C and
+        // FMA (implied by its VNNI token); every pointer below stays inside the buffers named.
+        unsafe {
+            configure();
+            for p in t * per_task..((t + 1) * per_task).min(pairs) {
+                let g = 2 * p;
+                let count = if g + 2 <= groups { 2 } else { 1 };
+                let g0 = w.groups(g, count).as_ptr();
+                let g1 = if count == 2 {
+                    g0.add(gbytes)
+                } else {
+                    zeros.as_ptr()
+                };
+                let c0 = g * GROUP;
+                let cols = (count * GROUP).min(n - c0);
+                for c in 0..chunks {
+                    let r0 = c * ROWS;
+                    let nr = ROWS.min(m - r0);
+                    let args = (
+                        g0,
+                        g1,
+                        blocks,
+                        at.as_ptr().add(c * blocks * A_TILE),
+                        a.scales.as_ptr().add(r0 * blocks),
+                        a.sums.as_ptr().add(r0 * blocks),
+                        &mut buf,
+                    );
+                    dispatch16!(nr, pair_chunk, args);
+                    for r in 0..nr {
+                        // SAFETY: row r0 + r < m, columns c0..c0 + cols <= n: inside the m * n
+                        // allocation; only this task writes these columns.
+                        std::ptr::copy_nonoverlapping(
+                            buf.y.as_ptr().add(r * 16),
+                            base.0.add((r0 + r) * n + c0),
+                            cols,
+                        );
+                    }
+                }
+            }
+            release();
+        }
+    });
+    // SAFETY: the pairs cover columns 0..n and each pair's chunks rows 0..m.
+    unsafe { out.set_len(m * n) };
+    out
+}
+
+/// The result's base pointer, shared by tasks that write disjoint columns.
+struct Out(*mut f32);
+// SAFETY: tasks write disjoint elements (their own columns), and the Vec outlives them.
+unsafe impl Sync for Out {}
+
+/// Blocks whose tile work runs back to back before their scaling (each in its own C tile), so
+/// the tile units' latency (load, multiply, store, then the vector loads) is paid once per run.
+const RUN: usize = 4;
+
+/// A task's tile buffers: the C tiles stored, the unpacked B tiles, a chunk's results.
+#[repr(C, align(64))]
+struct Scratch {
+    c: [i32; RUN * ROWS * 16],
+    b: [u8; RUN * 8 * 64],
+    y: [f32; ROWS * 16],
+}
+
+/// Runs `pair_chunk::<NR>` for `nr` (1..=16) rows.
+macro_rules! dispatch16 {
+    ($nr:expr, $f:ident, $args:expr) => {{
+        let (g0, g1, blocks, at, sc, su, buf) = $args;
+        match $nr {
+            16 => $f::<16>(g0, g1, blocks, at, sc, su, buf),
+            15 => $f::<15>(g0, g1, blocks, at, sc, su, buf),
+            14 => $f::<14>(g0, g1, blocks, at, sc, su, buf),
+            13 => $f::<13>(g0, g1, blocks, at, sc, su, buf),
+            12 => $f::<12>(g0, g1, blocks, at, sc, su, buf),
+            11 => $f::<11>(g0, g1, blocks, at, sc, su, buf),
+            10 => $f::<10>(g0, g1, blocks, at, sc, su, buf),
+            9 => $f::<9>(g0, g1, blocks, at, sc, su, buf),
+            8 => $f::<8>(g0, g1, blocks, at, sc, su, buf),
+            7 => $f::<7>(g0, g1, blocks, at, sc, su, buf),
+            6 => $f::<6>(g0, g1, blocks, at, sc, su, buf),
+            5 => $f::<5>(g0, g1, blocks, at, sc, su, buf),
+            4 => $f::<4>(g0, g1, blocks, at, sc, su, buf),
+            3 => $f::<3>(g0, g1, blocks, at, sc, su, buf),
+            2 => $f::<2>(g0, g1, blocks, at, sc, su, buf),
+            _ => $f::<1>(g0, g1, blocks, at, sc, su, buf),
+        }
+    }};
+}
+use dispatch16;
+
+/// Loads the tile configuration: palette 1; tmm0-3 C tiles (16 rows x 16 int32), tmm4 and tmm6
+/// A tiles (16 rows x 32 bytes), tmm5 and tmm7 B tiles (8 rows x 64 bytes).
+///
+/// # Safety
+/// The CPU must have AMX and the process the permission (`cpu::Amx`).
+unsafe fn configure() {
+    #[repr(C, align(64))]
+    struct Config([u8; 64]);
+    let mut cfg = Config([0; 64]);
+    cfg.0[0] = 1;
+    let (c, a, b) = ((64, ROWS as u8), (QK as u16, ROWS as u8), (64, 8));
+    let tiles: [(u16, u8); 8] = [c, c, c, c, a, b, a, b];
+    for (t, (colsb, rows)) in tiles.into_iter().enumerate() {
+        cfg.0[16 + 2 * t..18 + 2 * t].copy_from_slice(&colsb.to_le_bytes());
+        cfg.0[48 + t] = rows;
+    }
+    tile_asm!("ldtilecfg [{0}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
+}
+
+/// Gives the tile state back.
+///
+/// # Safety
+/// As `configure`.
+unsafe fn release() {
+    tile_asm!("tilerelease", options(nostack, nomem));
+}
+
+/// Two groups (`g0`, `g1`: `blocks` group blocks each) against `NR` activation rows (`at`: their
+/// tiles, one per block; `sc`/`su`: the rows' scales and scaled sums, `blocks` apart) into
+/// `buf.y` (`NR x 16`).
+///
+/// # Safety
+/// Tiles configured (`configure`); AVX-512 F/BW/VL, F16C, FMA; the buffers as described.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+unsafe fn pair_chunk<const NR: usize>(
+    g0: *const u8,
+    g1: *const u8,
+    blocks: usize,
+    at: *const i8,
+    sc: *const f32,
+    su: *const f32,
+    buf: &mut Scratch,
+) {
+    use std::arch::x86_64::*;
+    let gbb = GROUP_BLOCK_BYTES;
+    let low = _mm512_set1_epi8(0x0F);
+    let mut acc = [_mm512_setzero_ps(); NR];
+    let halves = |p0: *const u8, p1: *const u8| {
+        _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(p0 as *const __m128i)),
+            _mm_loadu_si128(p1 as *const __m128i),
+        ))
+    };
+    // One block's tile work into C tile `c`, from A tile `a` and B tile `b` (alternate pairs,
+    // so a run's loads need not wait for the previous block's multiply).
+    macro_rules! dp {
+        ($c:literal, $a:literal, $b:literal, $at:expr, $w:expr) => {
+            tile_asm!(
+                concat!("tilezero tmm", $c),
+                concat!("tileloadd tmm", $a, ", [{a} + {as_}*1]"),
+                concat!("tileloadd tmm", $b, ", [{w} + {ws}*1]"),
+                // Signed activations times unsigned nibbles.
+                concat!("tdpbsud tmm", $c, ", tmm", $a, ", tmm", $b),
+                a = in(reg) $at,
+                as_ = in(reg) QK,
+                w = in(reg) $w,
+                ws = in(reg) 64usize,
+                options(nostack, readonly)
+            )
+        };
+    }
+    macro_rules! st {
+        ($c:literal, $to:expr) => {
+            tile_asm!(
+                concat!("tilestored [{c} + {cs}*1], tmm", $c),
+                c = in(reg) $to,
+                cs = in(reg) 64usize,
+                options(nostack)
+            )
+        };
+    }
+    // A run of blocks: unpack their B tiles, multiply each into its own C tile, store the C
+    // tiles, then scale. (Issuing the next run's tile work before this run's scaling, with the C
+    // tiles in alternating buffers, measured no faster.)
+    for b0 in (0..blocks).step_by(RUN) {
+        let run = RUN.min(blocks - b0);
+        for j in 0..run {
+            let b = b0 + j;
+            let (w0, w1) = (g0.add(b * gbb), g1.add(b * gbb));
+            for s in 0..4 {
+                let v = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(
+                        w0.add(QS + s * 32) as *const __m256i
+                    )),
+                    _mm256_loadu_si256(w1.add(QS + s * 32) as *const __m256i),
+                );
+                let dst = buf.b.as_mut_ptr().add(j * 512 + 2 * s * 64) as *mut __m512i;
+                _mm512_store_si512(dst, _mm512_and_si512(v, low));
+                _mm512_store_si512(dst.add(1), _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
+            }
+        }
+        for j in 0..run {
+            let (a, w) = (at.add((b0 + j) * A_TILE), buf.b.as_ptr().add(j * 512));
+            match j {
+                0 => dp!("0", "4", "5", a, w),
+                1 => dp!("1", "6", "7", a, w),
+                2 => dp!("2", "4", "5", a, w),
+                _ => dp!("3", "6", "7", a, w),
+            }
+        }
+        for j in 0..run {
+            let c = buf.c.as_mut_ptr().add(j * ROWS * 16);
+            match j {
+                0 => st!("0", c),
+                1 => st!("1", c),
+                2 => st!("2", c),
+                _ => st!("3", c),
+            }
+        }
+        for j in 0..run {
+            let b = b0 + j;
+            let (w0, w1) = (g0.add(b * gbb), g1.add(b * gbb));
+            let (dw, mw) = (halves(w0, w1), halves(w0.add(MINS), w1.add(MINS)));
+            let c = buf.c.as_ptr().add(j * ROWS * 16);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s32 = _mm512_load_si512(c.add(r * 16) as *const __m512i);
+                let d = _mm512_mul_ps(dw, _mm512_set1_ps(*sc.add(r * blocks + b)));
+                *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), d, *acc);
+                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*su.add(r * blocks + b)), *acc);
+            }
+        }
+    }
+    for (r, v) in acc.iter().enumerate() {
+        _mm512_storeu_ps(buf.y.as_mut_ptr().add(r * 16), *v);
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn pair_chunk<const NR: usize>(
+    _g0: *const u8,
+    _g1: *const u8,
+    _blocks: usize,
+    _at: *const i8,
+    _sc: *const f32,
+    _su: *const f32,
+    _buf: &mut Scratch,
+) {
+    unreachable!("AMX tiles exist on x86_64 only")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cpu::Isa;
+    use super::super::q4_1x8;
+    use super::super::q8_0::quantize_rows;
+    use super::super::test_data::amx_for_test;
+    use super::*;
+    use proptest::prelude::*;
+
+    /// `len` pseudo-random bytes of `block`-byte Q4_1 blocks whose f16 scale and minimum stay
+    /// finite and small (their exponents' top bits cleared).
+    fn bytes(seed: u64, len: usize, block: usize) -> Vec<u8> {
+        let mut x = seed | 1;
+        (0..len)
+            .map(|i| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let b = (x >> 33) as u8;
+                let j = i % block;
+                if j == 1 || j == 3 {
+                    b & 0x3b
+                } else {
+                    b
+                }
+            })
+            .collect()
+    }
+
+    fn activations(m: usize, k: usize, seed: u64) -> QuantizedRows {
+        let x: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 37 + seed as usize) % 101) as f32 / 25.0 - 2.0)
+            .collect();
+        quantize_rows(&x, m, k)
+    }
+
+    fn same_bits(got: &[f32], want: &[f32]) -> Result<(), TestCaseError> {
+        prop_assert_eq!(got.len(), want.len());
+        for (i, (g, e)) in got.iter().zip(want).enumerate() {
+            prop_assert_eq!(g.to_bits(), e.to_bits(), "[{}]: {} vs {}", i, g, e);
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// On the tiles, bit for bit the VNNI kernels' result: any rows (1 to past two chunks),
+        /// any number of groups (odd ones, a partial last group), any number of blocks.
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
+        #[test]
+        fn tiles_equal_the_vnni_kernels_bit_for_bit(
+            m in 1usize..40, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()
+        ) {
+            let Some(amx) = amx_for_test("tiles_equal_the_vnni_kernels_bit_for_bit") else {
+                return Ok(());
+            };
+            let k = kb * QK;
+            let a = activations(m, k, seed);
+            let vnni = Isa::Avx512Vnni(amx.vnni());
+            let len = n * k / QK * q4_1x8::BLOCK_BYTES;
+            let q4 = q4_1x8::Repacked::from_q4_1(&bytes(seed, len, q4_1x8::BLOCK_BYTES), n, k);
+            same_bits(&matmul_q4_1(amx, &q4, &a), &q4.matmul_quantized_with(&a, vnni))?;
+        }
+    }
+}
