@@ -28,7 +28,7 @@
 use rayon::prelude::*;
 
 use super::cpu::Amx;
-use super::q4_1x8::GROUP_BLOCK_BYTES;
+use super::q4_1x8::{Repacked, GROUP_BLOCK_BYTES};
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{RowGroups, GROUP};
 
@@ -47,12 +47,7 @@ pub const MIN_ROWS: usize = 12;
 
 /// `out[m, n] = a[m, k] . w[n, k]` for Q4_1 (and Q4_0) weights `w` on the tile units: the same
 /// values as `w.matmul_quantized_with(a, Isa::Avx512Vnni(..))`.
-pub fn matmul_q4_1(amx: Amx, w: &super::q4_1x8::Repacked, a: &QuantizedRows) -> Vec<f32> {
-    matmul(amx, w, a)
-}
-
-/// The driver.
-fn matmul(_amx: Amx, w: &impl RowGroups, a: &QuantizedRows) -> Vec<f32> {
+pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
     let (n, k) = w.dims();
     assert_eq!(
         a.blocks * QK,

@@ -70,7 +70,8 @@ impl Avx512Vnni {
 }
 
 /// Proof that the CPU has everything `Avx512Vnni` stands for plus AMX-TILE, AMX-BF16 and
-/// AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this process may use it.
+/// AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this process may
+/// use it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Amx(());
 
@@ -88,8 +89,8 @@ impl Amx {
     }
 }
 
-/// CPUID leaf 7 says AMX-TILE, AMX-BF16 and AMX-INT8, XCR0 has the tile config and data bits set, and
-/// Linux grants the permission to use the tile data (asked once per process).
+/// CPUID leaf 7 says AMX-TILE, AMX-BF16 and AMX-INT8, XCR0 has the tile config and data bits
+/// set, and Linux grants the permission to use the tile data (asked once per process).
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
 fn amx_granted() -> bool {
     use std::arch::x86_64::{__cpuid, __cpuid_count};
