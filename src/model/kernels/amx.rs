@@ -216,9 +216,10 @@ impl Tiles {
     }
 }
 
-/// The result's base pointer, shared by the tasks that store disjoint column blocks into it.
-struct SendPtr(*mut f32);
-// SAFETY: the tasks holding it write disjoint elements (see `Tiles::matmul`).
+/// A result's base pointer, shared by the tasks that store disjoint column blocks into it
+/// (`Tiles::matmul`, `amx_int8`).
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: the tasks holding it write disjoint elements (each user's tasks own their columns).
 unsafe impl Sync for SendPtr {}
 
 /// Rounds `src` to bf16 into `dst` (`bf16_bits`, the same bits): 16 values at a time on AVX-512,

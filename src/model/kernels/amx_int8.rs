@@ -27,6 +27,7 @@
 
 use rayon::prelude::*;
 
+use super::amx::SendPtr;
 use super::cpu::Amx;
 use super::q4_1x8::{Repacked, GROUP_BLOCK_BYTES};
 use super::q8_0::{QuantizedRows, QK};
@@ -75,7 +76,7 @@ pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
         .div_ceil(rayon::current_num_threads().max(1) * 4)
         .max(1);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let base = Out(out.as_mut_ptr());
+    let base = SendPtr(out.as_mut_ptr());
     (0..pairs.div_ceil(per_task)).into_par_iter().for_each(|t| {
         let base = &base;
         let mut buf = Scratch {
@@ -129,11 +130,6 @@ pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
     unsafe { out.set_len(m * n) };
     out
 }
-
-/// The result's base pointer, shared by tasks that write disjoint columns.
-struct Out(*mut f32);
-// SAFETY: tasks write disjoint elements (their own columns), and the Vec outlives them.
-unsafe impl Sync for Out {}
 
 /// Blocks whose tile work runs back to back before their scaling (each in its own C tile), so
 /// the tile units' latency (load, multiply, store, then the vector loads) is paid once per run.
@@ -329,44 +325,10 @@ mod tests {
     use super::super::cpu::Isa;
     use super::super::q4_1x8;
     use super::super::q8_0::quantize_rows;
-    use super::super::test_data::amx_for_test;
+    use super::super::test_data::{amx_for_test, candle_quantized, lcg};
     use super::*;
+    use candle_core::quantized::GgmlDType;
     use proptest::prelude::*;
-
-    /// `len` pseudo-random bytes of `block`-byte Q4_1 blocks whose f16 scale and minimum stay
-    /// finite and small (their exponents' top bits cleared).
-    fn bytes(seed: u64, len: usize, block: usize) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..len)
-            .map(|i| {
-                x = x
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let b = (x >> 33) as u8;
-                let j = i % block;
-                if j == 1 || j == 3 {
-                    b & 0x3b
-                } else {
-                    b
-                }
-            })
-            .collect()
-    }
-
-    fn activations(m: usize, k: usize, seed: u64) -> QuantizedRows {
-        let x: Vec<f32> = (0..m * k)
-            .map(|i| ((i * 37 + seed as usize) % 101) as f32 / 25.0 - 2.0)
-            .collect();
-        quantize_rows(&x, m, k)
-    }
-
-    fn same_bits(got: &[f32], want: &[f32]) -> Result<(), TestCaseError> {
-        prop_assert_eq!(got.len(), want.len());
-        for (i, (g, e)) in got.iter().zip(want).enumerate() {
-            prop_assert_eq!(g.to_bits(), e.to_bits(), "[{}]: {} vs {}", i, g, e);
-        }
-        Ok(())
-    }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
@@ -381,11 +343,15 @@ mod tests {
                 return Ok(());
             };
             let k = kb * QK;
-            let a = activations(m, k, seed);
+            let a = quantize_rows(&lcg(seed ^ 0x5a5a, m * k), m, k);
             let vnni = Isa::Avx512Vnni(amx.vnni());
-            let len = n * k / QK * q4_1x8::BLOCK_BYTES;
-            let q4 = q4_1x8::Repacked::from_q4_1(&bytes(seed, len, q4_1x8::BLOCK_BYTES), n, k);
-            same_bits(&matmul_q4_1(amx, &q4, &a), &q4.matmul_quantized_with(&a, vnni))?;
+            let (bytes, _) = candle_quantized(seed, n, k, GgmlDType::Q4_1);
+            let q4 = q4_1x8::Repacked::from_q4_1(&bytes, n, k);
+            let (got, want) = (matmul_q4_1(amx, &q4, &a), q4.matmul_quantized_with(&a, vnni));
+            prop_assert_eq!(got.len(), want.len());
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                prop_assert_eq!(g.to_bits(), e.to_bits(), "m {} n {} k {} [{}]: {} vs {}", m, n, k, i, g, e);
+            }
         }
     }
 }
