@@ -13,17 +13,13 @@
 //! cache-write copies): each candle op wakes the thread pool, which at one decoding sequence
 //! costs a large share of a step.
 
-/// Rows from which the row-wise ops of the CPU layer path run on the thread pool (below that,
-/// waking it costs more than the work).
-const PAR_ROWS: usize = 32;
-
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 
 use super::attention::{
     fast_cpu, fast_cpu_rows, generic, AttentionImpl, AttnDims, FastCpuPlan, GenericPlan,
 };
 use super::config::{inv_freqs, ModelConfig};
+use super::kernels::norm::rms_norm_rows;
 use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
@@ -114,35 +110,10 @@ impl RmsNorm {
         Ok(candle_nn::ops::rms_norm(x, &self.weight, self.eps)?)
     }
 
-    /// `forward` on rows `width` wide: candle's formula with the sum of squares in eight lanes
-    /// (candle adds them one after another, a chain of dependent adds as long as the row). Any
-    /// change of summation order moves this quantized model's logits by up to ~1 (activations are
-    /// rounded to 8 bits before each matmul), so both paths use this one.
+    /// `forward` on rows `width` wide: `kernels::norm` (candle's formula with the sum of squares
+    /// in eight lanes; both layer paths use it, so they agree to the bit).
     fn forward_rows(&self, x: &[f32], width: usize) -> Result<Vec<f32>> {
-        let eps = self.eps;
-        let mut out = vec![0f32; x.len()];
-        with_cpu_slice(&self.weight, |w| {
-            let norm = |(o, xr): (&mut [f32], &[f32])| {
-                let mut lanes = [0f32; 8];
-                for c in xr.chunks(8) {
-                    for (l, v) in lanes.iter_mut().zip(c) {
-                        *l += v * v;
-                    }
-                }
-                let m = (lanes.iter().sum::<f32>() / width as f32 + eps).sqrt();
-                for ((o, &v), &a) in o.iter_mut().zip(xr).zip(w) {
-                    *o = v / m * a;
-                }
-            };
-            if x.len() / width >= PAR_ROWS {
-                out.par_chunks_mut(width)
-                    .zip(x.par_chunks(width))
-                    .for_each(norm);
-            } else {
-                out.chunks_mut(width).zip(x.chunks(width)).for_each(norm);
-            }
-        })?;
-        Ok(out)
+        with_cpu_slice(&self.weight, |w| rms_norm_rows(x, w, self.eps, width))
     }
 
     fn on_cpu_f32(&self) -> bool {
@@ -165,9 +136,7 @@ fn f16_columns(rows: &[f32], stride: usize, from: usize, width: usize) -> Vec<ha
 /// `silu(gate) * up` for rows holding `[gate | up]`, each `inter` wide.
 fn silu_mul(gu: &[f32], inter: usize) -> Vec<f32> {
     let rows = gu.len() / (2 * inter);
-    let mut out = vec![0f32; rows * inter];
-    silu_mul_rows(gu, 2 * inter, &gu[inter..], 2 * inter, inter, &mut out);
-    out
+    silu_mul_rows(gu, 2 * inter, &gu[inter..], 2 * inter, inter, rows)
 }
 
 /// `silu(gate) * up` on tensors: on CPU in F32 the same kernel as the plain-row path (so both
@@ -178,9 +147,9 @@ fn silu_mul_tensors(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         return Ok((gate.silu()? * up)?);
     }
     let width = *gate.dims().last().expect("a matrix");
-    let mut out = vec![0f32; gate.elem_count()];
-    with_cpu_slice(gate, |g| {
-        with_cpu_slice(up, |u| silu_mul_rows(g, width, u, width, width, &mut out))
+    let rows = gate.elem_count() / width;
+    let out = with_cpu_slice(gate, |g| {
+        with_cpu_slice(up, |u| silu_mul_rows(g, width, u, width, width, rows))
     })??;
     Ok(Tensor::from_vec(out, gate.dims(), &Device::Cpu)?)
 }

@@ -537,6 +537,40 @@ pub(crate) unsafe fn exp8_minus(x: std::arch::x86_64::__m256, m: f32) -> std::ar
     _mm256_andnot_ps(tiny, _mm256_mul_ps(e, pow2))
 }
 
+/// `exp(x - m)` for 16 values (`attn::exp8_minus` on 512-bit vectors); lanes below
+/// `exp(-87)` (and `-inf`) give 0.
+///
+/// # Safety
+/// The CPU must support AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn exp16_minus(
+    x: std::arch::x86_64::__m512,
+    m: std::arch::x86_64::__m512,
+) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let v = _mm512_sub_ps(x, m);
+    let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(-87.0));
+    let v = _mm512_max_ps(v, _mm512_set1_ps(-87.0));
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(v, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    );
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[0]), v);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[1]), r);
+    let mut p = _mm512_set1_ps(EXP_POLY[0]);
+    for c in &EXP_POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+    }
+    let r2 = _mm512_mul_ps(r, r);
+    let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
+    let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        _mm512_cvtps_epi32(n),
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_maskz_mul_ps(!tiny, e, pow2)
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;

@@ -389,7 +389,7 @@ fn weights(_amx: Amx, s: &[f32], w: &mut [u16]) -> (f32, f32) {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::attn::{EXP_POLY, LN2_PARTS};
+    use super::super::attn::exp16_minus;
     use super::{KvElem, Packed, Scales, KB, TILE, TILE_ELEMS};
 
     /// F32 lanes rounded to bf16 (to nearest, ties to even; no NaN here), each in its lane's low
@@ -523,32 +523,6 @@ mod simd {
             out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(v1, v3);
         }
         out
-    }
-
-    /// `exp(x - m)` for 16 values (`attn::exp8_minus` on 512-bit vectors); lanes below
-    /// `exp(-87)` (and `-inf`) give 0.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn exp16_minus(x: __m512, m: __m512) -> __m512 {
-        let v = _mm512_sub_ps(x, m);
-        let tiny = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(v, _mm512_set1_ps(-87.0));
-        let v = _mm512_max_ps(v, _mm512_set1_ps(-87.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(v, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[0]), v);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[1]), r);
-        let mut p = _mm512_set1_ps(EXP_POLY[0]);
-        for c in &EXP_POLY[1..] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
-        }
-        let r2 = _mm512_mul_ps(r, r);
-        let e = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0));
-        let pow2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-            _mm512_cvtps_epi32(n),
-            _mm512_set1_epi32(127),
-        )));
-        _mm512_maskz_mul_ps(!tiny, e, pow2)
     }
 
     /// `super::weights` sixteen positions at a time.

@@ -7,7 +7,7 @@
 //! weights repacked eight rows at a time, so one weight load serves 8 output columns and up to 4
 //! activation rows with no horizontal sums (the engine's projections and the tied embedding use
 //! them); `attn` is the attention tile (`attn_amx` the same on the tile units for prefill
-//! rows), `silu` the MLP activation, `rope` RoPE; `q8_0` is the earlier
+//! rows), `silu` the MLP activation, `norm` the RMS norm, `rope` RoPE; `q8_0` is the earlier
 //! row-at-a-time Q8_0 kernel, kept as the benchmark's baseline (`--kernels`) and as a reference
 //! in tests; `amx` runs big steps on Intel's tile units from a bf16 copy; `roof` measures this machine's peaks (8-bit dot products, F32 FMAs, read
 //! bandwidth) that the kernels' speed is stated against. Each kernel has a scalar reference that proptests compare it with on odd shapes. The
@@ -46,6 +46,7 @@ pub mod amx_int8;
 pub mod attn;
 pub(crate) mod attn_amx;
 pub mod cpu;
+pub mod norm;
 pub mod q4_1x8;
 pub mod q4_kx8;
 pub mod q8_0;
