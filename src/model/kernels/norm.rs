@@ -16,10 +16,10 @@ use rayon::prelude::*;
 
 use super::cpu::Isa;
 
-/// Rows from which a call spreads over the threads: below it a call (~0.3 ns a value on one
-/// thread) is shorter than waking the other worker (576-wide rows: 32 took 7 µs on one thread and
-/// 15 µs on two, 64 about 13 µs and 17 µs; 512 rows 72 µs on two).
-const PAR_ROWS: usize = 128;
+/// Rows from which a call spreads over the threads: below it a call is shorter than handing half
+/// to the other worker (576-wide rows, called from a pool thread as a step does: 32 rows 7.4 µs
+/// on one thread and 8.1 µs on two, 64 rows 14.1 and 11.8 µs).
+const PAR_ROWS: usize = 48;
 
 /// The eight lanes' sum of squares of `x`, in the reference order.
 #[inline]

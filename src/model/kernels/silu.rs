@@ -11,10 +11,10 @@ use rayon::prelude::*;
 
 use super::cpu::Isa;
 
-/// Values from which a call spreads over the threads: below it the work (~0.3 ns a value on
-/// 512-bit vectors) is shorter than waking the other worker (a 16-row decode step's 24,576
-/// values: 12 µs on one thread, 15 µs on two; even at 32 rows).
-const PAR_VALUES: usize = 49_152;
+/// Values from which a call spreads over the threads: below it the work is shorter than handing
+/// half to the other worker (called from a pool thread as a step does, a 16-row decode step's
+/// 24,576 values took 13.1 µs on one thread and 10.7 µs on two).
+const PAR_VALUES: usize = 8192;
 
 /// The scalar formula, candle's: `g / (exp(-g) + 1) * u`.
 #[inline]
