@@ -39,12 +39,17 @@ fn root(lanes: [f32; 8], width: usize, eps: f32) -> f32 {
     (lanes.iter().sum::<f32>() / width as f32 + eps).sqrt()
 }
 
-/// The scalar reference for one row.
-fn row_scalar(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
-    let m = root(lanes_scalar(x), x.len(), eps);
+/// `out = x / m * w`, value by value (the reference, and the SIMD levels' tails).
+#[inline]
+fn divide_scalar(x: &[f32], w: &[f32], m: f32, out: &mut [MaybeUninit<f32>]) {
     for ((o, &v), &a) in out.iter_mut().zip(x).zip(w) {
         o.write(v / m * a);
     }
+}
+
+/// The scalar reference for one row.
+fn row_scalar(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
+    divide_scalar(x, w, root(lanes_scalar(x), x.len(), eps), out);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -71,13 +76,15 @@ mod avx2 {
         lanes
     }
 
+    /// `divide_scalar` 8 values at a time, the rest by it.
+    ///
     /// # Safety
     /// The CPU must support AVX2 and FMA; `w` and `out` at least as long as `x`.
+    #[inline]
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn row(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
+    pub(super) unsafe fn divide(x: &[f32], w: &[f32], m: f32, out: &mut [MaybeUninit<f32>]) {
         let n = x.len();
         assert!(w.len() >= n && out.len() >= n);
-        let m = root(lanes(x), n, eps);
         let mv = _mm256_set1_ps(m);
         let n8 = n / 8 * 8;
         let o = out.as_mut_ptr() as *mut f32;
@@ -88,9 +95,14 @@ mod avx2 {
                 _mm256_mul_ps(v, _mm256_loadu_ps(w.as_ptr().add(i))),
             );
         }
-        for i in n8..n {
-            out[i].write(x[i] / m * w[i]);
-        }
+        divide_scalar(&x[n8..], &w[n8..n], m, &mut out[n8..n]);
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `w` and `out` at least as long as `x`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn row(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>]) {
+        divide(x, w, root(lanes(x), x.len(), eps), out);
     }
 }
 
@@ -99,7 +111,8 @@ mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// `avx2::row` with the division and the weights 16 values at a time.
+    /// `avx2::row` with the division and the weights 16 values at a time (the rest by
+    /// `avx2::divide`).
     ///
     /// # Safety
     /// The CPU must support AVX-512 F, AVX2 and FMA; `w` and `out` at least as long as `x`.
@@ -118,9 +131,7 @@ mod avx512 {
                 _mm512_mul_ps(v, _mm512_loadu_ps(w.as_ptr().add(i))),
             );
         }
-        for i in n16..n {
-            out[i].write(x[i] / m * w[i]);
-        }
+        super::avx2::divide(&x[n16..], &w[n16..n], m, &mut out[n16..n]);
     }
 }
 

@@ -41,8 +41,8 @@ pub struct QuantizedRows {
 const QUANTIZE_ROWS_PER_TASK: usize = 32;
 
 /// ggml's `quantize_row_q8_0` (scale = amax / 127, round half away from zero) for every row:
-/// AVX-512 or AVX2 where the CPU has them (bit-identical to the scalar loop, tested), over all threads for
-/// calls of more than `QUANTIZE_ROWS_PER_TASK` rows.
+/// AVX-512 or AVX2 where the CPU has them (bit-identical to the scalar loop, tested), over all
+/// threads for calls of more than `QUANTIZE_ROWS_PER_TASK` rows.
 pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
     quantize_rows_with(x, rows, k, Isa::best())
 }
@@ -173,10 +173,7 @@ mod avx512 {
             _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(ints[0]));
             _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(ints[1]));
             let isum = _mm512_reduce_add_epi32(_mm512_add_epi32(ints[0], ints[1]));
-            let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(d));
-            let s = _mm_cvtss_f32(_mm_cvtph_ps(h));
-            *scales.get_unchecked_mut(i) = s;
-            *sums.get_unchecked_mut(i) = s * isum as f32;
+            super::avx2::store_scale(d, isum, i, scales, sums);
         }
     }
 }
@@ -248,9 +245,8 @@ pub(crate) mod avx2 {
     }
 
     /// `quantize_rows`' loop over consecutive blocks, to the bit: each block as `quantize_block`,
-    /// its scale rounded to f16 and back with F16C (round to nearest even, as `half` does), the
-    /// block's inlined into one loop (a call a block, and `half`'s run-time dispatch a scale,
-    /// cost more than the block's arithmetic).
+    /// its scale as `store_scale`, all inlined into one loop (a call a block, and `half`'s
+    /// run-time dispatch a scale, cost more than the block's arithmetic).
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `x` and `qs` hold `scales.len()` blocks, `sums`
@@ -263,11 +259,29 @@ pub(crate) mod avx2 {
             let xb = &*(x.as_ptr().add(i * QK) as *const [f32; QK]);
             let q = &mut *(qs.as_mut_ptr().add(i * QK) as *mut [i8; QK]);
             let (d, isum) = quantize_block(xb, q);
-            let h = _mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm_set_ss(d));
-            let s = _mm_cvtss_f32(_mm_cvtph_ps(h));
-            *scales.get_unchecked_mut(i) = s;
-            *sums.get_unchecked_mut(i) = s * isum as f32;
+            store_scale(d, isum, i, scales, sums);
         }
+    }
+
+    /// Block `i`'s scale `d` rounded to f16 and back with F16C (to nearest even, as `half` does,
+    /// without its run-time dispatch), and its sum `scale * isum`.
+    ///
+    /// # Safety
+    /// The CPU must support F16C; `i` is inside `scales` and `sums`.
+    #[inline]
+    #[target_feature(enable = "f16c")]
+    pub(super) unsafe fn store_scale(
+        d: f32,
+        isum: i32,
+        i: usize,
+        scales: &mut [f32],
+        sums: &mut [f32],
+    ) {
+        let s = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(
+            _mm_set_ss(d),
+        )));
+        *scales.get_unchecked_mut(i) = s;
+        *sums.get_unchecked_mut(i) = s * isum as f32;
     }
 
     /// # Safety

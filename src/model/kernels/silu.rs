@@ -1,8 +1,9 @@
 //! `silu(gate) * up`, the MLP's activation, for rows on the CPU.
 //!
-//! candle's `silu` calls libm's `expf` once per value, on one thread. Here `exp` is the attention softmax's
-//! AVX2 polynomial (`attn::exp8_minus`, within 2 ulp of libm), eight values at a time, and rows
-//! are spread over the threads. Both layer paths (`llama.rs`: plain rows and candle ops on CPU)
+//! candle's `silu` calls libm's `expf` once per value, on one thread. Here `exp` is the attention
+//! softmax's polynomial (`attn::exp8_minus`, within 2 ulp of libm), eight values at a time on
+//! AVX2 and sixteen on AVX-512 (`exp16_minus`, the same bits), and rows are spread over the
+//! threads. Both layer paths (`llama.rs`: plain rows and candle ops on CPU)
 //! call this one function, so they stay equal to the bit.
 
 use std::mem::MaybeUninit;
