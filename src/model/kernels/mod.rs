@@ -27,6 +27,31 @@ macro_rules! dispatch_rows {
     };
 }
 
+/// As `dispatch_rows!` for the 512-bit pair kernels, with `nr` 1 to `q8_0x8::PAIR_TILE_ROWS`
+/// (16): one decoded weight vector then serves every row of a 16-sequence step.
+macro_rules! dispatch_pair_rows {
+    ($nr:expr, $($f:ident)::+ ($($arg:expr),* $(,)?)) => {
+        match $nr {
+            16 => $($f)::+::<16>($($arg),*),
+            15 => $($f)::+::<15>($($arg),*),
+            14 => $($f)::+::<14>($($arg),*),
+            13 => $($f)::+::<13>($($arg),*),
+            12 => $($f)::+::<12>($($arg),*),
+            11 => $($f)::+::<11>($($arg),*),
+            10 => $($f)::+::<10>($($arg),*),
+            9 => $($f)::+::<9>($($arg),*),
+            8 => $($f)::+::<8>($($arg),*),
+            7 => $($f)::+::<7>($($arg),*),
+            6 => $($f)::+::<6>($($arg),*),
+            5 => $($f)::+::<5>($($arg),*),
+            4 => $($f)::+::<4>($($arg),*),
+            3 => $($f)::+::<3>($($arg),*),
+            2 => $($f)::+::<2>($($arg),*),
+            _ => $($f)::+::<1>($($arg),*),
+        }
+    };
+}
+
 /// `asm!` on x86_64, for the tile instructions (`amx`, `attn_amx`: Rust's AMX intrinsics are
 /// unstable). Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing reaches
 /// the functions that use it; they only need to compile.

@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use super::cpu::Isa;
 
 use super::q8_0::{QuantizedRows, QK};
-use super::q8_0x8::{matmul_grouped, pair_by_halves, RowGroups, GROUP, TILE_ROWS};
+use super::q8_0x8::{matmul_grouped, pair_by_halves, RowGroups, GROUP, PAIR_TILE_ROWS, TILE_ROWS};
 
 /// Rows from which the 16-column pair kernel runs: with fewer, each weight is used by one tile
 /// only, and read from memory the pair kernel ran 1.5-2.5x slower than the one-group one (the
@@ -171,9 +171,20 @@ impl RowGroups for Repacked {
         matmul_grouped(self, a, isa)
     }
 
-    /// From `PAIR_MIN_ROWS` rows with AVX-512 VNNI (see `vnni_pair`).
-    fn pairs(&self, rows: usize, isa: Isa) -> bool {
-        rows >= PAIR_MIN_ROWS && isa.avx512_vnni().is_some()
+    /// From `PAIR_MIN_ROWS` rows with AVX-512 VNNI (see `vnni_pair`): in tiles of
+    /// `PAIR_TILE_ROWS` rows on the 512-bit kernel, of `TILE_ROWS` on the 256-bit one (its 16
+    /// columns take two registers a row).
+    fn pairs(&self, rows: usize, isa: Isa) -> Option<usize> {
+        #[cfg(target_arch = "x86_64")]
+        if let (true, Some(vnni)) = (rows >= PAIR_MIN_ROWS, isa.avx512_vnni()) {
+            return Some(if vnni_pair::wide(vnni) {
+                PAIR_TILE_ROWS
+            } else {
+                TILE_ROWS
+            });
+        }
+        let _ = (rows, isa);
+        None
     }
 
     fn tile_pair(
@@ -185,21 +196,24 @@ impl RowGroups for Repacked {
         out: &mut [f32],
         isa: Isa,
     ) {
-        assert!(nr <= TILE_ROWS && r0 + nr <= a.rows);
+        assert!(r0 + nr <= a.rows);
         assert!(w.len() >= 2 * a.blocks * GROUP_BLOCK_BYTES && out.len() >= nr * 2 * GROUP);
         #[cfg(target_arch = "x86_64")]
         if let Some(vnni) = isa.avx512_vnni() {
             // SAFETY: the token proves AVX2, FMA, F16C, AVX512F/BW/VL and AVX512VNNI; bounds
-            // asserted above.
+            // asserted above and here (the rows each form takes).
             unsafe {
                 if vnni_pair::wide(vnni) {
-                    dispatch_rows!(nr, vnni_pair::tile512(w, a, r0, out))
+                    assert!(nr <= PAIR_TILE_ROWS);
+                    dispatch_pair_rows!(nr, vnni_pair::tile512(w, a, r0, out))
                 } else {
+                    assert!(nr <= TILE_ROWS);
                     dispatch_rows!(nr, vnni_pair::tile256(w, a, r0, out))
                 }
             }
             return;
         }
+        assert!(nr <= TILE_ROWS);
         let w = &w[..2 * a.blocks * GROUP_BLOCK_BYTES];
         pair_by_halves(w, nr, out, |wh, one| tile(wh, a, r0, nr, one, isa));
     }
@@ -637,8 +651,9 @@ mod tests {
         }
     }
 
-    /// Both forms of the VNNI pair kernel against the scalar reference, 1-4 rows, on a CPU that
-    /// has them (the matmul tests run whichever `wide` picked).
+    /// Both forms of the VNNI pair kernel against the scalar reference, at the rows each takes
+    /// (the 512-bit one up to `PAIR_TILE_ROWS`), on a CPU that has them (the matmul tests run
+    /// whichever `wide` picked).
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn both_pair_kernels_equal_scalar() {
@@ -648,26 +663,31 @@ mod tests {
         };
         let (n, k) = (16, 5 * QK);
         let rp = Repacked::from_q4_1(&q4_1_bytes(3, n, k), n, k);
-        let x = xs(4, 4 * k);
-        let a = quantize_rows(&x, 4, k);
+        let m = PAIR_TILE_ROWS + 2;
+        let x = xs(4, m * k);
+        let a = quantize_rows(&x, m, k);
         type Kernel = unsafe fn(&[u8], &QuantizedRows, usize, &mut [f32]);
-        let kernels: [(&str, Kernel); 4] = [
-            ("tile256::<4>", vnni_pair::tile256::<4>),
-            ("tile512::<4>", vnni_pair::tile512::<4>),
-            ("tile256::<1>", vnni_pair::tile256::<1>),
-            ("tile512::<1>", vnni_pair::tile512::<1>),
+        let kernels: [(&str, usize, Kernel); 7] = [
+            ("tile256::<4>", 4, vnni_pair::tile256::<4>),
+            ("tile256::<1>", 1, vnni_pair::tile256::<1>),
+            ("tile512::<16>", 16, vnni_pair::tile512::<16>),
+            ("tile512::<13>", 13, vnni_pair::tile512::<13>),
+            ("tile512::<8>", 8, vnni_pair::tile512::<8>),
+            ("tile512::<4>", 4, vnni_pair::tile512::<4>),
+            ("tile512::<1>", 1, vnni_pair::tile512::<1>),
         ];
-        for (name, kernel) in kernels {
-            let nr = if name.ends_with("<4>") { 4 } else { 1 };
-            for r0 in 0..=4 - nr {
-                let mut got = [0f32; 64];
+        for (name, nr, kernel) in kernels {
+            for r0 in 0..=m - nr {
+                let mut got = [0f32; PAIR_TILE_ROWS * 16];
                 // SAFETY: the CPU has AVX-512 VNNI (detected above); both groups and rows
                 // r0..r0 + nr exist.
                 unsafe { kernel(rp.groups(0, 2), &a, r0, &mut got) };
-                let mut want = [0f32; 64];
-                pair_by_halves(rp.groups(0, 2), nr, &mut want, |wh, one| {
-                    tile_scalar(wh, &a, r0, nr, one)
-                });
+                let mut want = [0f32; PAIR_TILE_ROWS * 16];
+                for (r, want) in want.chunks_exact_mut(16).take(nr).enumerate() {
+                    pair_by_halves(rp.groups(0, 2), 1, want, |wh, one| {
+                        tile_scalar(wh, &a, r0 + r, 1, one)
+                    });
+                }
                 for (i, (g, w)) in got[..nr * 16].iter().zip(&want[..nr * 16]).enumerate() {
                     assert!(
                         (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
@@ -682,7 +702,7 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// SIMD and scalar kernels agree on odd shapes.
         #[test]
-        fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
+        fn simd_equals_scalar(m in 1usize..40, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
             let k = kb * QK;
             let rp = Repacked::from_q4_1(&q4_1_bytes(seed, n, k), n, k);
             let x = xs(seed ^ 0x5a5a, m * k);

@@ -44,6 +44,10 @@ pub const Q6_K_BLOCK_BYTES: usize = 210;
 /// Activation rows per micro-kernel call: 4 integer and 4 float accumulators, the weight vector,
 /// its absolute value and a constant fit AVX2's 16 registers.
 pub(crate) const TILE_ROWS: usize = 4;
+/// Activation rows per call of a 512-bit pair kernel (`RowGroups::pairs`): its float
+/// accumulators take 16 of the 32 registers, and the weights' decode (load, insert, mask or flip)
+/// and the per-block scale loads are shared by all rows of the tile.
+pub(crate) const PAIR_TILE_ROWS: usize = 16;
 /// Weight groups per parallel task: 4 groups of 1536 values are 36 KiB, about L1, and every row
 /// tile of the step passes over them while they are there.
 const GROUPS_PER_TASK: usize = 4;
@@ -190,14 +194,15 @@ impl<const S: usize> RowGroups for Rows8<S> {
         tile::<S>(w, a, r0, nr, out, isa)
     }
 
-    /// Q8_0 from `q4_1x8::PAIR_MIN_ROWS` rows where 512-bit VNNI pays (see `vnni_pair`).
-    fn pairs(&self, rows: usize, isa: Isa) -> bool {
+    /// Q8_0 from `q4_1x8::PAIR_MIN_ROWS` rows where 512-bit VNNI pays (see `vnni_pair`), in
+    /// tiles of `PAIR_TILE_ROWS`.
+    fn pairs(&self, rows: usize, isa: Isa) -> Option<usize> {
         #[cfg(target_arch = "x86_64")]
         if let (1, true, Some(vnni)) = (S, rows >= PAIR_MIN_ROWS, isa.avx512_vnni()) {
-            return wide_vnni_pays(vnni);
+            return wide_vnni_pays(vnni).then_some(PAIR_TILE_ROWS);
         }
         let _ = (rows, isa);
-        false
+        None
     }
 
     fn tile_pair(
@@ -210,13 +215,13 @@ impl<const S: usize> RowGroups for Rows8<S> {
         isa: Isa,
     ) {
         let gbytes = a.blocks * Self::GBB;
-        assert!(nr <= TILE_ROWS && r0 + nr <= a.rows);
+        assert!(nr <= PAIR_TILE_ROWS && r0 + nr <= a.rows);
         assert!(w.len() >= 2 * gbytes && out.len() >= nr * 2 * GROUP);
         #[cfg(target_arch = "x86_64")]
         if let (1, Some(_vnni)) = (S, isa.avx512_vnni()) {
             // SAFETY: the token proves AVX2, FMA, AVX512F/BW/VL and AVX512VNNI; S = 1, bounds
             // asserted above.
-            unsafe { dispatch_rows!(nr, vnni_pair::tile512(w, a, r0, out)) }
+            unsafe { dispatch_pair_rows!(nr, vnni_pair::tile512(w, a, r0, out)) }
             return;
         }
         pair_by_halves(&w[..2 * gbytes], nr, out, |wh, one| {
@@ -231,15 +236,17 @@ impl<const S: usize> RowGroups for Rows8<S> {
 /// gather, and the result is not zeroed first: every element is written once, which matters for
 /// the 49152-column output projection). `groups(g, count)` is the bytes of groups
 /// `g..g + count` (adjacent in memory); `tile(w, count, a, r0, nr, out)` writes rows
-/// `r0..r0+nr` x `8 * count` columns of the `count` groups in `w` into `out`. With `pairs`, a
-/// task's groups go two at a time (a lone last one alone).
+/// `r0..r0+nr` x `8 * count` columns of the `count` groups in `w` into `out`. With
+/// `pairs = Some(rows)`, a task's groups go two at a time (a lone last one alone), in tiles of up
+/// to `rows` activation rows; single groups in tiles of up to `TILE_ROWS`.
 pub(crate) fn grouped_matmul<'w>(
     n: usize,
     a: &QuantizedRows,
     groups: impl Fn(usize, usize) -> &'w [u8] + Sync,
-    pairs: bool,
+    pairs: Option<usize>,
     tile: impl Fn(&[u8], usize, &QuantizedRows, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
+    let pair_rows = pairs.map_or(0, |rows| rows.clamp(1, PAIR_TILE_ROWS));
     /// The result's base pointer, shared by tasks that write disjoint columns.
     struct Out(*mut f32);
     // SAFETY: tasks write disjoint elements (their own columns), and the Vec outlives them.
@@ -252,17 +259,18 @@ pub(crate) fn grouped_matmul<'w>(
         .into_par_iter()
         .for_each(|t| {
             let base = &base;
-            let mut buf = [0f32; TILE_ROWS * 2 * GROUP];
+            let mut buf = [0f32; PAIR_TILE_ROWS * 2 * GROUP];
             let (mut g, end) = (t * GROUPS_PER_TASK, ((t + 1) * GROUPS_PER_TASK).min(total));
             while g < end {
-                let count = if pairs && g + 2 <= end { 2 } else { 1 };
+                let count = if pair_rows > 0 && g + 2 <= end { 2 } else { 1 };
+                let rows = if count == 2 { pair_rows } else { TILE_ROWS };
                 let w = groups(g, count);
                 let c0 = g * GROUP;
                 let width = count * GROUP;
                 let cols = width.min(n - c0);
                 let mut r0 = 0;
                 while r0 < m {
-                    let nr = (m - r0).min(TILE_ROWS);
+                    let nr = (m - r0).min(rows);
                     tile(w, count, a, r0, nr, &mut buf[..nr * width]);
                     for r in 0..nr {
                         // SAFETY: row r0 + r < m and columns c0..c0 + cols <= n lie inside the
@@ -322,11 +330,13 @@ pub trait RowGroups: Sync {
     /// best kernel `isa` allows.
     fn tile(&self, w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut [f32], isa: Isa);
     /// Whether the driver takes groups two at a time (`tile_pair`) for `rows` activation rows at
-    /// `isa`: where this layout has a 16-column kernel that pays there.
-    fn pairs(&self, _rows: usize, _isa: Isa) -> bool {
-        false
+    /// `isa`, and in tiles of how many rows (at most `PAIR_TILE_ROWS`): where this layout has a
+    /// 16-column kernel that pays there.
+    fn pairs(&self, _rows: usize, _isa: Isa) -> Option<usize> {
+        None
     }
-    /// Two adjacent groups (`w` holds both) against rows `r0..r0+nr` into `out` (`nr x 16`).
+    /// Two adjacent groups (`w` holds both) against rows `r0..r0+nr` into `out` (`nr x 16`;
+    /// `nr` at most what `pairs` answered).
     /// This default runs `tile` on each; a layout with a 16-column kernel overrides it.
     fn tile_pair(
         &self,
@@ -578,7 +588,7 @@ mod vnni_pair {
         for b in 0..a.blocks {
             let (g0, g1) = (w0.add(b * gbb), w1.add(b * gbb));
             let (q0, q1) = (g0.add(GROUP * 4), g1.add(GROUP * 4));
-            let mut isum = [[_mm512_setzero_si512(); 2]; NR];
+            let mut isum = [_mm512_setzero_si512(); NR];
             for c in 0..QK / 4 {
                 let v = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(q0.add(c * 32) as *const __m256i)),
@@ -588,7 +598,7 @@ mod vnni_pair {
                 for (r, s) in isum.iter_mut().enumerate() {
                     let at = ap.add((r0 + r) * a.blocks * QK + b * QK + c * 4);
                     let av = _mm512_set1_epi32((at as *const i32).read_unaligned());
-                    s[c % 2] = _mm512_dpbusd_epi32(s[c % 2], v, av);
+                    *s = _mm512_dpbusd_epi32(*s, v, av);
                 }
             }
             let dw = halves(g0, g1);
@@ -596,8 +606,7 @@ mod vnni_pair {
             for r in 0..NR {
                 let ai = (r0 + r) * a.blocks + b;
                 let d = _mm512_mul_ps(dw, _mm512_set1_ps(*a.scales.get_unchecked(ai)));
-                let i = _mm512_add_epi32(isum[r][0], isum[r][1]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), d, acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), d, acc[r]);
                 acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.sums.get_unchecked(ai)), acc[r]);
             }
         }
@@ -710,25 +719,27 @@ mod tests {
     proptest! {
         #![proptest_config(ProptestConfig { cases: 32, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// The 512-bit Q8_0 pair kernel, called whatever `wide_vnni_pays` chose here, against
-        /// the scalar reference on each group, 1-4 rows from any first row (on a CPU with
-        /// AVX-512 VNNI; elsewhere nothing runs it).
+        /// the scalar reference on each group, 1 to `PAIR_TILE_ROWS` rows from any first row (on
+        /// a CPU with AVX-512 VNNI; elsewhere nothing runs it).
         #[test]
         #[cfg(target_arch = "x86_64")]
-        fn the_pair_kernel_equals_scalar(kb in 1usize..7, nr in 1usize..5, r0 in 0usize..3, seed in any::<u64>()) {
+        fn the_pair_kernel_equals_scalar(kb in 1usize..7, nr in 1usize..=PAIR_TILE_ROWS, r0 in 0usize..3, seed in any::<u64>()) {
             let Some(_vnni) = crate::model::kernels::cpu::Avx512Vnni::detect() else {
                 return Ok(());
             };
-            let (n, k, m) = (16, kb * QK, 7);
+            let (n, k, m) = (16, kb * QK, PAIR_TILE_ROWS + 3);
             let rp = Repacked::from_q8_0(&q8_0_bytes(&lcg(seed ^ 0xabc, n * k), n, k), n, k);
             let a = quantize_rows(&lcg(seed, m * k), m, k);
-            let mut got = [0f32; 64];
+            let mut got = [0f32; PAIR_TILE_ROWS * 16];
             // SAFETY: the CPU has AVX-512 VNNI (detected above); both groups and rows
-            // r0..r0 + nr (at most 6 of 7) exist.
-            unsafe { dispatch_rows!(nr, vnni_pair::tile512(rp.groups(0, 2), &a, r0, &mut got)) };
-            let mut want = [0f32; 64];
-            pair_by_halves(rp.groups(0, 2), nr, &mut want, |wh, one| {
-                tile_scalar::<1>(wh, &a, r0, nr, one)
-            });
+            // r0..r0 + nr (at most 18 of 19) exist.
+            unsafe { dispatch_pair_rows!(nr, vnni_pair::tile512(rp.groups(0, 2), &a, r0, &mut got)) };
+            let mut want = [0f32; PAIR_TILE_ROWS * 16];
+            for (r, want) in want.chunks_exact_mut(16).take(nr).enumerate() {
+                pair_by_halves(rp.groups(0, 2), 1, want, |wh, one| {
+                    tile_scalar::<1>(wh, &a, r0 + r, 1, one)
+                });
+            }
             for (i, (g, w)) in got[..nr * 16].iter().zip(&want[..nr * 16]).enumerate() {
                 prop_assert!((g - w).abs() <= 1e-4 * (1.0 + w.abs()), "nr {nr} r0 {r0} [{i}]: {g} vs {w}");
             }
@@ -737,10 +748,10 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 48, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
-        /// SIMD and scalar kernels agree on odd shapes (rows not a multiple of the tile, columns
-        /// not a multiple of the group or of the task).
+        /// SIMD and scalar kernels agree on odd shapes (rows not a multiple of the tile or of
+        /// the pair kernel's tile, columns not a multiple of the group or of the task).
         #[test]
-        fn simd_equals_scalar(m in 1usize..11, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
+        fn simd_equals_scalar(m in 1usize..40, kb in 1usize..7, n in 1usize..70, seed in any::<u64>()) {
             let k = kb * QK;
             let x = lcg(seed, m * k);
             let rp = Repacked::from_q8_0(&q8_0_bytes(&lcg(seed ^ 0xabc, n * k), n, k), n, k);
