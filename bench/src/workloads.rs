@@ -170,6 +170,10 @@ pub struct ChatArgs {
     /// New tokens per reply.
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// Sample with the server's `[sampling]` defaults (seeded per turn), as the chat page and
+    /// the widget do; without it replies are greedy (the figures in docs/performance.md).
+    #[arg(long)]
+    pub server_sampling: bool,
 }
 
 #[derive(Args)]
@@ -559,6 +563,7 @@ fn chat(mut settings: Settings, opts: EngineOptions, a: ChatArgs) -> anyhow::Res
                     system_words: a.system_words,
                     max_tokens: a.max_tokens,
                     think: std::time::Duration::from_millis(a.think_ms),
+                    server_sampling: a.server_sampling,
                 };
                 load::run_chat(cfg, &label)
                     .await

@@ -16,6 +16,9 @@ pub struct ChatBenchConfig {
     pub system_words: usize,
     pub max_tokens: usize,
     pub think: Duration,
+    /// Leave sampling to the server's `[sampling]` defaults (temperature 0.7, top-p, min-p), as
+    /// the chat page and the widget do, instead of asking for greedy replies.
+    pub server_sampling: bool,
 }
 
 /// Results of one chat run.
@@ -87,8 +90,12 @@ pub(super) async fn chat_user(
         let id = format!("u{user}t{turn}");
         // Replies end at the model's end of turn (or max_tokens), as in a real conversation: the
         // next turn re-renders them, and a reply cut inside special tokens would not re-render.
-        let frame = json!({"type": "chat", "id": id, "messages": messages,
-            "params": {"temperature": 0, "max_tokens": cfg.max_tokens}});
+        let params = if cfg.server_sampling {
+            json!({"max_tokens": cfg.max_tokens, "seed": 1000 + user * 10 + turn})
+        } else {
+            json!({"temperature": 0, "max_tokens": cfg.max_tokens})
+        };
+        let frame = json!({"type": "chat", "id": id, "messages": messages, "params": params});
         let sent = Instant::now();
         send_json(&mut ws, &frame).await?;
         let r = read_reply(&mut ws).await?;
