@@ -25,7 +25,8 @@ use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
 use crate::kv_cache::{BlockPool, CacheScope};
-use crate::sampler::{log_probs, Sampler, SamplingParams, TokenLogprobs};
+use crate::sampler::{log_probs, Prepared, Sampler, SamplingParams, TokenLogprobs};
+use rayon::prelude::*;
 
 /// A request, validated by the caller: a non-empty prompt shorter than the context. With
 /// `max_tokens` 0 it is prefill-only (a draft): its prompt is computed into the cache with what
@@ -217,7 +218,13 @@ impl Decoding {
     /// The next token from `row` (masked already where a grammar holds the reply), counted and
     /// seen by the sampler's penalties.
     fn sample(&mut self, row: &mut [f32]) -> u32 {
-        let token = self.sampler.sample(row);
+        let prepared = self.sampler.prepare(row);
+        self.draw(prepared)
+    }
+
+    /// `sample` for a row its sampler prepared.
+    fn draw(&mut self, prepared: Prepared) -> u32 {
+        let token = self.sampler.draw(prepared);
         self.sampler.observe(token);
         self.generated += 1;
         token
@@ -795,6 +802,10 @@ impl<E: BorrowMut<Engine>> Core<E> {
         let mut drafted: HashMap<RequestId, Vec<u32>> = sch.drafted.into_iter().collect();
         let mut rows = rows.into_iter();
         let sampled = sch.entries.iter().filter(|e| e.sample).map(|e| e.id);
+        // Rows sampled alone (no drafts), masked, for `Sampler::prepare` on all threads: with
+        // the default sampling a row costs a few hundred microseconds (an `exp` a vocabulary
+        // token, the truncation's sort), which one thread would pay for every stream in turn.
+        let mut pending: Vec<(RequestId, Vec<f32>, Option<Vec<f32>>)> = Vec::new();
         for id in sampled {
             let drafts = drafted.remove(&id).unwrap_or_default();
             if !drafts.is_empty() {
@@ -824,13 +835,27 @@ impl<E: BorrowMut<Engine>> Core<E> {
                 let raw = raw.as_deref().expect("kept for forks");
                 self.fork(id, fork, sampler, raw, mask.as_ref(), &mut events);
             }
-            let Some(d) = self.live.get_mut(&id) else {
+            if !self.live.contains_key(&id) {
                 continue;
-            };
+            }
             if let Some(m) = &mask {
                 m.apply(&mut row);
             }
-            let token = d.sample(&mut row);
+            pending.push((id, row, raw));
+        }
+        let prepared: Vec<Option<Prepared>> = {
+            let samplers: Vec<Option<&Sampler>> = (pending.iter())
+                .map(|(id, _, _)| self.live.get(id).map(|d| &d.sampler))
+                .collect();
+            (pending.par_iter_mut().zip(samplers))
+                .map(|((_, row, _), s)| s.map(|s| s.prepare(row)))
+                .collect()
+        };
+        for ((id, _, raw), prepared) in pending.into_iter().zip(prepared) {
+            let (Some(d), Some(prepared)) = (self.live.get_mut(&id), prepared) else {
+                continue;
+            };
+            let token = d.draw(prepared);
             if let Some(Err(error)) = d.constraint.as_mut().map(|c| c.accept(token)) {
                 self.fail(id, error, &mut events);
                 continue;
