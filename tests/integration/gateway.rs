@@ -544,20 +544,27 @@ fn a_client_that_never_answers_pings_is_closed() {
 #[test]
 fn a_chat_turn_starts_while_a_long_prompt_is_still_prefilling() {
     let _g = model_lock();
-    // 16-token steps: the turn (13 prompt tokens) fits one, the long prompt takes ~100.
+    // 16-token steps: the turn (13 prompt tokens) fits one, the long prompt (~4,000 tokens) takes
+    // ~250 (~0.45 s here). Both sockets are open before the long prompt is sent, so the turn
+    // follows its `started` frame within a message's round trip, far less than that prefill.
     let app = spawn_app(Tiny::Tied.dir(), |s| {
         s.scheduler.step_tokens = 16;
         s.scheduler.max_running = 16;
+        s.engine.max_context = 8192;
         s.limits.max_message_chars = 100_000;
         s.limits.max_frame_bytes = 1 << 20;
     });
     run(async {
         let mut long = app.connect().await;
-        long.chat("l", &"word ".repeat(1500), json!({"max_tokens": 1}))
+        let mut turn = app.connect().await;
+        long.chat("l", &"word ".repeat(4000), json!({"max_tokens": 1}))
             .await;
         loop {
-            if long.recv().await["type"] == "started" {
-                break;
+            let f = long.recv().await;
+            match f["type"].as_str().unwrap() {
+                "started" => break,
+                "error" | "done" => panic!("the long prompt did not start: {f}"),
+                _ => {}
             }
         }
         // The long prompt's frames, with their arrival, read by a task of their own.
@@ -571,7 +578,6 @@ fn a_chat_turn_starts_while_a_long_prompt_is_still_prefilling() {
                 }
             }
         });
-        let mut turn = app.connect().await;
         turn.chat("t", "Hi there.", greedy(1)).await;
         let r = turn.reply("t").await;
         assert_eq!(r.done["type"], "done", "{:?}", r.done);
