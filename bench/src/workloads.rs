@@ -174,6 +174,10 @@ pub struct ChatArgs {
     /// the widget do; without it replies are greedy (the figures in docs/performance.md).
     #[arg(long)]
     pub server_sampling: bool,
+    /// With --server-sampling: the seeds' base (user u's turn t samples with seed BASE + 10u + t),
+    /// to compare builds over more than one set of replies.
+    #[arg(long, default_value_t = 1000)]
+    pub seed_base: u64,
 }
 
 #[derive(Args)]
@@ -564,6 +568,7 @@ fn chat(mut settings: Settings, opts: EngineOptions, a: ChatArgs) -> anyhow::Res
                     max_tokens: a.max_tokens,
                     think: std::time::Duration::from_millis(a.think_ms),
                     server_sampling: a.server_sampling,
+                    seed_base: a.seed_base,
                 };
                 load::run_chat(cfg, &label)
                     .await

@@ -19,6 +19,8 @@ pub struct ChatBenchConfig {
     /// Leave sampling to the server's `[sampling]` defaults (temperature 0.7, top-p, min-p), as
     /// the chat page and the widget do, instead of asking for greedy replies.
     pub server_sampling: bool,
+    /// The seeds' base with `server_sampling`: user u's turn t samples with `seed_base + 10u + t`.
+    pub seed_base: u64,
 }
 
 /// Results of one chat run.
@@ -91,7 +93,7 @@ pub(super) async fn chat_user(
         // Replies end at the model's end of turn (or max_tokens), as in a real conversation: the
         // next turn re-renders them, and a reply cut inside special tokens would not re-render.
         let params = if cfg.server_sampling {
-            json!({"max_tokens": cfg.max_tokens, "seed": 1000 + user * 10 + turn})
+            json!({"max_tokens": cfg.max_tokens, "seed": cfg.seed_base + (user * 10 + turn) as u64})
         } else {
             json!({"temperature": 0, "max_tokens": cfg.max_tokens})
         };
