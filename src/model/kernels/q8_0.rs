@@ -132,9 +132,10 @@ pub fn tile_scalar(w: &[u8], a: &QuantizedRows, r0: usize, nr: usize, out: &mut 
     }
 }
 
-/// `avx2::quantize_blocks` with a block in two 512-bit registers: the same operations a value
-/// (the product with `1 / d`, truncation, the step away from zero where the dropped fraction is at
-/// least one half, the clamp), so the same quants, scales and sums in fewer instructions.
+/// `avx2::quantize_blocks` with a block in two 512-bit registers and sixteen blocks a group
+/// (`quantize_group`): the same operations a value (the product with `1 / d`, truncation, the step
+/// away from zero where the dropped fraction is at least one half, the clamp), so the same quants,
+/// scales and sums in fewer instructions.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
