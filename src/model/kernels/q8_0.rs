@@ -330,6 +330,27 @@ pub(crate) mod avx2 {
         let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
         let d = amax / 127.0;
         let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+        let sum = quantize_with(v, id, q);
+        let s = _mm_add_epi32(
+            _mm256_castsi256_si128(sum),
+            _mm256_extracti128_si256(sum, 1),
+        );
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        (d, _mm_cvtsi128_si32(s))
+    }
+
+    /// A block's 32 values `v` times `id`, rounded half away from zero as `f32::round` does
+    /// (truncate, then step away from zero where the dropped fraction is at least one half:
+    /// exact, unlike adding 0.5), clamped to +-127 and stored into `q`; returns the quants' sums
+    /// in eight lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn quantize_with(v: [__m256; 4], id: __m256, q: &mut [i8; QK]) -> __m256i {
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
         let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
         let (lo, hi) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
         let sign = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
@@ -352,13 +373,98 @@ pub(crate) mod avx2 {
         );
         let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, p);
-        let s = _mm_add_epi32(
-            _mm256_castsi256_si128(sum),
-            _mm256_extracti128_si256(sum, 1),
+        sum
+    }
+
+    /// Blocks quantized together by `quantize_group`.
+    const GROUP: usize = 8;
+
+    /// Blocks `first..first + GROUP` as `quantize_block` and `store_scale` do them one by one,
+    /// to the bit, with the per-block scalar work done once for the group (as the AVX-512
+    /// path's `quantize_group`): the eight maxima and integer sums reduced across registers
+    /// together, the scales and reciprocals divided in one register, rounded through F16 and
+    /// stored eight at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; blocks `first..first + GROUP` exist in `x`,
+    /// `qs`, `scales` and `sums`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn quantize_group(
+        x: &[f32],
+        qs: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [f32],
+        first: usize,
+    ) {
+        debug_assert!((first + GROUP) * QK <= x.len() && first + GROUP <= scales.len());
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        let xp = x.as_ptr().add(first * QK);
+        let load = |b: usize| -> [__m256; 4] {
+            std::array::from_fn(|i| _mm256_loadu_ps(xp.add(b * QK + 8 * i)))
+        };
+        let maxima: [__m256; GROUP] = std::array::from_fn(|b| {
+            let v = load(b);
+            _mm256_max_ps(
+                _mm256_max_ps(_mm256_and_ps(v[0], abs), _mm256_and_ps(v[1], abs)),
+                _mm256_max_ps(_mm256_and_ps(v[2], abs), _mm256_and_ps(v[3], abs)),
+            )
+        });
+        let amax = transpose_reduce(maxima, |a, b| _mm256_max_ps(a, b));
+        let d = _mm256_div_ps(amax, _mm256_set1_ps(127.0));
+        let nonzero = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+        let mut ids = [0f32; GROUP];
+        _mm256_storeu_ps(
+            ids.as_mut_ptr(),
+            _mm256_and_ps(_mm256_div_ps(_mm256_set1_ps(1.0), d), nonzero),
         );
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        (d, _mm_cvtsi128_si32(s))
+        let sums_i: [__m256; GROUP] = std::array::from_fn(|b| {
+            let q = &mut *(qs.as_mut_ptr().add((first + b) * QK) as *mut [i8; QK]);
+            _mm256_castsi256_ps(quantize_with(load(b), _mm256_set1_ps(ids[b]), q))
+        });
+        let isum = _mm256_castps_si256(transpose_reduce(sums_i, |a, b| {
+            _mm256_castsi256_ps(_mm256_add_epi32(
+                _mm256_castps_si256(a),
+                _mm256_castps_si256(b),
+            ))
+        }));
+        // The scales rounded to F16 and back (to nearest even, as `store_scale`), then the sums.
+        let s = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(d));
+        _mm256_storeu_ps(scales.as_mut_ptr().add(first), s);
+        _mm256_storeu_ps(
+            sums.as_mut_ptr().add(first),
+            _mm256_mul_ps(s, _mm256_cvtepi32_ps(isum)),
+        );
+    }
+
+    /// Lane `b` of the result is `v[b]`'s eight lanes combined by `op` (associative and
+    /// commutative: max, integer add), for all eight registers at once: halves, then pairs,
+    /// then single lanes combined across registers.
+    #[inline(always)]
+    unsafe fn transpose_reduce(v: [__m256; 8], op: impl Fn(__m256, __m256) -> __m256) -> __m256 {
+        // 128-bit halves: register j holds v[2j] in lanes 0-3 and v[2j+1] in lanes 4-7.
+        let h: [__m256; 4] = std::array::from_fn(|j| {
+            let (a, b) = (v[2 * j], v[2 * j + 1]);
+            op(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        });
+        // Within halves: register j's half k holds two partials of v[4j + k] and two of
+        // v[4j + 2 + k].
+        let p: [__m256; 2] = std::array::from_fn(|j| {
+            let (a, b) = (h[2 * j], h[2 * j + 1]);
+            op(
+                _mm256_shuffle_ps::<0b01_00_01_00>(a, b),
+                _mm256_shuffle_ps::<0b11_10_11_10>(a, b),
+            )
+        });
+        // Half k now holds v[k], v[2 + k], v[4 + k], v[6 + k]: lane 4k + j is v[2j + k].
+        let r = op(
+            _mm256_shuffle_ps::<0b10_00_10_00>(p[0], p[1]),
+            _mm256_shuffle_ps::<0b11_01_11_01>(p[0], p[1]),
+        );
+        _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
     }
 
     /// `quantize_rows`' loop over consecutive blocks, to the bit: each block as `quantize_block`,
@@ -372,7 +478,11 @@ pub(crate) mod avx2 {
     pub unsafe fn quantize_blocks(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
         let blocks = scales.len();
         assert!(x.len() == blocks * QK && qs.len() == blocks * QK && sums.len() == blocks);
-        for i in 0..blocks {
+        let groups = blocks / GROUP;
+        for g in 0..groups {
+            quantize_group(x, qs, scales, sums, g * GROUP);
+        }
+        for i in groups * GROUP..blocks {
             let xb = &*(x.as_ptr().add(i * QK) as *const [f32; QK]);
             let q = &mut *(qs.as_mut_ptr().add(i * QK) as *mut [i8; QK]);
             let (d, isum) = quantize_block(xb, q);
