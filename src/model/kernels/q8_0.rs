@@ -149,9 +149,6 @@ mod avx512 {
         let blocks = scales.len();
         assert!(x.len() == blocks * QK && qs.len() == blocks * QK && sums.len() == blocks);
         let abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fff_ffff));
-        let sign = _mm512_castsi512_ps(_mm512_set1_epi32(i32::MIN));
-        let (half, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
-        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
         let groups = blocks / GROUP;
         for g in 0..groups {
             quantize_group(x, qs, scales, sums, g * GROUP);
@@ -165,21 +162,35 @@ mod avx512 {
             ));
             let d = amax / 127.0;
             let id = _mm512_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
-            let ints = v.map(|v| {
-                let x = _mm512_mul_ps(v, id);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(x);
-                let frac = _mm512_and_ps(_mm512_sub_ps(x, t), abs);
-                let away = _mm512_or_ps(_mm512_and_ps(x, sign), one);
-                let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
-                let r = _mm512_mask_add_ps(t, up, t, away);
-                _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))
-            });
-            let q = qs.as_mut_ptr().add(i * QK);
-            _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(ints[0]));
-            _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(ints[1]));
-            let isum = _mm512_reduce_add_epi32(_mm512_add_epi32(ints[0], ints[1]));
+            let isum = _mm512_reduce_add_epi32(quantize_with(v, id, qs.as_mut_ptr().add(i * QK)));
             super::avx2::store_scale(d, isum, i, scales, sums);
         }
+    }
+
+    /// A block's 32 values `v` times `id`, rounded half away from zero as `f32::round` does,
+    /// clamped to +-127 and stored at `q`; returns the quants' sums in sixteen lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL; `q` points to 32 writable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    unsafe fn quantize_with(v: [__m512; 2], id: __m512, q: *mut i8) -> __m512i {
+        let abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fff_ffff));
+        let sign = _mm512_castsi512_ps(_mm512_set1_epi32(i32::MIN));
+        let (half, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let ints = v.map(|v| {
+            let x = _mm512_mul_ps(v, id);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(x);
+            let frac = _mm512_and_ps(_mm512_sub_ps(x, t), abs);
+            let away = _mm512_or_ps(_mm512_and_ps(x, sign), one);
+            let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
+            let r = _mm512_mask_add_ps(t, up, t, away);
+            _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))
+        });
+        _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(ints[0]));
+        _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(ints[1]));
+        _mm512_add_epi32(ints[0], ints[1])
     }
 
     /// Blocks quantized together by `quantize_group`.
@@ -204,9 +215,7 @@ mod avx512 {
     ) {
         debug_assert!((first + GROUP) * QK <= x.len() && first + GROUP <= scales.len());
         let abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fff_ffff));
-        let sign = _mm512_castsi512_ps(_mm512_set1_epi32(i32::MIN));
-        let (half, one) = (_mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
-        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        let one = _mm512_set1_ps(1.0);
         let xp = x.as_ptr().add(first * QK);
         let maxima: [__m512; GROUP] = std::array::from_fn(|b| {
             let p = xp.add(b * QK);
@@ -222,20 +231,13 @@ mod avx512 {
         _mm512_storeu_ps(ids.as_mut_ptr(), _mm512_maskz_div_ps(nonzero, one, d));
         let sums_i: [__m512; GROUP] = std::array::from_fn(|b| {
             let p = xp.add(b * QK);
-            let id = _mm512_set1_ps(ids[b]);
-            let ints = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))].map(|v| {
-                let x = _mm512_mul_ps(v, id);
-                let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(x);
-                let frac = _mm512_and_ps(_mm512_sub_ps(x, t), abs);
-                let away = _mm512_or_ps(_mm512_and_ps(x, sign), one);
-                let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
-                let r = _mm512_mask_add_ps(t, up, t, away);
-                _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi))
-            });
-            let q = qs.as_mut_ptr().add((first + b) * QK);
-            _mm_storeu_si128(q as *mut __m128i, _mm512_cvtepi32_epi8(ints[0]));
-            _mm_storeu_si128(q.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(ints[1]));
-            _mm512_castsi512_ps(_mm512_add_epi32(ints[0], ints[1]))
+            let v = [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))];
+            let ints = quantize_with(
+                v,
+                _mm512_set1_ps(ids[b]),
+                qs.as_mut_ptr().add((first + b) * QK),
+            );
+            _mm512_castsi512_ps(ints)
         });
         let isum = _mm512_castps_si512(transpose_reduce(sums_i, |a, b| {
             _mm512_castsi512_ps(_mm512_add_epi32(
