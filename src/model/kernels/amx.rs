@@ -30,6 +30,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use rayon::prelude::*;
 
 use super::cpu::Amx;
+use super::{lines, Lines};
 
 /// Rows of a tile; also the F32 columns of an output tile.
 pub(crate) const TILE: usize = 16;
@@ -79,7 +80,7 @@ impl Budget {
 pub struct Tiles {
     n: usize,
     k: usize,
-    data: Vec<u16>,
+    data: Lines<u16>,
 }
 
 /// F32 to bf16, rounding to nearest even (NaN stays NaN).
@@ -121,7 +122,7 @@ impl Tiles {
         assert_eq!(w.len(), n * k);
         let blocks = k / KB;
         let panels = n.div_ceil(BLOCK) * BLOCK / TILE;
-        let mut data = vec![0u16; panels * blocks * TILE_ELEMS];
+        let mut data = lines(0u16, panels * blocks * TILE_ELEMS);
         data.par_chunks_mut(blocks * TILE_ELEMS)
             .enumerate()
             .for_each(|(p, panel)| {
@@ -153,7 +154,7 @@ impl Tiles {
         // The activations as tiles too: per 16 rows and 32-value block, 1 KiB in a row, so a
         // tile load reads one contiguous run (rows padded with zeros to whole blocks).
         let blocks = k / KB;
-        let mut xa = vec![0u16; m_pad * k];
+        let mut xa = lines(0u16, m_pad * k);
         xa.par_chunks_mut(TILE * k)
             .enumerate()
             .for_each(|(mt, dst)| {

@@ -29,6 +29,7 @@ use rayon::prelude::*;
 
 use super::amx::SendPtr;
 use super::cpu::Amx;
+use super::lines;
 use super::q4_1x8::{Repacked, GROUP_BLOCK_BYTES};
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{RowGroups, GROUP};
@@ -59,7 +60,7 @@ pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
     let (m, blocks) = (a.rows, a.blocks);
     let chunks = m.div_ceil(ROWS);
     // Activation tiles: chunk c, block b at `(c * blocks + b) * A_TILE`, rows 32 bytes apart.
-    let mut at = vec![0i8; chunks * blocks * A_TILE];
+    let mut at = lines(0i8, chunks * blocks * A_TILE);
     for r in 0..m {
         let (c, t) = (r / ROWS, r % ROWS);
         for b in 0..blocks {

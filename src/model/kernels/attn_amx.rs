@@ -32,6 +32,7 @@ use super::amx::bf16_bits;
 use super::amx::{configure, release, to_bf16, KB, TILE, TILE_ELEMS};
 use super::attn::KvElem;
 use super::cpu::Amx;
+use super::{lines, Lines};
 
 /// Query rows (`MIN_TOKENS` tokens at least) from which a sequence's attention runs on the tiles:
 /// a tile takes 16 rows; 4 tokens of a GQA group of 3 already ran 1.2x faster than the F32
@@ -68,12 +69,23 @@ fn scale_at(scales: Scales, at: usize, d: usize) -> (f32, f32) {
 
 /// One KV head's positions `0..n` as bf16 tiles (module doc), padded with zeros to whole
 /// 32-position blocks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Packed {
     n: usize,
     d: usize,
-    k: Vec<u16>,
-    v: Vec<u16>,
+    k: Lines<u16>,
+    v: Lines<u16>,
+}
+
+impl Default for Packed {
+    fn default() -> Self {
+        Packed {
+            n: 0,
+            d: 0,
+            k: Lines::new(64),
+            v: Lines::new(64),
+        }
+    }
 }
 
 impl Packed {
@@ -205,13 +217,14 @@ pub(crate) fn tile(
     let stride = packed.n.div_ceil(KB) * KB;
     let kbs = d / KB;
     let dts = d / TILE;
-    let mut qa = vec![0u16; TILE * d];
+    let mut qa = lines(0u16, TILE * d);
     // A 16-row block's scores and weights, kept by the thread for its next tiles (at long contexts
     // they are too big for the allocator to keep, and fresh pages cost page faults each time).
-    let (mut s, mut pw) = SCRATCH.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    let (mut s, mut pw) =
+        SCRATCH.with(|c| std::mem::replace(&mut *c.borrow_mut(), (Lines::new(64), Lines::new(64))));
     s.resize(TILE * stride, 0.0);
     pw.resize(TILE * stride, 0);
-    let mut o = vec![0f32; TILE * d];
+    let mut o = lines(0f32, TILE * d);
     let mut inv = [0f32; TILE];
     let mut stats = Vec::with_capacity(n);
     // SAFETY: the token proves the tiles run here and this process may use them. Every tile load
@@ -280,7 +293,7 @@ pub(crate) fn tile(
 
 thread_local! {
     /// `tile`'s scores and weights buffers, reused.
-    static SCRATCH: RefCell<(Vec<f32>, Vec<u16>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static SCRATCH: RefCell<(Lines<f32>, Lines<u16>)> = RefCell::new((Lines::new(64), Lines::new(64)));
 }
 
 /// Scores of 16 query rows (`qa`, bf16, rows of `d`) against 32 positions (`k`: their two position

@@ -18,6 +18,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::cpu::Isa;
+use super::{lines, Lines};
 
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{matmul_grouped, pair_by_halves, RowGroups, GROUP, PAIR_TILE_ROWS, TILE_ROWS};
@@ -43,7 +44,7 @@ const QS: usize = GROUP * 4;
 pub struct Repacked {
     pub n: usize,
     pub k: usize,
-    data: Vec<u8>,
+    data: Lines<u8>,
 }
 
 /// Where row `r`'s value `i` (0..32) of a block sits: (byte offset from `QS`, high nibble?).
@@ -63,7 +64,7 @@ impl Repacked {
     ) -> Self {
         assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
         let blocks = k / QK;
-        let mut data = vec![0u8; n.div_ceil(GROUP) * blocks * GROUP_BLOCK_BYTES];
+        let mut data = lines(0u8, n.div_ceil(GROUP) * blocks * GROUP_BLOCK_BYTES);
         data.par_chunks_mut(blocks * GROUP_BLOCK_BYTES)
             .enumerate()
             .for_each(|(g, dst)| {

@@ -23,6 +23,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::cpu::Isa;
+use super::{lines, Lines};
 use crate::model::profile::{time, Part};
 
 #[cfg(target_arch = "x86_64")]
@@ -57,7 +58,7 @@ const GROUPS_PER_TASK: usize = 4;
 pub struct Rows8<const S: usize> {
     pub n: usize,
     pub k: usize,
-    data: Vec<u8>,
+    data: Lines<u8>,
 }
 
 /// Q8_0 in the 8-row layout.
@@ -81,7 +82,7 @@ impl<const S: usize> Rows8<S> {
         assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
         let blocks = k / QK;
         let groups = n.div_ceil(GROUP);
-        let mut data = vec![0u8; groups * blocks * Self::GBB];
+        let mut data = lines(0u8, groups * blocks * Self::GBB);
         data.par_chunks_mut(blocks * Self::GBB)
             .enumerate()
             .for_each(|(g, dst)| {
