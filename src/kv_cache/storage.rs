@@ -117,6 +117,8 @@ impl LayerKv {
 /// filled with its slot id, and for Q8 the same `[tokens, heads]` for the scales. Made once a step
 /// by `KvCache::slot_index`.
 pub struct SlotIndex {
+    /// Row i's slot (the CPU writes rows straight from it: `WriteRows`).
+    slots: Vec<u32>,
     rows: Tensor,
     heads: Option<Tensor>,
     /// The blocks the rows are in.
@@ -301,6 +303,7 @@ impl KvCache {
             )
         };
         Ok(SlotIndex {
+            slots: slots.to_vec(),
             rows: index(self.kv_dim)?,
             heads: match self.scales {
                 Some(_) => Some(index(self.shape.heads)?),
@@ -420,7 +423,16 @@ impl KvCache {
         x: &Tensor,
     ) -> Result<()> {
         let (Some(scales), Some(heads)) = (scales, &index.heads) else {
-            t.scatter_set(&index.rows, &x.to_dtype(t.dtype())?.contiguous()?, 0)?;
+            let x = x.to_dtype(t.dtype())?.contiguous()?;
+            if t.device().is_cpu() && x.device().is_cpu() {
+                let write = WriteRows {
+                    slots: &index.slots,
+                    width: self.kv_dim,
+                };
+                t.inplace_op2(&x, &write)?;
+            } else {
+                t.scatter_set(&index.rows, &x, 0)?;
+            }
             return Ok(());
         };
         let (codes, s) = if x.device().is_cpu() {
@@ -473,6 +485,75 @@ impl KeyRotation {
                 a[i] = x1 * c + x2 * s;
                 b[i] = x2 * c - x1 * s;
             }
+        }
+    }
+}
+
+/// The CPU in-place op of `KvCache::write` for F32 and F16 caches: row i of the step's values
+/// copied into slot `slots[i]` of one layer's K or V (`[slots, width]`). candle's `scatter_set`
+/// takes a slot id per value and moved them one at a time (6.5 ms of a 512-token prefill's
+/// 112 ms on the default model); this copies each row whole.
+struct WriteRows<'a> {
+    slots: &'a [u32],
+    width: usize,
+}
+
+impl WriteRows<'_> {
+    fn run<T: Copy>(&self, dst: &mut [T], src: &[T]) -> candle_core::Result<()> {
+        let w = self.width;
+        if src.len() != self.slots.len() * w {
+            return Err(candle_core::Error::Msg(format!(
+                "{} values for {} rows of {w}",
+                src.len(),
+                self.slots.len()
+            )));
+        }
+        // Checked first: a bad slot writes nothing.
+        if let Some(slot) = self
+            .slots
+            .iter()
+            .find(|&&s| (s as usize + 1) * w > dst.len())
+        {
+            return Err(candle_core::Error::Msg(format!(
+                "slot {slot} outside the cache's {}",
+                dst.len() / w
+            )));
+        }
+        for (row, &slot) in src.chunks_exact(w).zip(self.slots) {
+            let at = slot as usize * w;
+            dst[at..at + w].copy_from_slice(row);
+        }
+        Ok(())
+    }
+}
+
+impl candle_core::InplaceOp2 for WriteRows<'_> {
+    fn name(&self) -> &'static str {
+        "kv-write-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut candle_core::CpuStorage,
+        dst_layout: &candle_core::Layout,
+        src: &candle_core::CpuStorage,
+        src_layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage;
+        let (Some((d0, d1)), Some((s0, s1))) = (
+            dst_layout.contiguous_offsets(),
+            src_layout.contiguous_offsets(),
+        ) else {
+            return Err(candle_core::Error::Msg(
+                "the KV cache and the rows are contiguous".into(),
+            ));
+        };
+        match (dst, src) {
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => self.run(&mut d[d0..d1], &s[s0..s1]),
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => self.run(&mut d[d0..d1], &s[s0..s1]),
+            _ => Err(candle_core::Error::Msg(
+                "rows of the KV cache's own type, F16 or F32".into(),
+            )),
         }
     }
 }
@@ -681,9 +762,21 @@ mod tests {
                 want(&vx),
                 "{dtype:?} copied V"
             );
-            // The other layer was not touched.
+            // The other layer, and the other slots of this one, were not touched.
             let l0 = cache.layer(0).unwrap();
             assert!(read(&l0, false, &slots).iter().all(|&v| v == 0.0));
+            assert!(read(&l, false, &[0, 7, 8, 15]).iter().all(|&v| v == 0.0));
+            // A slot past the cache is an error, not a write elsewhere.
+            let past = cache.slot_index(&[3, 16]).unwrap();
+            let two = k.narrow(0, 0, 2).unwrap();
+            assert!(cache.write(0, &past, &two, &two).is_err(), "{dtype:?}");
+            if dtype != KvDtype::Q8 {
+                let l0 = cache.layer(0).unwrap();
+                assert!(
+                    read(&l0, false, &[3]).iter().all(|&v| v == 0.0),
+                    "{dtype:?}"
+                );
+            }
         }
     }
 
