@@ -392,7 +392,7 @@ unsafe fn weighted_values(
 /// positions; returns (max, the sum of the F32 exponentials).
 fn weights(_amx: Amx, s: &[f32], w: &mut [u16]) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: the token implies AVX-512 F/BW/VL; `simd::weights` checks `w`'s length.
+    // SAFETY: the token implies AVX-512 F/BW/VL and BF16; `simd::weights` checks `w`'s length.
     return unsafe { simd::weights(s, w) };
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("AMX tiles exist on x86_64 only")
@@ -541,8 +541,8 @@ mod simd {
     /// `super::weights` sixteen positions at a time.
     ///
     /// # Safety
-    /// AVX-512 F/BW/VL; `w.len() >= s.len()`.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    /// AVX-512 F/BW/VL and BF16; `w.len() >= s.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
     pub(super) unsafe fn weights(s: &[f32], w: &mut [u16]) -> (f32, f32) {
         let c = s.len();
         assert!(w.len() >= c);
@@ -569,7 +569,9 @@ mod simd {
             let k = lanes(i);
             let e = exp16_minus(_mm512_mask_loadu_ps(none, k, sp.add(i)), mm);
             sum = _mm512_add_ps(sum, e);
-            let h = _mm512_cvtepi32_epi16(bf16_lanes(e));
+            // `vcvtneps2bf16` rounds to nearest even as `bf16_lanes` does; it flushes
+            // subnormals, which `exp16_minus` never returns (it zeroes below e^-87).
+            let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
             _mm256_mask_storeu_epi16(wp.add(i) as *mut i16, k, h);
             i += 16;
         }
@@ -621,6 +623,40 @@ mod tests {
     use super::super::test_data::{amx_for_test, lcg};
     use super::*;
     use proptest::prelude::*;
+
+    /// A row's weights are its exponentials rounded as `bf16_bits` rounds them (the tile
+    /// units' conversion instruction against the scalar rounding), on rows of every length
+    /// mod 16 with scores far below the maximum (exponentials near the smallest normal and
+    /// zeroed).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn weights_round_the_exponentials_as_bf16_bits_does() {
+        use std::arch::x86_64::*;
+        let Some(amx) = amx_for_test("weights_round_the_exponentials_as_bf16_bits_does") else {
+            return;
+        };
+        for c in 1..70usize {
+            let s: Vec<f32> = lcg(c as u64, c)
+                .iter()
+                .map(|x| x * 60.0 - (c % 3) as f32 * 10.0)
+                .collect();
+            let mut got = vec![0u16; c];
+            let (m, _) = weights(amx, &s, &mut got);
+            let want: Vec<u16> = s
+                .iter()
+                .map(|&x| {
+                    // SAFETY: the token implies AVX-512 F.
+                    let e = unsafe {
+                        let v =
+                            super::super::attn::exp16_minus(_mm512_set1_ps(x), _mm512_set1_ps(m));
+                        _mm512_cvtss_f32(v)
+                    };
+                    bf16_bits(e)
+                })
+                .collect();
+            assert_eq!(got, want, "{c} positions");
+        }
+    }
 
     /// The tiles against `reference` on `n` rows seeing up to `c` positions (rows of one token
     /// share a position, as a GQA group does), offsets shuffled as a block table's are.

@@ -69,9 +69,9 @@ impl Avx512Vnni {
     }
 }
 
-/// Proof that the CPU has everything `Avx512Vnni` stands for plus AMX-TILE, AMX-BF16 and
-/// AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this process may
-/// use it.
+/// Proof that the CPU has everything `Avx512Vnni` stands for plus AVX-512 BF16, AMX-TILE,
+/// AMX-BF16 and AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this
+/// process may use it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Amx(());
 
@@ -79,7 +79,13 @@ impl Amx {
     /// The token, when this CPU and kernel let this process run tile instructions.
     pub fn detect() -> Option<Amx> {
         static HAS: OnceLock<bool> = OnceLock::new();
-        let has = *HAS.get_or_init(|| Avx512Vnni::detect().is_some() && amx_granted());
+        let has = *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            let bf16 = std::arch::is_x86_feature_detected!("avx512bf16");
+            #[cfg(not(target_arch = "x86_64"))]
+            let bf16 = false;
+            Avx512Vnni::detect().is_some() && bf16 && amx_granted()
+        });
         has.then_some(Amx(()))
     }
 
