@@ -491,8 +491,8 @@ impl KeyRotation {
 
 /// The CPU in-place op of `KvCache::write` for F32 and F16 caches: row i of the step's values
 /// copied into slot `slots[i]` of one layer's K or V (`[slots, width]`). candle's `scatter_set`
-/// takes a slot id per value and moved them one at a time (6.5 ms of a 512-token prefill's
-/// 112 ms on the default model); this copies each row whole.
+/// takes a slot id per value and moves them one at a time (docs/performance.md, "Tile
+/// loads that start on a cache line; the cache written a row at a time"); this copies each row whole.
 struct WriteRows<'a> {
     slots: &'a [u32],
     width: usize,

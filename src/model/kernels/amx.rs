@@ -183,9 +183,8 @@ impl Tiles {
                     configure();
                     // Row blocks outside, the task's column blocks inside: a row block's
                     // activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
-                    // panels come from L2 (gate_up at 512 rows: 0.97-1.02 -> 0.88 ms against
-                    // the other order, docs/performance.md, "Tile loads that start on a
-                    // cache line").
+                    // panels come from L2 (faster than the other order: docs/performance.md,
+                    // "Tile loads that start on a cache line").
                     for r in (0..m_pad).step_by(BLOCK) {
                         for j in t * per_task..((t + 1) * per_task).min(n_blocks) {
                             let w0 = self.data.as_ptr().add(j * 2 * blocks * TILE_ELEMS);
@@ -249,8 +248,7 @@ pub(crate) fn to_bf16(amx: Amx, src: &[f32], dst: &mut [u16]) {
 
 /// Up to 16 rows of `k` values (`src`) rounded to bf16 (`to_bf16`'s bits) into one row tile's
 /// blocks (`dst`: per 32-value block `b`, 16 rows of 32 at `(b * 16 + r) * 32`). One call for
-/// the whole tile: a call per 32-value block cost more than the rounding (a 512 x 1,536 step's
-/// activations took ~150 us).
+/// the whole tile: a call per 32-value block cost more than the rounding.
 ///
 /// # Panics
 /// When `k` is not a multiple of 32, `src` is not whole rows, there are more than 16, or `dst`

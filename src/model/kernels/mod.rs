@@ -84,10 +84,9 @@ use candle_core::{Storage, Tensor};
 
 /// A buffer whose first element starts a cache line (64 bytes), for what the kernels load whole
 /// lines or tile rows from. glibc's `malloc` hands out 16-byte-aligned blocks; a tile load
-/// (`tileloadd`, 16 rows of 64 bytes) from such a block reads every row across two lines and ran
-/// ~8x slower on Sapphire Rapids (1 KiB: 16 ns against 2 ns, docs/performance.md, "Tile loads
-/// that start on a cache line"), and a 32-byte vector load from it splits a line every other
-/// time. `aligned-vec` does the allocation.
+/// (`tileloadd`, 16 rows of 64 bytes) from such a block reads every row across two lines, several
+/// times slower (docs/performance.md, "Tile loads that start on a cache line"), and a 32-byte
+/// vector load from it splits a line every other time. `aligned-vec` does the allocation.
 pub(crate) type Lines<T> = aligned_vec::AVec<T, aligned_vec::ConstAlign<64>>;
 
 /// `len` copies of `value` in a `Lines` buffer.

@@ -68,10 +68,9 @@ impl Roof {
 
     /// Each peak the higher of two measurements on the same machine and threads. A roof is the
     /// best the machine does; on a VM whose speed swings between phases one measurement can
-    /// land in a slow one (this project's AMX VM measured 1,315-2,007 GOP/s of int8 in one
-    /// session), which would overstate every share stated against it.
+    /// land in a slow one, which would overstate every share stated against it.
     pub fn best_of(&self, other: &Roof) -> Roof {
-        let hi = |a: f64, b: f64| a.max(b);
+        let hi = f64::max;
         let hi_opt = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (Some(a), Some(b)) => Some(a.max(b)),
             (a, b) => a.or(b),
