@@ -207,20 +207,53 @@ struct Job<'a> {
     isa: Isa,
     /// The layer's write stamps (which of the kept packs still hold).
     written: Option<&'a Written>,
+    /// Per task, whether it is its tile's only part (`alone`).
+    alone: &'a [bool],
 }
 
-/// A task's output rows and each row's softmax statistics.
+/// A task's output rows and each row's softmax statistics: empty for a task that is its tile's
+/// only part, which writes its rows into the step's output itself.
 type TaskOut = (Vec<f32>, Vec<(f32, f32)>);
+
+/// The step's output rows, written by the tasks in parallel: each task that is its tile's only
+/// part writes its own (token, KV head) rows, which no other task writes.
+struct OutRows {
+    at: *mut f32,
+    len: usize,
+}
+// SAFETY: the tasks that hold it write disjoint rows (above).
+unsafe impl Sync for OutRows {}
+
+/// Whether each task is its tile's only part (the parts of one tile are consecutive tasks).
+fn alone(tasks: &[Task]) -> Vec<bool> {
+    let key = |t: &Task| (t.seq, t.kv_head, t.t0);
+    (0..tasks.len())
+        .map(|i| {
+            let same = |j: Option<usize>| {
+                j.and_then(|j| tasks.get(j))
+                    .is_some_and(|u| key(u) == key(&tasks[i]))
+            };
+            !same(i.checked_sub(1)) && !same(Some(i + 1))
+        })
+        .collect()
+}
 
 /// A Q8 cache layer's K and V scales, `[slots, kv_heads]`.
 type Scales<'a> = Option<(&'a [half::f16], &'a [half::f16])>;
 
 impl Job<'_> {
-    /// Runs every task; returns each task's output, in task order.
-    fn run<T: KvElem>(&self, qs: &[f32], ks: &[T], vs: &[T], scales: Scales) -> Vec<TaskOut> {
+    /// Runs every task: a tile's only part writes its rows into `out` (`[tokens, heads * d]`);
+    /// returns each task's output, in task order (empty for those).
+    fn run<T: KvElem>(
+        &self,
+        qs: &[f32],
+        ks: &[T],
+        vs: &[T],
+        scales: Scales,
+        out: &mut [f32],
+    ) -> Vec<TaskOut> {
         let d = self.plan.dims;
         let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
-        let scale = 1.0 / (hd as f32).sqrt();
         let mut packs = self.plan.packs.lock().unwrap_or_else(|e| e.into_inner());
         let layer = self.written.map_or(0, |w| w.layer);
         if let Some(amx) = self.plan.amx {
@@ -251,56 +284,91 @@ impl Job<'_> {
             });
         }
         let packs: Vec<&[Packed]> = packs.iter().map(|p| p.heads(layer)).collect();
+        let dst = OutRows {
+            at: out.as_mut_ptr(),
+            len: out.len(),
+        };
+        let width = d.num_heads * hd;
         self.plan
             .tasks
             .par_iter()
-            .map(|t| {
-                let s = &self.seqs[t.seq];
-                let rows = group * t.heads;
-                let mut qt = Vec::with_capacity(t.tokens * rows * hd);
-                let mut ctx = Vec::with_capacity(t.tokens * rows);
-                for i in t.t0..t.t0 + t.tokens {
-                    let row = (s.q_start + i) * self.q_stride + t.kv_head * group * hd;
-                    qt.extend(qs[row..row + rows * hd].iter().map(|x| x * scale));
-                    ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), rows));
+            .zip(self.alone)
+            .map(|(t, &alone)| {
+                let (o, stats) = self.task(t, qs, ks, vs, scales, &packs);
+                if !alone {
+                    return (o, stats);
                 }
-                let mut o = vec![0f32; qt.len()];
-                if t.together {
-                    let heads = Heads {
-                        q: &qt,
-                        group,
-                        heads: t.heads,
-                        from: t.from,
-                        ctx: ctx[0],
-                        rows: &self.plan.seq_rows[t.seq],
-                        k: &ks[t.kv_head * hd..],
-                        v: &vs[t.kv_head * hd..],
-                        d: hd,
-                        scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
+                let (dst, s) = (&dst, &self.seqs[t.seq]);
+                let n = group * t.heads * hd;
+                for (k, tok) in (t.t0..t.t0 + t.tokens).enumerate() {
+                    let at = (s.q_start + tok) * width + t.kv_head * group * hd;
+                    assert!(at + n <= dst.len, "a task's rows lie inside the output");
+                    // SAFETY: inside `out` (checked); no other task writes these rows (`OutRows`).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(o[k * n..].as_ptr(), dst.at.add(at), n)
                     };
-                    let stats = attend_heads(self.isa, &heads, &mut o);
-                    return (o, stats);
                 }
-                let whole = t.from == 0 && t.to == usize::MAX;
-                if let (Some(amx), Some(at), true) = (self.plan.amx, self.plan.tiled[t.seq], whole)
-                {
-                    let stats = attn_amx::tile(amx, &qt, &ctx, &packs[at][t.kv_head], &mut o);
-                    return (o, stats);
-                }
-                let tile = Tile {
-                    q: &qt,
-                    from: t.from,
-                    ctx: &ctx,
-                    rows: &self.plan.seq_rows[t.seq],
-                    k: &ks[t.kv_head * hd..],
-                    v: &vs[t.kv_head * hd..],
-                    d: hd,
-                    scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
-                };
-                let stats = attend(self.isa, &tile, &mut o);
-                (o, stats)
+                (Vec::new(), Vec::new())
             })
             .collect()
+    }
+
+    /// One task's output rows and their softmax statistics.
+    fn task<T: KvElem>(
+        &self,
+        t: &Task,
+        qs: &[f32],
+        ks: &[T],
+        vs: &[T],
+        scales: Scales,
+        packs: &[&[Packed]],
+    ) -> TaskOut {
+        let d = self.plan.dims;
+        let (hd, group) = (d.head_dim, d.num_heads / d.num_kv_heads);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let s = &self.seqs[t.seq];
+        let rows = group * t.heads;
+        let mut qt = Vec::with_capacity(t.tokens * rows * hd);
+        let mut ctx = Vec::with_capacity(t.tokens * rows);
+        for i in t.t0..t.t0 + t.tokens {
+            let row = (s.q_start + i) * self.q_stride + t.kv_head * group * hd;
+            qt.extend(qs[row..row + rows * hd].iter().map(|x| x * scale));
+            ctx.extend(std::iter::repeat_n((s.start_pos + i + 1).min(t.to), rows));
+        }
+        let mut o = vec![0f32; qt.len()];
+        if t.together {
+            let heads = Heads {
+                q: &qt,
+                group,
+                heads: t.heads,
+                from: t.from,
+                ctx: ctx[0],
+                rows: &self.plan.seq_rows[t.seq],
+                k: &ks[t.kv_head * hd..],
+                v: &vs[t.kv_head * hd..],
+                d: hd,
+                scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
+            };
+            let stats = attend_heads(self.isa, &heads, &mut o);
+            return (o, stats);
+        }
+        let whole = t.from == 0 && t.to == usize::MAX;
+        if let (Some(amx), Some(at), true) = (self.plan.amx, self.plan.tiled[t.seq], whole) {
+            let stats = attn_amx::tile(amx, &qt, &ctx, &packs[at][t.kv_head], &mut o);
+            return (o, stats);
+        }
+        let tile = Tile {
+            q: &qt,
+            from: t.from,
+            ctx: &ctx,
+            rows: &self.plan.seq_rows[t.seq],
+            k: &ks[t.kv_head * hd..],
+            v: &vs[t.kv_head * hd..],
+            d: hd,
+            scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
+        };
+        let stats = attend(self.isa, &tile, &mut o);
+        (o, stats)
     }
 }
 
@@ -418,26 +486,32 @@ pub(crate) fn fast_cpu_rows(
             h * hd
         )));
     }
+    let alone = alone(&plan.tasks);
     let job = Job {
         seqs,
         plan,
         q_stride,
         isa: Isa::best(),
         written: kv.written.as_ref(),
+        alone: &alone,
     };
     let (kc, vc) = (&kv.k, &kv.v);
+    // Zeroed by the pool, not by one thread (a 512-token prompt's rows are over a megabyte).
+    let mut out = Vec::with_capacity(n_tokens * h * hd);
+    out.par_extend(rayon::iter::repeat_n(0f32, n_tokens * h * hd));
+    let o = &mut out;
     let outs = match (kc.dtype(), &kv.scales) {
         (DType::F16, None) => with_cpu_slice_of::<half::f16, _>(kc, |ks| {
-            with_cpu_slice_of::<half::f16, _>(vc, |vs| job.run(qs, ks, vs, None))
+            with_cpu_slice_of::<half::f16, _>(vc, |vs| job.run(qs, ks, vs, None, o))
         })??,
         (DType::F32, None) => with_cpu_slice_of::<f32, _>(kc, |ks| {
-            with_cpu_slice_of::<f32, _>(vc, |vs| job.run(qs, ks, vs, None))
+            with_cpu_slice_of::<f32, _>(vc, |vs| job.run(qs, ks, vs, None, o))
         })??,
         (DType::U8, Some((kss, vss))) => with_cpu_slice_of::<u8, _>(kc, |ks| {
             with_cpu_slice_of::<u8, _>(vc, |vs| {
                 with_cpu_slice_of::<half::f16, _>(kss, |ksc| {
                     with_cpu_slice_of::<half::f16, _>(vss, |vsc| {
-                        job.run(qs, ks, vs, Some((ksc, vsc)))
+                        job.run(qs, ks, vs, Some((ksc, vsc)), o)
                     })
                 })
             })
@@ -449,11 +523,15 @@ pub(crate) fn fast_cpu_rows(
         }
     };
     let tasks = &plan.tasks;
-    let mut out = vec![0f32; n_tokens * h * hd];
     let mut i = 0;
     while i < tasks.len() {
         let t = tasks[i];
-        // The parts of one tile are consecutive tasks.
+        // A tile's only part wrote its rows itself; the parts of one tile (consecutive tasks)
+        // are merged here.
+        if alone[i] {
+            i += 1;
+            continue;
+        }
         let mut j = i + 1;
         while j < tasks.len()
             && (tasks[j].seq, tasks[j].kv_head, tasks[j].t0) == (t.seq, t.kv_head, t.t0)
@@ -466,15 +544,11 @@ pub(crate) fn fast_cpu_rows(
             for r in 0..rows {
                 let row = k * rows + r;
                 let dst = &mut out[at + r * hd..at + (r + 1) * hd];
-                if j == i + 1 {
-                    dst.copy_from_slice(&outs[i].0[row * hd..(row + 1) * hd]);
-                } else {
-                    let parts: Vec<(&[f32], (f32, f32))> = outs[i..j]
-                        .iter()
-                        .map(|(o, st)| (&o[row * hd..(row + 1) * hd], st[row]))
-                        .collect();
-                    merge_parts(&parts, dst);
-                }
+                let parts: Vec<(&[f32], (f32, f32))> = outs[i..j]
+                    .iter()
+                    .map(|(o, st)| (&o[row * hd..(row + 1) * hd], st[row]))
+                    .collect();
+                merge_parts(&parts, dst);
             }
         }
         i = j;
@@ -704,6 +778,35 @@ mod tests {
     use super::*;
     use crate::kv_cache::q8;
     use proptest::prelude::*;
+
+    /// A task writes its own rows unless a neighbour is a part of its tile (the same sequence,
+    /// KV head and first token), whose rows are merged after.
+    #[test]
+    fn a_task_is_alone_unless_a_neighbour_is_a_part_of_its_tile() {
+        let t = |seq, kv_head, t0| Task {
+            seq,
+            kv_head,
+            heads: 1,
+            together: false,
+            t0,
+            tokens: 1,
+            from: 0,
+            to: usize::MAX,
+        };
+        let tasks = [
+            t(0, 0, 0),
+            t(0, 1, 0),
+            t(0, 1, 0),
+            t(0, 1, 0),
+            t(0, 1, 1),
+            t(1, 1, 1),
+            t(1, 1, 1),
+        ];
+        let want = [true, false, false, false, true, false, false];
+        assert_eq!(alone(&tasks), want);
+        assert_eq!(alone(&tasks[..1]), [true]);
+        assert!(alone(&[]).is_empty());
+    }
 
     /// A step of `shapes` (q_len, start_pos) over a shuffled cache of random K and V (`kv`: 0 F32,
     /// 1 F16, 2 Q8), attended by both implementations.

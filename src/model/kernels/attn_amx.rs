@@ -402,8 +402,38 @@ fn weights(_amx: Amx, s: &[f32], w: &mut [u16]) -> (f32, f32) {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::attn::exp16_minus;
     use super::{KvElem, Packed, Scales, KB, TILE, TILE_ELEMS};
+
+    /// A degree-5 fit of `2^r` on `[-1/2, 1/2]`, lowest power first (relative error 2.2e-7
+    /// in F32, below the bf16 rounding the weights take and near the F32 sum's own).
+    const EXP2_POLY: [f32; 6] = [
+        1.000_000_1,
+        0.693_146_94,
+        0.240_221_22,
+        0.055_507_425,
+        0.009_675_469,
+        0.001_326_698,
+    ];
+
+    /// `exp(x - m)` in 16 lanes, as `2^t` with `t = x log2(e) - m log2(e)` (`ml` = `m log2(e)`):
+    /// `t`'s nearest integer `n` and the fit of `2^(t - n)`, scaled by `2^n` (`vscalefps`). Lanes
+    /// where `t < -125` (scores 86.6 below the maximum, or `-inf`) are 0, so no lane is subnormal.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp16(x: __m512, ml: __m512) -> __m512 {
+        let t = _mm512_fmsub_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), ml);
+        let live = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(t, _mm512_set1_ps(-125.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+        let r = _mm512_sub_ps(t, n);
+        let mut p = _mm512_set1_ps(EXP2_POLY[5]);
+        for c in EXP2_POLY[..5].iter().rev() {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(*c));
+        }
+        _mm512_maskz_scalef_ps(live, p, n)
+    }
 
     /// F32 lanes rounded to bf16 (to nearest, ties to even; no NaN here), each in its lane's low
     /// 16 bits.
@@ -555,27 +585,38 @@ mod simd {
                 (1u16 << (c - i)) - 1
             }
         };
-        let mut mv = none;
+        // Four running maxima and two running sums, so that neither pass waits on one
+        // register's latency at each vector.
+        let mut mv = [none; 4];
         let mut i = 0;
+        while i + 64 <= c {
+            for (j, v) in mv.iter_mut().enumerate() {
+                *v = _mm512_max_ps(*v, _mm512_loadu_ps(sp.add(i + 16 * j)));
+            }
+            i += 64;
+        }
         while i < c {
-            mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(none, lanes(i), sp.add(i)));
+            mv[0] = _mm512_max_ps(mv[0], _mm512_mask_loadu_ps(none, lanes(i), sp.add(i)));
             i += 16;
         }
-        let m = _mm512_reduce_max_ps(mv);
-        let mm = _mm512_set1_ps(m);
-        let mut sum = _mm512_setzero_ps();
+        let m = _mm512_reduce_max_ps(_mm512_max_ps(
+            _mm512_max_ps(mv[0], mv[1]),
+            _mm512_max_ps(mv[2], mv[3]),
+        ));
+        let ml = _mm512_set1_ps(m * std::f32::consts::LOG2_E);
+        let mut sum = [_mm512_setzero_ps(); 2];
         let mut i = 0;
         while i < c {
             let k = lanes(i);
-            let e = exp16_minus(_mm512_mask_loadu_ps(none, k, sp.add(i)), mm);
-            sum = _mm512_add_ps(sum, e);
+            let e = exp16(_mm512_mask_loadu_ps(none, k, sp.add(i)), ml);
+            sum[(i / 16) % 2] = _mm512_add_ps(sum[(i / 16) % 2], e);
             // `vcvtneps2bf16` rounds to nearest even as `bf16_lanes` does; it flushes
-            // subnormals, which `exp16_minus` never returns (it zeroes below e^-87).
+            // subnormals, which `exp16` never returns.
             let h: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
             _mm256_mask_storeu_epi16(wp.add(i) as *mut i16, k, h);
             i += 16;
         }
-        (m, _mm512_reduce_add_ps(sum))
+        (m, _mm512_reduce_add_ps(_mm512_add_ps(sum[0], sum[1])))
     }
 }
 
@@ -647,14 +688,51 @@ mod tests {
                 .map(|&x| {
                     // SAFETY: the token implies AVX-512 F.
                     let e = unsafe {
-                        let v =
-                            super::super::attn::exp16_minus(_mm512_set1_ps(x), _mm512_set1_ps(m));
-                        _mm512_cvtss_f32(v)
+                        let ml = _mm512_set1_ps(m * std::f32::consts::LOG2_E);
+                        _mm512_cvtss_f32(simd::exp16(_mm512_set1_ps(x), ml))
                     };
                     bf16_bits(e)
                 })
                 .collect();
             assert_eq!(got, want, "{c} positions");
+        }
+    }
+
+    /// `simd::exp16` is `exp(x - m)` to 2e-7 x (1 + |x| + |m|) relative (the F32 rounding of
+    /// `x` and `m` in powers of two grows with them), at maxima of either sign and scores
+    /// down to 86 below; 0 from 87 below and for `-inf`; never subnormal.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp16_is_the_exponential_within_its_arguments_rounding() {
+        use std::arch::x86_64::*;
+        let Some(_amx) = amx_for_test("exp16_is_the_exponential_within_its_arguments_rounding")
+        else {
+            return;
+        };
+        let exp = |x: f32, m: f32| -> f32 {
+            // SAFETY: the token implies AVX-512 F.
+            unsafe {
+                let ml = _mm512_set1_ps(m * std::f32::consts::LOG2_E);
+                _mm512_cvtss_f32(simd::exp16(_mm512_set1_ps(x), ml))
+            }
+        };
+        for m in [0.0f32, 3.7, -12.25, 40.5] {
+            for i in 0..=90_000 {
+                let x = m - i as f32 * 0.001;
+                let (got, want) = (exp(x, m) as f64, ((x - m) as f64).exp());
+                if x - m >= -86.0 {
+                    let err = (got - want).abs() / want;
+                    let bound = 2e-7 * (1.0 + x.abs() as f64 + m.abs() as f64);
+                    assert!(err <= bound, "exp({x} - {m}) = {got}, want {want}");
+                } else if x - m <= -87.0 {
+                    assert_eq!(got, 0.0, "exp({x} - {m}) is zeroed");
+                }
+                assert!(
+                    got == 0.0 || got >= f32::MIN_POSITIVE as f64,
+                    "{got} is subnormal"
+                );
+            }
+            assert_eq!(exp(f32::NEG_INFINITY, m), 0.0);
         }
     }
 
