@@ -20,6 +20,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::q8;
+use crate::model::kernels::cpu::Isa;
+use crate::model::kernels::f16::round_to_f16;
 
 /// What one token's K and V take: `layers` of `kv_dim` values each, `heads` rows of
 /// `kv_dim / heads` (the model says).
@@ -414,6 +416,50 @@ impl KvCache {
         self.put(&kv.v, vs, index, v)
     }
 
+    /// `write` from F32 rows `stride` apart in `rows` (a step's stacked Q/K/V projections): K
+    /// is columns `k_from..k_from + kv_dim` of each row, V `v_from..v_from + kv_dim`. An F32 or
+    /// F16 cache on the CPU takes them straight from `rows`, rounded as it goes (`WriteRows`);
+    /// others through `write`.
+    pub fn write_rows(
+        &self,
+        layer: usize,
+        index: &SlotIndex,
+        rows: &[f32],
+        stride: usize,
+        (k_from, v_from): (usize, usize),
+    ) -> Result<()> {
+        let w = self.kv_dim;
+        if stride == 0 || !rows.len().is_multiple_of(stride) || k_from.max(v_from) + w > stride {
+            return Err(EngineError::KvCache(format!(
+                "K at {k_from} and V at {v_from}, {w} wide, in rows {stride} wide ({} values)",
+                rows.len()
+            )));
+        }
+        let kv = self.layer(layer)?;
+        if kv.scales.is_some() || !kv.k.device().is_cpu() {
+            let n = rows.len() / stride;
+            let columns = |from: usize| -> Result<Tensor> {
+                let c: Vec<f32> = (rows.chunks_exact(stride))
+                    .flat_map(|r| &r[from..from + w])
+                    .copied()
+                    .collect();
+                Ok(Tensor::from_vec(c, (n, w), &Device::Cpu)?)
+            };
+            return self.write(layer, index, &columns(k_from)?, &columns(v_from)?);
+        }
+        self.stamp(layer..layer + 1, &index.blocks);
+        for (t, from) in [(&kv.k, k_from), (&kv.v, v_from)] {
+            t.inplace_op1(&WriteRows {
+                slots: &index.slots,
+                width: w,
+                rows,
+                stride,
+                from,
+            })?;
+        }
+        Ok(())
+    }
+
     /// Writes rows `x` into one of a layer's tensors `t` (and its `scales` for Q8).
     fn put(
         &self,
@@ -423,14 +469,17 @@ impl KvCache {
         x: &Tensor,
     ) -> Result<()> {
         let (Some(scales), Some(heads)) = (scales, &index.heads) else {
-            let x = x.to_dtype(t.dtype())?.contiguous()?;
             if t.device().is_cpu() && x.device().is_cpu() {
-                let write = WriteRows {
+                let rows = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                t.inplace_op1(&WriteRows {
                     slots: &index.slots,
                     width: self.kv_dim,
-                };
-                t.inplace_op2(&x, &write)?;
+                    rows: &rows,
+                    stride: self.kv_dim,
+                    from: 0,
+                })?;
             } else {
+                let x = x.to_dtype(t.dtype())?.contiguous()?;
                 t.scatter_set(&index.rows, &x, 0)?;
             }
             return Ok(());
@@ -489,23 +538,30 @@ impl KeyRotation {
     }
 }
 
-/// The CPU in-place op of `KvCache::write` for F32 and F16 caches: row i of the step's values
-/// copied into slot `slots[i]` of one layer's K or V (`[slots, width]`). candle's `scatter_set`
-/// takes a slot id per value and moves them one at a time (docs/performance.md, "Tile
-/// loads that start on a cache line; the cache written a row at a time"); this copies each row whole.
+/// The CPU in-place op of `KvCache::write` and `write_rows` for F32 and F16 caches: columns
+/// `from..from + width` of the step's F32 row i (`stride` apart in `rows`) written into slot
+/// `slots[i]` of one layer's K or V (`[slots, width]`), rounded to F16 for an F16 cache
+/// (`kernels::f16`, the bits of candle's `to_dtype`). candle's `scatter_set` takes a slot id per
+/// value and moves them one at a time, and converting the rows first was a pass of its own
+/// (docs/performance.md); this writes each row whole, from where the projections left it.
 struct WriteRows<'a> {
     slots: &'a [u32],
     width: usize,
+    rows: &'a [f32],
+    stride: usize,
+    from: usize,
 }
 
 impl WriteRows<'_> {
-    fn run<T: Copy>(&self, dst: &mut [T], src: &[T]) -> candle_core::Result<()> {
+    fn run<T>(&self, dst: &mut [T], put: impl Fn(&[f32], &mut [T])) -> candle_core::Result<()> {
         let w = self.width;
-        if src.len() != self.slots.len() * w {
+        if self.rows.len() != self.slots.len() * self.stride || self.from + w > self.stride {
             return Err(candle_core::Error::Msg(format!(
-                "{} values for {} rows of {w}",
-                src.len(),
-                self.slots.len()
+                "{} values for {} rows of {} holding {w} at {}",
+                self.rows.len(),
+                self.slots.len(),
+                self.stride,
+                self.from
             )));
         }
         // Checked first: a bad slot writes nothing.
@@ -519,15 +575,15 @@ impl WriteRows<'_> {
                 dst.len() / w
             )));
         }
-        for (row, &slot) in src.chunks_exact(w).zip(self.slots) {
+        for (row, &slot) in self.rows.chunks_exact(self.stride).zip(self.slots) {
             let at = slot as usize * w;
-            dst[at..at + w].copy_from_slice(row);
+            put(&row[self.from..self.from + w], &mut dst[at..at + w]);
         }
         Ok(())
     }
 }
 
-impl candle_core::InplaceOp2 for WriteRows<'_> {
+impl candle_core::InplaceOp1 for WriteRows<'_> {
     fn name(&self) -> &'static str {
         "kv-write-rows"
     }
@@ -535,24 +591,20 @@ impl candle_core::InplaceOp2 for WriteRows<'_> {
     fn cpu_fwd(
         &self,
         dst: &mut candle_core::CpuStorage,
-        dst_layout: &candle_core::Layout,
-        src: &candle_core::CpuStorage,
-        src_layout: &candle_core::Layout,
+        layout: &candle_core::Layout,
     ) -> candle_core::Result<()> {
         use candle_core::CpuStorage;
-        let (Some((d0, d1)), Some((s0, s1))) = (
-            dst_layout.contiguous_offsets(),
-            src_layout.contiguous_offsets(),
-        ) else {
-            return Err(candle_core::Error::Msg(
-                "the KV cache and the rows are contiguous".into(),
-            ));
+        let Some((d0, d1)) = layout.contiguous_offsets() else {
+            return Err(candle_core::Error::Msg("the KV cache is contiguous".into()));
         };
-        match (dst, src) {
-            (CpuStorage::F16(d), CpuStorage::F16(s)) => self.run(&mut d[d0..d1], &s[s0..s1]),
-            (CpuStorage::F32(d), CpuStorage::F32(s)) => self.run(&mut d[d0..d1], &s[s0..s1]),
+        match dst {
+            CpuStorage::F16(d) => {
+                let isa = Isa::best();
+                self.run(&mut d[d0..d1], |s, d| round_to_f16(isa, s, d))
+            }
+            CpuStorage::F32(d) => self.run(&mut d[d0..d1], |s, d| d.copy_from_slice(s)),
             _ => Err(candle_core::Error::Msg(
-                "rows of the KV cache's own type, F16 or F32".into(),
+                "an F16 or F32 cache takes rows whole".into(),
             )),
         }
     }
@@ -701,6 +753,7 @@ fn advise_huge_pages(t: &Tensor) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     /// This process's resident memory (Linux `/proc/self/statm`).
     fn resident_bytes() -> usize {
@@ -708,6 +761,83 @@ mod tests {
         let pages: usize = statm.split_whitespace().nth(1).unwrap().parse().unwrap();
         // SAFETY: sysconf reads a constant.
         pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 48, rng_seed: proptest::test_runner::RngSeed::Fixed(17), ..ProptestConfig::default() })]
+        /// `write_rows` from stacked rows (K and V at any columns of rows of any width) stores
+        /// what `write` stores from those columns, in every cache type; an F16 cache holds candle's
+        /// `to_dtype(F16)` bits (which the candle-op layer path writes) on any values: ties,
+        /// subnormals, overflow to infinity, NaNs as NaNs.
+        #[test]
+        fn stacked_rows_write_as_their_columns_do(
+            bits in prop::collection::vec(prop_oneof![
+                any::<u32>().prop_map(|b| b & 0xbfff_ffff),
+                any::<u32>(),
+                Just(0x3f80_1000u32), Just(0x3f80_3000),
+                Just(0x3380_0000), Just(0x477f_f000),
+                Just(0x4780_0000), Just(0x0000_0001),
+                Just(0x7fc0_0001),
+            ], 24..200),
+            extra in 0usize..9, k_at in 0usize..9, v_at in 0usize..9,
+        ) {
+            let shape = KvShape { layers: 2, kv_dim: 8, heads: 2 };
+            let stride = 8 + extra;
+            let (k_from, v_from) = (k_at % (extra + 1), v_at % (extra + 1));
+            let n = (bits.len() / stride).min(16);
+            let rows: Vec<f32> = bits[..n * stride].iter().map(|&b| f32::from_bits(b)).collect();
+            let slots: Vec<u32> = (0..n as u32).map(|i| (i * 5 + 3) % 16).collect();
+            let dev = Device::Cpu;
+            let t = Tensor::from_vec(rows.clone(), (n, stride), &dev).unwrap();
+            let (k, v) = (t.narrow(1, k_from, 8).unwrap(), t.narrow(1, v_from, 8).unwrap());
+            let finite = rows.iter().all(|x| x.is_finite());
+            for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Q8] {
+                if dtype == KvDtype::Q8 && !finite {
+                    continue;
+                }
+                let spec = KvCacheSpec::from_tokens(4, 16);
+                let (a, b) = (KvCache::new(shape, spec, dtype, &dev).unwrap(), KvCache::new(shape, spec, dtype, &dev).unwrap());
+                let index = a.slot_index(&slots).unwrap();
+                a.write_rows(1, &index, &rows, stride, (k_from, v_from)).unwrap();
+                b.write(1, &index, &k.contiguous().unwrap(), &v.contiguous().unwrap()).unwrap();
+                let bits_of = |c: &KvCache, val: bool| -> Vec<u64> {
+                    let l = c.layer(1).unwrap();
+                    let x = if val { &l.v } else { &l.k };
+                    match x.dtype() {
+                        DType::F16 => x.flatten_all().unwrap().to_vec1::<half::f16>().unwrap().iter().map(|h| h.to_bits() as u64).collect(),
+                        DType::F32 => x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|h| h.to_bits() as u64).collect(),
+                        _ => x.flatten_all().unwrap().to_vec1::<u8>().unwrap().iter().map(|&h| h as u64).collect(),
+                    }
+                };
+                for val in [false, true] {
+                    let (got, want) = (bits_of(&a, val), bits_of(&b, val));
+                    // NaNs may carry other payloads: compare them as NaNs.
+                    let nan = |x: u64| match dtype {
+                        KvDtype::F16 => half::f16::from_bits(x as u16).is_nan(),
+                        KvDtype::F32 => f32::from_bits(x as u32).is_nan(),
+                        KvDtype::Q8 => false,
+                    };
+                    for (g, w) in got.iter().zip(&want) {
+                        prop_assert!(g == w || nan(*g) && nan(*w), "{:?} {} vs {}", dtype, g, w);
+                    }
+                }
+                if dtype == KvDtype::F16 {
+                    // And those are candle's roundings.
+                    let l = a.layer(1).unwrap();
+                    let i = Tensor::from_slice(&slots, n, &dev).unwrap();
+                    let got = l.k.index_select(&i, 0).unwrap().flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
+                    let want = k.to_dtype(DType::F16).unwrap().flatten_all().unwrap().to_vec1::<half::f16>().unwrap();
+                    for (g, w) in got.iter().zip(&want) {
+                        prop_assert!(g.to_bits() == w.to_bits() || g.is_nan() && w.is_nan(), "{} vs {}", g, w);
+                    }
+                }
+            }
+            // Columns past the rows, or rows that are not whole, are errors.
+            let c = KvCache::new(shape, KvCacheSpec::from_tokens(4, 16), KvDtype::F16, &dev).unwrap();
+            let index = c.slot_index(&slots).unwrap();
+            prop_assert!(c.write_rows(0, &index, &rows, stride, (extra + 1, 0)).is_err());
+            prop_assert!(c.write_rows(0, &index, &rows[1..], stride, (0, 0)).is_err());
+        }
     }
 
     /// Every cache type writes rows where the index says and copies blocks whole: a Q8 cache's

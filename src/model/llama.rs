@@ -30,7 +30,7 @@ use super::profile::{time, Part};
 use super::tile_packs::PackStore;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::storage::KeyRotation;
-use crate::kv_cache::{KvCache, KvDtype, SlotIndex};
+use crate::kv_cache::{KvCache, SlotIndex};
 use crate::model::batch::{StepBatch, StepPlan};
 
 /// cos/sin tables for every position up to the context limit, `[positions, head_dim/2]`.
@@ -120,18 +120,6 @@ impl RmsNorm {
     fn on_cpu_f32(&self) -> bool {
         self.weight.device().is_cpu() && self.weight.dtype() == DType::F32
     }
-}
-
-/// Columns `from..from + width` of rows `stride` wide, rounded to F16 (`half`'s slice conversion,
-/// F16C where the CPU has it): the same round-to-nearest-even bits as candle's `to_dtype`, which
-/// converts one value at a time and took most of a step's cache-write time.
-fn f16_columns(rows: &[f32], stride: usize, from: usize, width: usize) -> Vec<half::f16> {
-    use half::slice::HalfFloatSliceExt;
-    let mut out = vec![half::f16::ZERO; rows.len() / stride * width];
-    for (row, o) in rows.chunks_exact(stride).zip(out.chunks_exact_mut(width)) {
-        o.convert_from_f32_slice(&row[from..from + width]);
-    }
-    out
 }
 
 /// `silu(gate) * up` for rows holding `[gate | up]`, each `inter` wide.
@@ -326,25 +314,7 @@ impl DecoderLayer {
             );
         });
         time(Part::KvWrite, || {
-            let dev = &Device::Cpu;
-            let (k, v) = if ctx.cache.dtype() == KvDtype::F16 {
-                (
-                    Tensor::from_vec(f16_columns(&qkv, stride, qd, kvd), (n, kvd), dev)?,
-                    Tensor::from_vec(f16_columns(&qkv, stride, qd + kvd, kvd), (n, kvd), dev)?,
-                )
-            } else {
-                let mut k = Vec::with_capacity(n * kvd);
-                let mut v = Vec::with_capacity(n * kvd);
-                for row in qkv.chunks_exact(stride) {
-                    k.extend_from_slice(&row[qd..qd + kvd]);
-                    v.extend_from_slice(&row[qd + kvd..]);
-                }
-                (
-                    Tensor::from_vec(k, (n, kvd), dev)?,
-                    Tensor::from_vec(v, (n, kvd), dev)?,
-                )
-            };
-            ctx.cache.write(layer, &ctx.slot_index, &k, &v)
+            (ctx.cache).write_rows(layer, &ctx.slot_index, &qkv, stride, (qd, qd + kvd))
         })?;
         let kv = ctx.cache.layer(layer)?;
         let AttnPlan::Fast(fast) = &ctx.attn else {
@@ -583,46 +553,5 @@ impl Llama {
         let rows = Tensor::from_slice(&plan.logit_rows, plan.logit_rows.len(), dev)?;
         let x = time(Part::Norm, || self.norm.forward(&x.index_select(&rows, 0)?))?;
         Ok(Some(time(Part::LmHead, || self.lm_head.forward(&x))?))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        #![proptest_config(ProptestConfig { cases: 64, rng_seed: proptest::test_runner::RngSeed::Fixed(17), ..ProptestConfig::default() })]
-        /// The cache-write rounding gives candle's `to_dtype(F16)` bits (which the candle-op
-        /// layer path writes) on any values: ties, subnormals, overflow to infinity (NaNs stay
-        /// NaNs), any columns of any rows.
-        #[test]
-        fn f16_columns_round_as_candle_does(
-            bits in prop::collection::vec(prop_oneof![
-                any::<u32>(),
-                Just(0x3f80_1000u32), Just(0x3f80_3000), Just(0x3380_0000), Just(0x477f_f000),
-                Just(0x4780_0000), Just(0x0000_0001), Just(0x7fc0_0001),
-            ], 1..200),
-            stride in 1usize..9, from in 0usize..9, width in 1usize..9,
-        ) {
-            let (from, width) = (from % stride, width.min(stride - from % stride));
-            let n = bits.len() / stride;
-            let rows: Vec<f32> = bits[..n * stride].iter().map(|&b| f32::from_bits(b)).collect();
-            let got = f16_columns(&rows, stride, from, width);
-            let t = Tensor::from_vec(rows.clone(), (n, stride), &Device::Cpu).unwrap();
-            let want = t
-                .narrow(1, from, width).unwrap()
-                .to_dtype(DType::F16).unwrap()
-                .flatten_all().unwrap()
-                .to_vec1::<half::f16>().unwrap();
-            prop_assert_eq!(got.len(), want.len());
-            for (g, w) in got.iter().zip(&want) {
-                if w.is_nan() {
-                    prop_assert!(g.is_nan());
-                } else {
-                    prop_assert_eq!(g.to_bits(), w.to_bits(), "{} vs {}", g, w);
-                }
-            }
-        }
     }
 }

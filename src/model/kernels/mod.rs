@@ -71,6 +71,7 @@ pub mod amx_int8;
 pub mod attn;
 pub(crate) mod attn_amx;
 pub mod cpu;
+pub mod f16;
 pub mod norm;
 pub mod q4_1x8;
 pub mod q4_kx8;
