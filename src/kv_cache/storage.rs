@@ -20,8 +20,6 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::q8;
-use crate::model::kernels::cpu::Isa;
-use crate::model::kernels::f16::round_to_f16;
 
 /// What one token's K and V take: `layers` of `kv_dim` values each, `heads` rows of
 /// `kv_dim / heads` (the model says).
@@ -418,8 +416,8 @@ impl KvCache {
 
     /// `write` from F32 rows `stride` apart in `rows` (a step's stacked Q/K/V projections): K
     /// is columns `k_from..k_from + kv_dim` of each row, V `v_from..v_from + kv_dim`. An F32 or
-    /// F16 cache on the CPU takes them straight from `rows`, rounded as it goes (`WriteRows`);
-    /// others through `write`.
+    /// F16 cache on the CPU takes them straight from `rows`, an F16 one rounded as it goes by
+    /// `round` (`Rounding`; the model passes its F16C kernel); others through `write`.
     pub fn write_rows(
         &self,
         layer: usize,
@@ -427,6 +425,7 @@ impl KvCache {
         rows: &[f32],
         stride: usize,
         (k_from, v_from): (usize, usize),
+        round: Rounding,
     ) -> Result<()> {
         let w = self.kv_dim;
         if stride == 0 || !rows.len().is_multiple_of(stride) || k_from.max(v_from) + w > stride {
@@ -455,6 +454,7 @@ impl KvCache {
                 rows,
                 stride,
                 from,
+                round,
             })?;
         }
         Ok(())
@@ -477,6 +477,7 @@ impl KvCache {
                     rows: &rows,
                     stride: self.kv_dim,
                     from: 0,
+                    round: &round_one_by_one,
                 })?;
             } else {
                 let x = x.to_dtype(t.dtype())?.contiguous()?;
@@ -541,7 +542,7 @@ impl KeyRotation {
 /// The CPU in-place op of `KvCache::write` and `write_rows` for F32 and F16 caches: columns
 /// `from..from + width` of the step's F32 row i (`stride` apart in `rows`) written into slot
 /// `slots[i]` of one layer's K or V (`[slots, width]`), rounded to F16 for an F16 cache
-/// (`kernels::f16`, the bits of candle's `to_dtype`). candle's `scatter_set` takes a slot id per
+/// (`round`, the bits of candle's `to_dtype`). candle's `scatter_set` takes a slot id per
 /// value and moves them one at a time, and converting the rows first was a pass of its own
 /// (docs/performance.md); this writes each row whole, from where the projections left it.
 struct WriteRows<'a> {
@@ -550,6 +551,19 @@ struct WriteRows<'a> {
     rows: &'a [f32],
     stride: usize,
     from: usize,
+    round: Rounding<'a>,
+}
+
+/// How F32 values become an F16 cache's: to nearest, ties to even, as candle's `to_dtype` (and
+/// `half::f16::from_f32`) round. Passed in so that the layers above can hand down their SIMD
+/// kernel (`model::kernels::f16`), which this layer may not use.
+pub type Rounding<'a> = &'a (dyn Fn(&[f32], &mut [half::f16]) + Sync);
+
+/// `Rounding` one value at a time (`write`'s rows, and the tests' reference).
+pub fn round_one_by_one(src: &[f32], dst: &mut [half::f16]) {
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = half::f16::from_f32(s);
+    }
 }
 
 impl WriteRows<'_> {
@@ -598,10 +612,7 @@ impl candle_core::InplaceOp1 for WriteRows<'_> {
             return Err(candle_core::Error::Msg("the KV cache is contiguous".into()));
         };
         match dst {
-            CpuStorage::F16(d) => {
-                let isa = Isa::best();
-                self.run(&mut d[d0..d1], |s, d| round_to_f16(isa, s, d))
-            }
+            CpuStorage::F16(d) => self.run(&mut d[d0..d1], |s, d| (self.round)(s, d)),
             CpuStorage::F32(d) => self.run(&mut d[d0..d1], |s, d| d.copy_from_slice(s)),
             _ => Err(candle_core::Error::Msg(
                 "an F16 or F32 cache takes rows whole".into(),
@@ -798,7 +809,7 @@ mod tests {
                 let spec = KvCacheSpec::from_tokens(4, 16);
                 let (a, b) = (KvCache::new(shape, spec, dtype, &dev).unwrap(), KvCache::new(shape, spec, dtype, &dev).unwrap());
                 let index = a.slot_index(&slots).unwrap();
-                a.write_rows(1, &index, &rows, stride, (k_from, v_from)).unwrap();
+                a.write_rows(1, &index, &rows, stride, (k_from, v_from), &round_one_by_one).unwrap();
                 b.write(1, &index, &k.contiguous().unwrap(), &v.contiguous().unwrap()).unwrap();
                 let bits_of = |c: &KvCache, val: bool| -> Vec<u64> {
                     let l = c.layer(1).unwrap();
@@ -835,8 +846,8 @@ mod tests {
             // Columns past the rows, or rows that are not whole, are errors.
             let c = KvCache::new(shape, KvCacheSpec::from_tokens(4, 16), KvDtype::F16, &dev).unwrap();
             let index = c.slot_index(&slots).unwrap();
-            prop_assert!(c.write_rows(0, &index, &rows, stride, (extra + 1, 0)).is_err());
-            prop_assert!(c.write_rows(0, &index, &rows[1..], stride, (0, 0)).is_err());
+            prop_assert!(c.write_rows(0, &index, &rows, stride, (extra + 1, 0), &round_one_by_one).is_err());
+            prop_assert!(c.write_rows(0, &index, &rows[1..], stride, (0, 0), &round_one_by_one).is_err());
         }
     }
 

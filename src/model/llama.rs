@@ -20,6 +20,8 @@ use super::attention::{
     fast_cpu, fast_cpu_rows, generic, AttentionImpl, AttnDims, FastCpuPlan, GenericPlan,
 };
 use super::config::{inv_freqs, ModelConfig};
+use super::kernels::cpu::Isa;
+use super::kernels::f16::round_to_f16;
 use super::kernels::norm::rms_norm_rows;
 use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::silu::silu_mul_rows;
@@ -314,7 +316,9 @@ impl DecoderLayer {
             );
         });
         time(Part::KvWrite, || {
-            (ctx.cache).write_rows(layer, &ctx.slot_index, &qkv, stride, (qd, qd + kvd))
+            let isa = Isa::best();
+            let round = |s: &[f32], d: &mut [half::f16]| round_to_f16(isa, s, d);
+            (ctx.cache).write_rows(layer, &ctx.slot_index, &qkv, stride, (qd, qd + kvd), &round)
         })?;
         let kv = ctx.cache.layer(layer)?;
         let AttnPlan::Fast(fast) = &ctx.attn else {
