@@ -496,9 +496,16 @@ pub(crate) fn fast_cpu_rows(
         alone: &alone,
     };
     let (kc, vc) = (&kv.k, &kv.v);
-    // Zeroed by the pool, not by one thread (a 512-token prompt's rows are over a megabyte).
-    let mut out = Vec::with_capacity(n_tokens * h * hd);
-    out.par_extend(rayon::iter::repeat_n(0f32, n_tokens * h * hd));
+    // A prompt's rows (a 512-token prompt's are over a megabyte) zeroed by the pool, not by one
+    // thread; a few decode rows by the caller (waking the pool for them cost more than zeroing).
+    const POOL_ZEROES: usize = 1 << 16;
+    let len = n_tokens * h * hd;
+    let mut out = Vec::with_capacity(len);
+    if len >= POOL_ZEROES {
+        out.par_extend(rayon::iter::repeat_n(0f32, len));
+    } else {
+        out.resize(len, 0f32);
+    }
     let o = &mut out;
     let outs = match (kc.dtype(), &kv.scales) {
         (DType::F16, None) => with_cpu_slice_of::<half::f16, _>(kc, |ks| {
