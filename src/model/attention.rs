@@ -22,6 +22,7 @@ use rayon::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{slot_of, LayerKv, Written};
 use crate::model::batch::SeqMeta;
+use crate::model::kernels::amx::SendPtr;
 use crate::model::kernels::attn::{
     attend, attend_heads, heads_kernel, merge_parts, Heads, KvElem, Tile,
 };
@@ -215,15 +216,6 @@ struct Job<'a> {
 /// only part, which writes its rows into the step's output itself.
 type TaskOut = (Vec<f32>, Vec<(f32, f32)>);
 
-/// The step's output rows, written by the tasks in parallel: each task that is its tile's only
-/// part writes its own (token, KV head) rows, which no other task writes.
-struct OutRows {
-    at: *mut f32,
-    len: usize,
-}
-// SAFETY: the tasks that hold it write disjoint rows (above).
-unsafe impl Sync for OutRows {}
-
 /// Whether each task is its tile's only part (the parts of one tile are consecutive tasks).
 fn alone(tasks: &[Task]) -> Vec<bool> {
     let key = |t: &Task| (t.seq, t.kv_head, t.t0);
@@ -284,10 +276,9 @@ impl Job<'_> {
             });
         }
         let packs: Vec<&[Packed]> = packs.iter().map(|p| p.heads(layer)).collect();
-        let dst = OutRows {
-            at: out.as_mut_ptr(),
-            len: out.len(),
-        };
+        // The step's output, written by the tasks in parallel: each task that is its tile's
+        // only part writes its own (token, KV head) rows, which no other task writes.
+        let (dst, len) = (SendPtr(out.as_mut_ptr()), out.len());
         let width = d.num_heads * hd;
         self.plan
             .tasks
@@ -302,11 +293,9 @@ impl Job<'_> {
                 let n = group * t.heads * hd;
                 for (k, tok) in (t.t0..t.t0 + t.tokens).enumerate() {
                     let at = (s.q_start + tok) * width + t.kv_head * group * hd;
-                    assert!(at + n <= dst.len, "a task's rows lie inside the output");
-                    // SAFETY: inside `out` (checked); no other task writes these rows (`OutRows`).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(o[k * n..].as_ptr(), dst.at.add(at), n)
-                    };
+                    assert!(at + n <= len, "a task's rows lie inside the output");
+                    // SAFETY: inside `out` (checked); no other task writes these rows (above).
+                    unsafe { std::ptr::copy_nonoverlapping(o[k * n..].as_ptr(), dst.0.add(at), n) };
                 }
                 (Vec::new(), Vec::new())
             })

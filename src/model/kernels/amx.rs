@@ -216,10 +216,10 @@ impl Tiles {
     }
 }
 
-/// A result's base pointer, shared by the tasks that store disjoint column blocks into it
-/// (`Tiles::matmul`, `amx_int8`).
+/// A result's base pointer, shared by the tasks that store disjoint parts of it: column blocks
+/// (`Tiles::matmul`, `amx_int8`) or attention rows (`attention::fast_cpu_rows`).
 pub(crate) struct SendPtr(pub(crate) *mut f32);
-// SAFETY: the tasks holding it write disjoint elements (each user's tasks own their columns).
+// SAFETY: the tasks holding it write disjoint elements (each user's tasks own their part).
 unsafe impl Sync for SendPtr {}
 
 /// Rounds `src` to bf16 into `dst` (`bf16_bits`, the same bits): 16 values at a time on AVX-512,
