@@ -27,7 +27,8 @@ use crate::model::kernels::attn::{
     attend, attend_heads, heads_kernel, merge_parts, Heads, KvElem, Tile,
 };
 use crate::model::kernels::attn_amx::{self, Packed};
-use crate::model::kernels::cpu::{Amx, Isa};
+use crate::model::kernels::attn_flash;
+use crate::model::kernels::cpu::{Amx, Avx512Vnni, Isa};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 use crate::model::tile_packs::{self, PackStore, SeqPacks};
 
@@ -89,6 +90,8 @@ struct Task {
 /// What the CPU fast path derives from a step's sequences, the same for every layer: each
 /// sequence's cache row offsets and the task list. The model builds it once per step.
 pub(crate) struct FastCpuPlan {
+    /// The kernels' level (`Isa::best()` but in tests).
+    isa: Isa,
     dims: AttnDims,
     n_tokens: usize,
     /// Each sequence's cache row offsets by position: looking the slot up per position and head (a
@@ -103,6 +106,11 @@ pub(crate) struct FastCpuPlan {
     tiled: Vec<Option<usize>>,
     /// Whose each of `packs` is (a sequence).
     pack_owners: Vec<usize>,
+    /// On AVX-512 without tile units, the kernel for a prompt's runs (`attn_flash`), and per
+    /// sequence whether its rows take it (as `tiled` would: a prompt's run of `MIN_TOKENS` tokens
+    /// and `MIN_ROWS` rows a KV head at least).
+    flash: Option<Avx512Vnni>,
+    blocked: Vec<bool>,
     /// The packed positions of each tiled sequence's KV heads (`tile_packs`: kept per layer and
     /// across steps for a prompt that goes on, else one layer's, packed again by every layer).
     packs: std::sync::Mutex<Vec<SeqPacks>>,
@@ -113,27 +121,36 @@ impl FastCpuPlan {
     /// where the CPU has them, except over an F32 cache: the exact setting, whose attention stays
     /// in F32.
     pub(crate) fn new(seqs: &[SeqMeta], d: AttnDims, cache: DType) -> Self {
+        Self::at_level(seqs, d, cache, Isa::best())
+    }
+
+    /// `new` with the kernels of level `isa` (tests run each level this CPU has).
+    fn at_level(seqs: &[SeqMeta], d: AttnDims, cache: DType, isa: Isa) -> Self {
         let tiles = cache != DType::F32;
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
-        let amx = (Isa::best().amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
+        let amx = (isa.amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
+        let flash =
+            (isa.avx512_vnni()).filter(|_| isa.amx().is_none() && attn_flash::supports(d.head_dim));
         let per_seq: Vec<bool> = seqs
             .iter()
             .map(|s| {
                 let rows = s.q_len * group;
-                amx.is_some()
+                (amx.is_some() || flash.is_some())
                     && !s.exact
                     && s.q_len >= attn_amx::MIN_TOKENS
                     && rows >= attn_amx::MIN_ROWS
             })
             .collect();
-        let pack_owners: Vec<usize> = (0..seqs.len()).filter(|&i| per_seq[i]).collect();
+        let pack_owners: Vec<usize> = (0..seqs.len())
+            .filter(|&i| per_seq[i] && amx.is_some())
+            .collect();
         // A one-token row runs as one task over all its KV heads (`attn::attend_heads`, which
         // reads each cache row's heads side by side) where the kernel for it pays here
         // (`attn::heads_kernel`: an F32 or F16 cache on AVX-512).
         let heads_together = match cache {
-            DType::F16 => heads_kernel::<half::f16>(Isa::best(), d.head_dim),
-            DType::F32 => heads_kernel::<f32>(Isa::best(), d.head_dim),
+            DType::F16 => heads_kernel::<half::f16>(isa, d.head_dim),
+            DType::F32 => heads_kernel::<f32>(isa, d.head_dim),
             _ => false,
         };
         let mut tiled = vec![None; seqs.len()];
@@ -141,6 +158,7 @@ impl FastCpuPlan {
             tiled[si] = Some(at);
         }
         FastCpuPlan {
+            isa,
             dims: d,
             n_tokens: seqs.iter().map(|s| s.q_len).sum(),
             seq_rows: seqs
@@ -161,6 +179,8 @@ impl FastCpuPlan {
             ),
             amx,
             tiled,
+            flash,
+            blocked: per_seq,
             packs: std::sync::Mutex::new(
                 (0..pack_owners.len())
                     .map(|_| SeqPacks::for_the_step())
@@ -356,6 +376,10 @@ impl Job<'_> {
             d: hd,
             scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
         };
+        if let (Some(vnni), true, true) = (self.plan.flash, self.plan.blocked[t.seq], whole) {
+            let stats = attn_flash::tile(vnni, &tile, &mut o);
+            return (o, stats);
+        }
         let stats = attend(self.isa, &tile, &mut o);
         (o, stats)
     }
@@ -480,7 +504,7 @@ pub(crate) fn fast_cpu_rows(
         seqs,
         plan,
         q_stride,
-        isa: Isa::best(),
+        isa: plan.isa,
         written: kv.written.as_ref(),
         alone: &alone,
     };
@@ -1015,6 +1039,68 @@ mod tests {
                     let r = rows_of(i);
                     let d = max_diff(&fast[r.clone()], &generic[r]);
                     assert!(d > 0.0, "kv {kv}: run {i} ran on the tile units");
+                }
+            }
+        }
+    }
+
+    /// At every kernel level this CPU has, a step of prompt runs beside decodes attends as the
+    /// generic path does (within bf16's rounding where runs go to the tile units, F32's
+    /// elsewhere), and at the AVX-512 level without the tile units the prompt runs take the
+    /// blocked kernel (`attn_flash`): their rows differ bit for bit from the same level's without
+    /// it, which shows it ran, while the decodes' and the short run's rows do not differ at all.
+    #[test]
+    fn prompt_runs_attend_as_the_generic_path_at_every_level() {
+        let shapes = [(40, 0), (1, 50), (7, 100), (1, 3), (70, 30), (3, 9), (4, 7)];
+        let decodes = [1, 2, 3];
+        let width = 6 * 64;
+        let rows_of = |i: usize| {
+            let start: usize = shapes[..i].iter().map(|s| s.0).sum();
+            start * width..(start + shapes[i].0) * width
+        };
+        let max_diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max)
+        };
+        let test = "prompt_runs_attend_as_the_generic_path_at_every_level";
+        for kv in 0..3 {
+            let (seqs, q, layer, dims) = step(64, &shapes, &decodes, 5, kv);
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let generic =
+                flat(paged_attention(AttentionImpl::Generic, &q, &layer, &seqs, dims).unwrap());
+            for isa in Isa::simd_levels_for_test(test) {
+                let mut plan = FastCpuPlan::at_level(&seqs, dims, layer.k.dtype(), isa);
+                let fast = flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap());
+                // bf16 on the tile units; a Q8 cache's decode scores from 8-bit queries (VNNI).
+                let amx = isa.amx().is_some() && kv > 0;
+                let bound = if amx || (isa.avx512_vnni().is_some() && kv == 2) {
+                    1e-2
+                } else {
+                    1e-5
+                };
+                let d = max_diff(&fast, &generic);
+                assert!(d <= bound, "{isa:?}, kv {kv}: max-abs-diff {d}");
+                if plan.flash.is_none() {
+                    continue;
+                }
+                plan.flash = None;
+                let plain = flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap());
+                for i in [0, 4, 6] {
+                    let r = rows_of(i);
+                    assert!(
+                        fast[r.clone()] != plain[r],
+                        "{isa:?}, kv {kv}: run {i} blocked"
+                    );
+                }
+                for i in decodes.into_iter().chain([5]) {
+                    let r = rows_of(i);
+                    assert_eq!(
+                        fast[r.clone()],
+                        plain[r],
+                        "{isa:?}, kv {kv}: run {i} on attn"
+                    );
                 }
             }
         }

@@ -1205,7 +1205,7 @@ mod avx512 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::model::kernels::test_data::{lcg, lcg_states};
     use proptest::prelude::*;
@@ -1233,16 +1233,16 @@ mod tests {
     }
 
     /// A tile over a shuffled cache of `slots` rows `width` wide, this head's values at `off`.
-    struct Case {
-        q: Vec<f32>,
-        ctx: Vec<usize>,
-        rows: Vec<usize>,
-        k: Vec<f32>,
-        v: Vec<f32>,
-        d: usize,
+    pub(crate) struct Case {
+        pub(crate) q: Vec<f32>,
+        pub(crate) ctx: Vec<usize>,
+        pub(crate) rows: Vec<usize>,
+        pub(crate) k: Vec<f32>,
+        pub(crate) v: Vec<f32>,
+        pub(crate) d: usize,
     }
 
-    fn case(seed: u64, d: usize, n_rows: usize, ctx0: usize, per_token: usize) -> Case {
+    pub(crate) fn case(seed: u64, d: usize, n_rows: usize, ctx0: usize, per_token: usize) -> Case {
         let heads = 3;
         let width = heads * d;
         let positions = ctx0 + n_rows.div_ceil(per_token);
@@ -1263,14 +1263,14 @@ mod tests {
     }
 
     /// The case's cache as Q8 codes and scales (`kv_cache::q8`), and what they stand for.
-    struct Q8Case {
-        k: (Vec<u8>, Vec<half::f16>),
-        v: (Vec<u8>, Vec<half::f16>),
-        k_values: Vec<f32>,
-        v_values: Vec<f32>,
+    pub(crate) struct Q8Case {
+        pub(crate) k: (Vec<u8>, Vec<half::f16>),
+        pub(crate) v: (Vec<u8>, Vec<half::f16>),
+        pub(crate) k_values: Vec<f32>,
+        pub(crate) v_values: Vec<f32>,
     }
 
-    fn q8(c: &Case) -> Q8Case {
+    pub(crate) fn q8(c: &Case) -> Q8Case {
         use crate::kv_cache::q8::{dequantize_rows, quantize_rows};
         let (k, v) = (quantize_rows(&c.k, c.d), quantize_rows(&c.v, c.d));
         Q8Case {

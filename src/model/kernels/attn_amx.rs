@@ -399,7 +399,7 @@ fn weights(_amx: Amx, s: &[f32], w: &mut [u16]) -> (f32, f32) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod simd {
+pub(super) mod simd {
     use std::arch::x86_64::*;
 
     use super::{KvElem, Packed, Scales, KB, TILE, TILE_ELEMS};
@@ -537,7 +537,7 @@ mod simd {
     /// The 16 x 16 transpose of 32-bit words: row `c` of the result is word `c` of every input.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    pub(in crate::model::kernels) unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
         // Pairs of rows interleaved, then pairs of pairs: within each 128-bit lane `l`, u[4i + j]
         // holds word 4l + j of rows 4i..4i + 4.
         let mut t = [_mm512_setzero_si512(); 16];

@@ -70,6 +70,7 @@ pub mod amx;
 pub mod amx_int8;
 pub mod attn;
 pub(crate) mod attn_amx;
+pub(crate) mod attn_flash;
 pub mod cpu;
 pub mod f16;
 pub mod norm;
