@@ -7,7 +7,9 @@
 //!   of a GQA group, and of several tokens of a prefill chunk, share each load of K and V); on CPUs
 //!   with AMX and an F16 or Q8 cache, a sequence with many query rows (a prefill chunk) runs on
 //!   the tile units instead
-//!   (`kernels::attn_amx`: each of its KV heads packed once a layer, tiles of `TASK_ROWS`). Written
+//!   (`kernels::attn_amx`: each of its KV heads packed once a layer, tiles of `TASK_ROWS`), and on
+//!   other CPUs with AVX2 on F32 register tiles over blocks of positions (`kernels::attn_flash`,
+//!   the same tiles, each converting its blocks itself). Written
 //!   by hand because candle has no paged attention on CPU and gathering blocks into a fresh tensor
 //!   per sequence per layer costs more than the attention itself at decode time.
 //! - `generic`: gathers the sequences' slots with `index_select` and runs standard masked
@@ -28,7 +30,7 @@ use crate::model::kernels::attn::{
 };
 use crate::model::kernels::attn_amx::{self, Packed};
 use crate::model::kernels::attn_flash;
-use crate::model::kernels::cpu::{Amx, Avx512Vnni, Isa};
+use crate::model::kernels::cpu::{Amx, Isa};
 use crate::model::kernels::{with_cpu_slice, with_cpu_slice_of};
 use crate::model::tile_packs::{self, PackStore, SeqPacks};
 
@@ -106,10 +108,10 @@ pub(crate) struct FastCpuPlan {
     tiled: Vec<Option<usize>>,
     /// Whose each of `packs` is (a sequence).
     pack_owners: Vec<usize>,
-    /// On AVX-512 without tile units, the kernel for a prompt's runs (`attn_flash`), and per
+    /// Without tile units, the kernel for a prompt's runs (`attn_flash`, on AVX2 or AVX-512), and per
     /// sequence whether its rows take it (as `tiled` would: a prompt's run of `MIN_TOKENS` tokens
     /// and `MIN_ROWS` rows a KV head at least).
-    flash: Option<Avx512Vnni>,
+    flash: Option<attn_flash::Width>,
     blocked: Vec<bool>,
     /// The packed positions of each tiled sequence's KV heads (`tile_packs`: kept per layer and
     /// across steps for a prompt that goes on, else one layer's, packed again by every layer).
@@ -130,8 +132,8 @@ impl FastCpuPlan {
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
         let amx = (isa.amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
-        let flash =
-            (isa.avx512_vnni()).filter(|_| isa.amx().is_none() && attn_flash::supports(d.head_dim));
+        let flash = attn_flash::Width::of(isa)
+            .filter(|_| isa.amx().is_none() && attn_flash::supports(d.head_dim));
         let per_seq: Vec<bool> = seqs
             .iter()
             .map(|s| {
@@ -376,8 +378,8 @@ impl Job<'_> {
             d: hd,
             scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
         };
-        if let (Some(vnni), true, true) = (self.plan.flash, self.plan.blocked[t.seq], whole) {
-            let stats = attn_flash::tile(vnni, &tile, &mut o);
+        if let (Some(width), true, true) = (self.plan.flash, self.plan.blocked[t.seq], whole) {
+            let stats = attn_flash::tile(width, &tile, &mut o);
             return (o, stats);
         }
         let stats = attend(self.isa, &tile, &mut o);
@@ -1046,9 +1048,9 @@ mod tests {
 
     /// At every kernel level this CPU has, a step of prompt runs beside decodes attends as the
     /// generic path does (within bf16's rounding where runs go to the tile units, F32's
-    /// elsewhere), and at the AVX-512 level without the tile units the prompt runs take the
-    /// blocked kernel (`attn_flash`): their rows differ bit for bit from the same level's without
-    /// it, which shows it ran, while the decodes' and the short run's rows do not differ at all.
+    /// elsewhere), and at the levels without the tile units the prompt runs take the blocked
+    /// kernel (`attn_flash`): their rows differ bit for bit from the same level's without it,
+    /// which shows it ran, while the decodes' and the short run's rows do not differ at all.
     #[test]
     fn prompt_runs_attend_as_the_generic_path_at_every_level() {
         let shapes = [(40, 0), (1, 50), (7, 100), (1, 3), (70, 30), (3, 9), (4, 7)];

@@ -23,7 +23,7 @@
 //! a seeded proptest compares the two on odd shapes and every cache type.
 
 use super::attn::{KvElem, Tile};
-use super::cpu::Avx512Vnni;
+use super::cpu::{Avx2, Avx512Vnni, Isa};
 
 /// Positions a block takes: 64 positions of a 64-wide head are 16 KiB of keys and 16 of values
 /// in F32, and a task's 96 rows of scores 24 KiB.
@@ -34,13 +34,33 @@ pub(crate) fn supports(d: usize) -> bool {
     d == 64 || d == 128
 }
 
+/// The kernel's vector width, with the token that proves the CPU runs it: 512-bit registers on
+/// AVX-512 (Ice Lake, Zen 4: half the instructions of the 256-bit form for the same FMAs), else
+/// AVX2's 256-bit ones (Zen 3 and older).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Width {
+    W512(Avx512Vnni),
+    W256(Avx2),
+}
+
+impl Width {
+    /// The widest this level runs, or `None` without AVX2.
+    pub(crate) fn of(isa: Isa) -> Option<Width> {
+        match (isa.avx512_vnni(), isa.avx2()) {
+            (Some(v), _) => Some(Width::W512(v)),
+            (None, Some(a)) => Some(Width::W256(a)),
+            _ => None,
+        }
+    }
+}
+
 /// `attn::attend` for a prompt's rows (`t.from == 0`): `out` is `[rows, d]`; returns each row's
 /// softmax statistics.
 ///
 /// # Panics
 /// When the shapes disagree, `t.from != 0`, the head size is not `supports`ed, or a row offset
 /// points outside `k` or `v`.
-pub(crate) fn tile<T: KvElem>(vnni: Avx512Vnni, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
+pub(crate) fn tile<T: KvElem>(width: Width, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     let n = t.ctx.len();
     assert!(supports(t.d), "head size {}", t.d);
     assert_eq!(t.from, 0, "a prompt's rows start at position 0");
@@ -61,51 +81,329 @@ pub(crate) fn tile<T: KvElem>(vnni: Avx512Vnni, t: &Tile<T>, out: &mut [f32]) ->
             "scale offsets inside the cache"
         );
     }
-    let _ = vnni;
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: the token proves AVX-512 F (and AVX2, FMA, F16C); shapes and every row offset
-        // below `cmax` checked above.
-        match t.d {
-            64 => unsafe { simd::tile::<T, 64>(t, cmax, out) },
-            _ => unsafe { simd::tile::<T, 128>(t, cmax, out) },
+        // SAFETY: the token proves the width's features; shapes and every row offset below
+        // `cmax` checked above.
+        unsafe {
+            match (width, t.d) {
+                (Width::W512(_), 64) => simd::tile512::<T, 64>(t, cmax, out),
+                (Width::W512(_), _) => simd::tile512::<T, 128>(t, cmax, out),
+                (Width::W256(_), 64) => simd::tile256::<T, 64>(t, cmax, out),
+                (Width::W256(_), _) => simd::tile256::<T, 128>(t, cmax, out),
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    unreachable!("the token exists only on x86-64")
+    {
+        let _ = (width, cmax);
+        unreachable!("the tokens exist only on x86-64")
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::attn::exp16_minus;
+    use super::super::attn::{exp16_minus, exp8_minus};
     use super::super::attn_amx::simd::transpose16;
     use super::super::{lines, Lines};
     use super::{KvElem, Tile, BLOCK};
 
-    /// Rows a register tile takes: 6 rows x 4 vectors of accumulators beside the 4 loaded vectors
-    /// of keys (or values) fit the 32 registers.
-    const ROWS: usize = 6;
-    /// Vectors of 16 lanes in a block.
-    const VB: usize = BLOCK / 16;
+    /// F32 vectors of one width: the kernel is written once over this. Every method is inlined
+    /// into the entry point whose target features cover the width (`tile512`, `tile256`).
+    pub(super) trait Vector: Copy {
+        /// Lanes a vector.
+        const LANES: usize;
+        /// Rows a register tile takes: `ROWS` x 4 accumulators beside the loaded vectors fit the
+        /// register file (32 vectors on AVX-512, 16 on AVX2).
+        const ROWS: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+        /// `LANES` cache values from `p` as F32.
+        unsafe fn cache<T: KvElem>(p: *const T) -> Self;
+        /// Lanes `0..count` from `p` (`count <= LANES`), `-inf` in the others.
+        unsafe fn first(p: *const f32, count: usize) -> Self;
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
+        unsafe fn add(a: Self, b: Self) -> Self;
+        unsafe fn max(a: Self, b: Self) -> Self;
+        unsafe fn reduce_max(self) -> f32;
+        unsafe fn reduce_add(self) -> f32;
+        /// `exp(x - m)`, 0 below `exp(-87)` and for `-inf`.
+        unsafe fn exp_minus(self, m: f32) -> Self;
+        /// Keys of positions `pb..pb + count` transposed into `kt` (`[D][BLOCK]`), each scaled by
+        /// its position's K scale; positions past `count` zero.
+        unsafe fn keys<T: KvElem, const D: usize>(
+            t: &Tile<T>,
+            pb: usize,
+            count: usize,
+            scale: &impl Fn(usize) -> (f32, f32),
+            kt: *mut f32,
+        );
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct V512(__m512);
+    #[derive(Clone, Copy)]
+    pub(super) struct V256(__m256);
+
+    impl Vector for V512 {
+        const LANES: usize = 16;
+        const ROWS: usize = 6;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            V512(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            V512(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            V512(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn cache<T: KvElem>(p: *const T) -> Self {
+            V512(T::load16(p))
+        }
+        #[inline(always)]
+        unsafe fn first(p: *const f32, count: usize) -> Self {
+            let lanes = ((1u32 << count) - 1) as __mmask16;
+            V512(_mm512_mask_loadu_ps(
+                _mm512_set1_ps(f32::NEG_INFINITY),
+                lanes,
+                p,
+            ))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            V512(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            V512(_mm512_mul_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            V512(_mm512_add_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            V512(_mm512_max_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            _mm512_reduce_max_ps(self.0)
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            _mm512_reduce_add_ps(self.0)
+        }
+        #[inline(always)]
+        unsafe fn exp_minus(self, m: f32) -> Self {
+            V512(exp16_minus(self.0, _mm512_set1_ps(m)))
+        }
+        #[inline(always)]
+        unsafe fn keys<T: KvElem, const D: usize>(
+            t: &Tile<T>,
+            pb: usize,
+            count: usize,
+            scale: &impl Fn(usize) -> (f32, f32),
+            kt: *mut f32,
+        ) {
+            let k = t.k.as_ptr();
+            for j in 0..BLOCK / 16 {
+                for c in (0..D).step_by(16) {
+                    let mut words = [_mm512_setzero_si512(); 16];
+                    for (i, w) in words.iter_mut().enumerate() {
+                        let at = j * 16 + i;
+                        if at < count {
+                            let p = pb + at;
+                            let x = T::load16(k.add(t.rows[p] + c));
+                            *w = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(scale(p).0)));
+                        }
+                    }
+                    for (i, x) in transpose16(words).iter().enumerate() {
+                        _mm512_storeu_si512(kt.add((c + i) * BLOCK + j * 16) as _, *x);
+                    }
+                }
+            }
+        }
+    }
+
+    impl Vector for V256 {
+        const LANES: usize = 8;
+        const ROWS: usize = 3;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            V256(_mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            V256(_mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            V256(_mm256_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn cache<T: KvElem>(p: *const T) -> Self {
+            V256(T::load8(p))
+        }
+        #[inline(always)]
+        unsafe fn first(p: *const f32, count: usize) -> Self {
+            let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            let lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count as i32), idx);
+            let x = _mm256_maskload_ps(p, lanes);
+            V256(_mm256_blendv_ps(
+                _mm256_set1_ps(f32::NEG_INFINITY),
+                x,
+                _mm256_castsi256_ps(lanes),
+            ))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: Self, b: Self, c: Self) -> Self {
+            V256(_mm256_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            V256(_mm256_mul_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn add(a: Self, b: Self) -> Self {
+            V256(_mm256_add_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn max(a: Self, b: Self) -> Self {
+            V256(_mm256_max_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn reduce_max(self) -> f32 {
+            let h = _mm_max_ps(
+                _mm256_castps256_ps128(self.0),
+                _mm256_extractf128_ps(self.0, 1),
+            );
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)))
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(self) -> f32 {
+            let h = _mm_add_ps(
+                _mm256_castps256_ps128(self.0),
+                _mm256_extractf128_ps(self.0, 1),
+            );
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)))
+        }
+        #[inline(always)]
+        unsafe fn exp_minus(self, m: f32) -> Self {
+            V256(exp8_minus(self.0, m))
+        }
+        #[inline(always)]
+        unsafe fn keys<T: KvElem, const D: usize>(
+            t: &Tile<T>,
+            pb: usize,
+            count: usize,
+            scale: &impl Fn(usize) -> (f32, f32),
+            kt: *mut f32,
+        ) {
+            let k = t.k.as_ptr();
+            for j in 0..BLOCK / 8 {
+                for c in (0..D).step_by(8) {
+                    let mut r = [_mm256_setzero_ps(); 8];
+                    for (i, w) in r.iter_mut().enumerate() {
+                        let at = j * 8 + i;
+                        if at < count {
+                            let p = pb + at;
+                            let x = T::load8(k.add(t.rows[p] + c));
+                            *w = _mm256_mul_ps(x, _mm256_set1_ps(scale(p).0));
+                        }
+                    }
+                    for (i, x) in transpose8(r).iter().enumerate() {
+                        _mm256_storeu_ps(kt.add((c + i) * BLOCK + j * 8), *x);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 8 x 8 transpose of F32 lanes: row `c` of the result is lane `c` of every input.
+    #[inline(always)]
+    unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+        let t: [__m256; 8] = std::array::from_fn(|i| {
+            let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+            if i % 2 == 0 {
+                _mm256_unpacklo_ps(a, b)
+            } else {
+                _mm256_unpackhi_ps(a, b)
+            }
+        });
+        // Within each 128-bit half, t[0], t[2] hold lanes (0, 1) and t[1], t[3] lanes (2, 3) of
+        // rows 0..4, as pairs: shuffle the pairs together.
+        let u: [__m256; 8] = std::array::from_fn(|i| {
+            let g = i / 4 * 4;
+            let (a, b) = (t[g + i % 2], t[g + 2 + i % 2]);
+            if (i % 4) < 2 {
+                _mm256_shuffle_ps::<0x44>(a, b)
+            } else {
+                _mm256_shuffle_ps::<0xee>(a, b)
+            }
+        });
+        // u[g + 0..4] hold lanes 0, 2, 1, 3 (low half) and 4, 6, 5, 7 (high half) of rows
+        // g..g + 4; the halves of u[0..4] and u[4..8] combine into whole rows.
+        let order = [0, 2, 1, 3];
+        std::array::from_fn(|c| {
+            let (i, high) = (order[c % 4], c >= 4);
+            if high {
+                _mm256_permute2f128_ps::<0x31>(u[i], u[4 + i])
+            } else {
+                _mm256_permute2f128_ps::<0x20>(u[i], u[4 + i])
+            }
+        })
+    }
+
+    /// # Safety
+    /// AVX-512 F/BW/VL (and AVX2, FMA, F16C); `t` checked by `super::tile`; `D == t.d`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn tile512<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        cmax: usize,
+        out: &mut [f32],
+    ) -> Vec<(f32, f32)> {
+        drive::<V512, T, D>(t, cmax, out)
+    }
+
+    /// # Safety
+    /// AVX2, FMA, F16C; `t` checked by `super::tile`; `D == t.d`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile256<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        cmax: usize,
+        out: &mut [f32],
+    ) -> Vec<(f32, f32)> {
+        drive::<V256, T, D>(t, cmax, out)
+    }
 
     /// A row's positions in the block at `pb`: how many it sees (`0..=BLOCK`).
-    #[inline]
+    #[inline(always)]
     fn seen(ctx: usize, pb: usize) -> usize {
         ctx.saturating_sub(pb).min(BLOCK)
     }
 
-    /// Lanes `0..count` (`count <= 16`) of a vector.
-    #[inline]
-    fn lanes(count: usize) -> __mmask16 {
-        ((1u32 << count) - 1) as __mmask16
-    }
-
-    /// # Safety
-    /// AVX-512 F; `t` checked by `super::tile` (`cmax` its largest context); `D == t.d`.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn tile<T: KvElem, const D: usize>(
+    /// The kernel (module doc) at width `V`.
+    #[inline(always)]
+    unsafe fn drive<V: Vector, T: KvElem, const D: usize>(
         t: &Tile<T>,
         cmax: usize,
         out: &mut [f32],
@@ -121,6 +419,8 @@ mod simd {
             Some((ks, vs)) => (ks[t.rows[p] / D].to_f32(), vs[t.rows[p] / D].to_f32()),
             None => (1.0, 1.0),
         };
+        // Positions (scores) and output columns (values) a register tile covers: 4 vectors.
+        let span = 4 * V::LANES;
         for pb in (0..cmax).step_by(BLOCK) {
             // The rows that see this block, and how far any of them sees into it.
             let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
@@ -128,113 +428,99 @@ mod simd {
             if reach == 0 {
                 continue;
             }
-            convert::<T, D>(t, pb, reach, &scale, &mut kt, &mut vb);
+            V::keys::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
+            values_in::<V, T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
             let mut r = first;
             while r < n {
-                let nr = ROWS.min(n - r);
-                let (q, sp) = (t.q.as_ptr().add(r * D), s.as_mut_ptr().add(r * BLOCK));
-                match nr {
-                    6 => scores::<D, 6>(q, kt.as_ptr(), sp),
-                    5 => scores::<D, 5>(q, kt.as_ptr(), sp),
-                    4 => scores::<D, 4>(q, kt.as_ptr(), sp),
-                    3 => scores::<D, 3>(q, kt.as_ptr(), sp),
-                    2 => scores::<D, 2>(q, kt.as_ptr(), sp),
-                    _ => scores::<D, 1>(q, kt.as_ptr(), sp),
+                let nr = V::ROWS.min(n - r);
+                for c in (0..reach).step_by(span) {
+                    let q = t.q.as_ptr().add(r * D);
+                    let (k, sp) = (kt.as_ptr().add(c), s.as_mut_ptr().add(r * BLOCK + c));
+                    match nr {
+                        6 => scores::<V, D, 6>(q, k, sp),
+                        5 => scores::<V, D, 5>(q, k, sp),
+                        4 => scores::<V, D, 4>(q, k, sp),
+                        3 => scores::<V, D, 3>(q, k, sp),
+                        2 => scores::<V, D, 2>(q, k, sp),
+                        _ => scores::<V, D, 1>(q, k, sp),
+                    }
                 }
                 r += nr;
             }
             for r in first..n {
                 let row = s.as_mut_ptr().add(r * BLOCK);
                 let o = out.as_mut_ptr().add(r * D);
-                weights::<D>(row, seen(t.ctx[r], pb), &mut max[r], &mut sum[r], o);
+                weights::<V, D>(row, seen(t.ctx[r], pb), &mut max[r], &mut sum[r], o);
             }
             let mut r = first;
             while r < n {
-                let nr = ROWS.min(n - r);
+                let nr = V::ROWS.min(n - r);
                 let w = s.as_ptr().add(r * BLOCK);
-                for c in (0..D).step_by(64) {
+                for c in (0..D).step_by(span) {
                     let (v, o) = (vb.as_ptr().add(c), out.as_mut_ptr().add(r * D + c));
                     match nr {
-                        6 => values::<D, 6>(w, v, o, reach),
-                        5 => values::<D, 5>(w, v, o, reach),
-                        4 => values::<D, 4>(w, v, o, reach),
-                        3 => values::<D, 3>(w, v, o, reach),
-                        2 => values::<D, 2>(w, v, o, reach),
-                        _ => values::<D, 1>(w, v, o, reach),
+                        6 => values::<V, D, 6>(w, v, o, reach),
+                        5 => values::<V, D, 5>(w, v, o, reach),
+                        4 => values::<V, D, 4>(w, v, o, reach),
+                        3 => values::<V, D, 3>(w, v, o, reach),
+                        2 => values::<V, D, 2>(w, v, o, reach),
+                        _ => values::<V, D, 1>(w, v, o, reach),
                     }
                 }
                 r += nr;
             }
         }
         for (r, o) in out.chunks_exact_mut(D).enumerate() {
-            let inv = _mm512_set1_ps(1.0 / sum[r]);
-            for c in (0..D).step_by(16) {
+            let inv = V::splat(1.0 / sum[r]);
+            for c in (0..D).step_by(V::LANES) {
                 let p = o.as_mut_ptr().add(c);
-                _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), inv));
+                V::mul(V::load(p), inv).store(p);
             }
         }
         max.into_iter().zip(sum).collect()
     }
 
-    /// Positions `pb..pb + count` as F32, a Q8 cache's scales applied: keys transposed into `kt`
-    /// (`[D][BLOCK]`, positions past `count` zero), values as rows into `vb` (`[BLOCK][D]`, rows
-    /// `0..count`).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn convert<T: KvElem, const D: usize>(
+    /// Values of positions `pb..pb + count` as F32 rows into `vb` (`[BLOCK][D]`), each scaled by
+    /// its position's V scale.
+    #[inline(always)]
+    unsafe fn values_in<V: Vector, T: KvElem, const D: usize>(
         t: &Tile<T>,
         pb: usize,
         count: usize,
         scale: &impl Fn(usize) -> (f32, f32),
-        kt: &mut [f32],
-        vb: &mut [f32],
+        vb: *mut f32,
     ) {
-        let (k, v) = (t.k.as_ptr(), t.v.as_ptr());
-        for j in 0..VB {
-            for c in (0..D).step_by(16) {
-                let mut words = [_mm512_setzero_si512(); 16];
-                for (i, w) in words.iter_mut().enumerate() {
-                    let at = j * 16 + i;
-                    if at < count {
-                        let p = pb + at;
-                        let x = T::load16(k.add(t.rows[p] + c));
-                        *w = _mm512_castps_si512(_mm512_mul_ps(x, _mm512_set1_ps(scale(p).0)));
-                    }
-                }
-                for (i, x) in transpose16(words).iter().enumerate() {
-                    _mm512_storeu_si512(kt.as_mut_ptr().add((c + i) * BLOCK + j * 16) as _, *x);
-                }
-            }
-        }
+        let v = t.v.as_ptr();
         for at in 0..count {
             let p = pb + at;
-            let sv = _mm512_set1_ps(scale(p).1);
-            for c in (0..D).step_by(16) {
-                let x = T::load16(v.add(t.rows[p] + c));
-                _mm512_storeu_ps(vb.as_mut_ptr().add(at * D + c), _mm512_mul_ps(x, sv));
+            let sv = V::splat(scale(p).1);
+            for c in (0..D).step_by(V::LANES) {
+                V::mul(V::cache(v.add(t.rows[p] + c)), sv).store(vb.add(at * D + c));
             }
         }
     }
 
-    /// `s[r][0..BLOCK] = q[r] . kt` for `NR` query rows (`D` apart) against a block's transposed
-    /// keys.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn scores<const D: usize, const NR: usize>(q: *const f32, kt: *const f32, s: *mut f32) {
-        let mut acc = [[_mm512_setzero_ps(); VB]; NR];
+    /// `s[r][0..4 lanes] = q[r] . kt[.][0..4 lanes]` for `NR` query rows (`D` apart; `s` rows
+    /// `BLOCK` apart) against a block's transposed keys (`kt` rows `BLOCK` apart).
+    #[inline(always)]
+    unsafe fn scores<V: Vector, const D: usize, const NR: usize>(
+        q: *const f32,
+        kt: *const f32,
+        s: *mut f32,
+    ) {
+        let mut acc = [[V::zero(); 4]; NR];
         for c in 0..D {
-            let kv: [__m512; VB] =
-                std::array::from_fn(|j| _mm512_loadu_ps(kt.add(c * BLOCK + j * 16)));
+            let kv: [V; 4] = std::array::from_fn(|j| V::load(kt.add(c * BLOCK + j * V::LANES)));
             for (r, a) in acc.iter_mut().enumerate() {
-                let qv = _mm512_set1_ps(*q.add(r * D + c));
-                for j in 0..VB {
-                    a[j] = _mm512_fmadd_ps(qv, kv[j], a[j]);
+                let qv = V::splat(*q.add(r * D + c));
+                for j in 0..4 {
+                    a[j] = V::fmadd(qv, kv[j], a[j]);
                 }
             }
         }
         for (r, a) in acc.iter().enumerate() {
             for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(s.add(r * BLOCK + j * 16), *x);
+                x.store(s.add(r * BLOCK + j * V::LANES));
             }
         }
     }
@@ -242,70 +528,63 @@ mod simd {
     /// One row's block of scores (`s`, the first `seen` of them in use) into its weights
     /// `exp(score - max)` (zero past `seen`), with its running maximum and sum: when the maximum
     /// grows, the sum and the output row so far (`o`, `D` values) are rescaled to it.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn weights<const D: usize>(
+    #[inline(always)]
+    unsafe fn weights<V: Vector, const D: usize>(
         s: *mut f32,
         seen: usize,
         max: &mut f32,
         sum: &mut f32,
         o: *mut f32,
     ) {
-        let none = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut x = [none; VB];
-        let mut mv = none;
-        for (j, xj) in x.iter_mut().enumerate() {
-            let count = seen.saturating_sub(j * 16).min(16);
-            *xj = _mm512_mask_loadu_ps(none, super::simd::lanes(count), s.add(j * 16));
-            mv = _mm512_max_ps(mv, *xj);
+        let lanes = |j: usize| seen.saturating_sub(j * V::LANES).min(V::LANES);
+        let mut mv = V::splat(f32::NEG_INFINITY);
+        for j in 0..BLOCK / V::LANES {
+            mv = V::max(mv, V::first(s.add(j * V::LANES), lanes(j)));
         }
-        let m = _mm512_reduce_max_ps(mv);
+        let m = mv.reduce_max();
         if m > *max {
             if *max > f32::NEG_INFINITY {
                 let alpha = (*max - m).exp();
                 *sum *= alpha;
-                let av = _mm512_set1_ps(alpha);
-                for c in (0..D).step_by(16) {
-                    _mm512_storeu_ps(o.add(c), _mm512_mul_ps(_mm512_loadu_ps(o.add(c)), av));
+                let av = V::splat(alpha);
+                for c in (0..D).step_by(V::LANES) {
+                    V::mul(V::load(o.add(c)), av).store(o.add(c));
                 }
             }
             *max = m;
         }
-        let mv = _mm512_set1_ps(*max);
-        let mut total = _mm512_setzero_ps();
-        for (j, xj) in x.iter().enumerate() {
-            let e = exp16_minus(*xj, mv);
-            total = _mm512_add_ps(total, e);
-            _mm512_storeu_ps(s.add(j * 16), e);
+        let mut total = V::zero();
+        for j in 0..BLOCK / V::LANES {
+            let e = V::first(s.add(j * V::LANES), lanes(j)).exp_minus(*max);
+            total = V::add(total, e);
+            e.store(s.add(j * V::LANES));
         }
-        *sum += _mm512_reduce_add_ps(total);
+        *sum += total.reduce_add();
     }
 
-    /// `o[r][0..64] += sum_p w[r][p] * vb[p][0..64]` for `NR` rows (`w` rows `BLOCK` apart, `o`
-    /// rows `D` apart; `vb` rows `D` apart), positions `0..count`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn values<const D: usize, const NR: usize>(
+    /// `o[r][0..4 lanes] += sum_p w[r][p] * vb[p][0..4 lanes]` for `NR` rows (`w` rows `BLOCK`
+    /// apart, `o` and `vb` rows `D` apart), positions `0..count`.
+    #[inline(always)]
+    unsafe fn values<V: Vector, const D: usize, const NR: usize>(
         w: *const f32,
         vb: *const f32,
         o: *mut f32,
         count: usize,
     ) {
-        let mut acc: [[__m512; 4]; NR] = std::array::from_fn(|r| {
-            std::array::from_fn(|j| _mm512_loadu_ps(o.add(r * D + j * 16)))
-        });
+        let mut acc: [[V; 4]; NR] =
+            std::array::from_fn(|r| std::array::from_fn(|j| V::load(o.add(r * D + j * V::LANES))));
         for p in 0..count {
-            let vv: [__m512; 4] = std::array::from_fn(|j| _mm512_loadu_ps(vb.add(p * D + j * 16)));
+            let vv: [V; 4] = std::array::from_fn(|j| V::load(vb.add(p * D + j * V::LANES)));
             for (r, a) in acc.iter_mut().enumerate() {
-                let wv = _mm512_set1_ps(*w.add(r * BLOCK + p));
+                let wv = V::splat(*w.add(r * BLOCK + p));
                 for j in 0..4 {
-                    a[j] = _mm512_fmadd_ps(wv, vv[j], a[j]);
+                    a[j] = V::fmadd(wv, vv[j], a[j]);
                 }
             }
         }
         for (r, a) in acc.iter().enumerate() {
             for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(o.add(r * D + j * 16), *x);
+                x.store(o.add(r * D + j * V::LANES));
             }
         }
     }
@@ -319,7 +598,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn check<T: KvElem>(
-        vnni: Avx512Vnni,
+        width: Width,
         c: &Case,
         k: &[T],
         v: &[T],
@@ -338,11 +617,11 @@ mod tests {
         let mut want = vec![0f32; c.q.len()];
         let want_stats = tile_scalar(&t, &mut want);
         let mut got = vec![f32::NAN; c.q.len()];
-        let stats = tile(vnni, &t, &mut got);
+        let stats = tile(width, &t, &mut got);
         for (i, (a, b)) in got.iter().zip(&want).enumerate() {
             prop_assert!(
                 (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                "value {i} (row {}): {a} vs {b}",
+                "{width:?}, value {i} (row {}): {a} vs {b}",
                 i / c.d
             );
         }
@@ -360,7 +639,7 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 40, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// The blocked kernel equals the reference: row counts that leave partial register tiles,
         /// contexts that end inside a block and rows that start in a later block than others,
-        /// one to three rows per token, both head sizes, F32, F16 and Q8 caches.
+        /// one to three rows per token, both head sizes, F32, F16 and Q8 caches, both widths.
         #[test]
         fn blocks_equal_the_reference(
             seed in any::<u64>(),
@@ -369,17 +648,23 @@ mod tests {
             ctx0 in 0usize..200,
             per_token in 1usize..4,
         ) {
-            let Some(vnni) = Avx512Vnni::detect() else {
-                eprintln!("blocks_equal_the_reference: skipped, this CPU has no AVX-512 VNNI");
-                return Ok(());
-            };
+            let widths: Vec<Width> = Avx512Vnni::detect()
+                .map(Width::W512)
+                .into_iter()
+                .chain(Avx2::detect().map(Width::W256))
+                .collect();
+            if widths.is_empty() {
+                eprintln!("blocks_equal_the_reference: skipped, this CPU has no AVX2");
+            }
             let c = case(seed, d, n_rows, ctx0, per_token);
-            check::<f32>(vnni, &c, &c.k, &c.v, None)?;
             let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
             let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
-            check(vnni, &c, &k16, &v16, None)?;
             let q = q8(&c);
-            check(vnni, &c, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
+            for w in widths {
+                check::<f32>(w, &c, &c.k, &c.v, None)?;
+                check(w, &c, &k16, &v16, None)?;
+                check(w, &c, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
+            }
         }
     }
 }
