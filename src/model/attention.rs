@@ -306,6 +306,11 @@ impl Job<'_> {
             .tasks
             .par_iter()
             .zip(self.alone)
+            // Each task its own job, so an idle thread takes the next task rather than waiting
+            // on a half of the list: a step's prompt tasks come first and are each many decode
+            // tasks' work (2 turns of 27 tokens beside 8 decodes at the AVX2 level: 71 against 59
+            // ms a step with rayon's default split).
+            .with_max_len(1)
             .map(|(t, &alone)| {
                 let (o, stats) = self.task(t, qs, ks, vs, scales, &packs);
                 if !alone {
@@ -398,7 +403,7 @@ const TILE_ROWS: usize = 24;
 const MIN_PART: usize = 64;
 
 /// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
-/// rows run on the tile units, `tiled`), one KV head each, except with `heads_together` a
+/// rows run on the tile units or on `attn_flash`, `tiled`), one KV head each, except with `heads_together` a
 /// one-token sequence's row and each token of a reply's decode with drafts (`SeqMeta::exact`):
 /// one task for all its KV heads; a decode with drafts, a token a task either way. Each decode
 /// row's positions are cut into parts (merged after with `merge_parts`) by its history's length
