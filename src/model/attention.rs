@@ -998,6 +998,20 @@ mod tests {
         }
     }
 
+    /// The output values of run `i` of a step of `shapes` (q_len, start_pos), rows `width` wide.
+    fn run_rows(shapes: &[(usize, usize)], width: usize, i: usize) -> std::ops::Range<usize> {
+        let start: usize = shapes[..i].iter().map(|s| s.0).sum();
+        start * width..(start + shapes[i].0) * width
+    }
+
+    /// The largest absolute difference between `a` and `b`.
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    }
+
     /// Steps whose prompt runs have enough rows for the tile units (`attn_amx`, on CPUs with AMX:
     /// several of them, each KV head packed once for its tasks) beside decodes that stay on the
     /// F32 kernel, drafts and all: the generic path's result within bf16's rounding, and (where
@@ -1018,17 +1032,7 @@ mod tests {
             (4, 7),
         ];
         let decodes = [1, 2, 3];
-        let width = 6 * 64;
-        let rows_of = |i: usize| {
-            let start: usize = shapes[..i].iter().map(|s| s.0).sum();
-            start * width..(start + shapes[i].0) * width
-        };
-        let max_diff = |a: &[f32], b: &[f32]| {
-            a.iter()
-                .zip(b)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max)
-        };
+        let rows_of = |i: usize| run_rows(&shapes, 6 * 64, i);
         for kv in 0..3 {
             let (fast, generic, exact) = both_paths_of(64, &shapes, &decodes, 11, kv);
             let d = max_diff(&fast, &generic);
@@ -1060,17 +1064,7 @@ mod tests {
     fn prompt_runs_attend_as_the_generic_path_at_every_level() {
         let shapes = [(40, 0), (1, 50), (7, 100), (1, 3), (70, 30), (3, 9), (4, 7)];
         let decodes = [1, 2, 3];
-        let width = 6 * 64;
-        let rows_of = |i: usize| {
-            let start: usize = shapes[..i].iter().map(|s| s.0).sum();
-            start * width..(start + shapes[i].0) * width
-        };
-        let max_diff = |a: &[f32], b: &[f32]| {
-            a.iter()
-                .zip(b)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max)
-        };
+        let rows_of = |i: usize| run_rows(&shapes, 6 * 64, i);
         let test = "prompt_runs_attend_as_the_generic_path_at_every_level";
         for kv in 0..3 {
             let (seqs, q, layer, dims) = step(64, &shapes, &decodes, 5, kv);
