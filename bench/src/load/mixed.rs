@@ -17,13 +17,15 @@ pub struct MixedBenchConfig {
     pub max_tokens: usize,
 }
 
-/// Gaps between one stream's deltas, each with the instant its delta arrived.
+/// Gaps between one stream's deltas, each with the instant its delta arrived and whether its
+/// reply had tokens whose text the server held back (fewer deltas than tokens: an incomplete
+/// character or a possible stop string), so that a long gap there may be several tokens' steps.
 pub(super) async fn stream_user(
     url: String,
     user: usize,
     max_tokens: usize,
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-) -> Result<(Vec<(Instant, f64)>, Vec<(Instant, f64, (f64, f64))>), String> {
+) -> Result<(Vec<(Instant, f64, bool)>, Vec<(Instant, f64, (f64, f64))>), String> {
     let mut ws = connect(&url).await?;
     let mut gaps = Vec::new();
     // (sent, TTFT, the server's queue time and TTFT), seconds.
@@ -37,18 +39,24 @@ pub(super) async fn stream_user(
         send_fresh(&mut ws, &frame).await?;
         let mut last: Option<Instant> = None;
         let mut ttft = f64::NAN;
+        let (first_gap, mut deltas) = (gaps.len(), 0u64);
         loop {
             let f = next_frame(&mut ws).await?;
             match f["type"].as_str() {
                 Some("delta") => {
                     let now = Instant::now();
+                    deltas += 1;
                     match last {
-                        Some(l) => gaps.push((now, (now - l).as_secs_f64())),
+                        Some(l) => gaps.push((now, (now - l).as_secs_f64(), false)),
                         None => ttft = (now - sent).as_secs_f64(),
                     }
                     last = Some(now);
                 }
                 Some("done") => {
+                    let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                    for g in &mut gaps[first_gap..] {
+                        g.2 = tokens > deltas;
+                    }
                     let ms = |k: &str| f["timings"][k].as_f64().unwrap_or(f64::NAN) / 1e3;
                     ttfts.push((sent, ttft, (ms("queue_ms"), ms("ttft_ms"))));
                     break;
@@ -143,8 +151,8 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     let warm = t0 + Duration::from_secs(1);
     let pick = |from: Instant, to: Instant| -> Vec<f64> {
         gaps.iter()
-            .filter(|(t, _)| *t > from && *t <= to)
-            .map(|(_, g)| *g)
+            .filter(|(t, _, _)| *t > from && *t <= to)
+            .map(|(_, g, _)| *g)
             .collect()
     };
     println!(
@@ -154,6 +162,25 @@ pub async fn run_mixed(cfg: MixedBenchConfig) -> Result<(f64, f64), String> {
     );
     let during = pick(first_sent, last_ttft);
     println!("{} streams | {}", cfg.users, gap_line("during", &during));
+    // The gaps over 100 ms (the streams' target) and how many lie in replies whose text the
+    // server held back for some tokens: those may span several steps without a slow step.
+    let phase: Vec<(f64, bool)> = (gaps.iter())
+        .filter(|(t, _, _)| *t > first_sent && *t <= last_ttft)
+        .map(|(_, g, held)| (*g, *held))
+        .collect();
+    let long: Vec<bool> = (phase.iter())
+        .filter(|(g, _)| *g > 0.1)
+        .map(|p| p.1)
+        .collect();
+    let held = phase.iter().filter(|p| p.1).count();
+    println!(
+        "{} streams | during: {} gaps over 100 ms, {} of them in replies with text held back \
+         (which hold {held} of the phase's {} gaps)",
+        cfg.users,
+        long.len(),
+        long.iter().filter(|h| **h).count(),
+        phase.len()
+    );
     // A stream's next turn sent while the long prompts prefill waits for its first token: a
     // stall too, which the gaps inside replies do not show.
     let mut turns: Vec<(f64, (f64, f64))> = (ttfts.iter())
