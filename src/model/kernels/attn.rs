@@ -168,6 +168,55 @@ pub(crate) struct Tile<'a, T> {
 }
 
 impl<T> Tile<'_, T> {
+    /// The largest context of the tile's rows, once the shapes are checked: `out` (`[rows, d]`)
+    /// and the query rows `d` wide, every row seeing a position past `from`, a row offset for
+    /// every position, and every offset (and Q8 scale offset) inside the cache.
+    ///
+    /// # Panics
+    /// When one of those does not hold (a bug in the caller: block tables are validated when a
+    /// step is planned).
+    pub(crate) fn checked(&self, out: &[f32]) -> usize {
+        let n = self.ctx.len();
+        assert_eq!(self.q.len(), n * self.d, "query rows are d wide");
+        assert_eq!(out.len(), n * self.d, "output rows are d wide");
+        let cmax = self.ctx.iter().copied().max().unwrap_or(0);
+        assert!(
+            self.ctx.iter().all(|&c| c > self.from),
+            "every row sees at least one position"
+        );
+        assert!(cmax <= self.rows.len(), "a row offset for every position");
+        let last = self.rows[self.from..cmax]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+            + self.d;
+        assert!(
+            last <= self.k.len() && last <= self.v.len(),
+            "row offsets inside the cache"
+        );
+        if let Some((ks, vs)) = self.scales {
+            let last = last / self.d;
+            assert!(
+                last <= ks.len() && last <= vs.len(),
+                "scale offsets inside the cache"
+            );
+        }
+        cmax
+    }
+
+    /// Position `p`'s K and V scales (1 and 1 without a Q8 cache's scales).
+    #[inline]
+    pub(crate) fn scale(&self, p: usize) -> (f32, f32) {
+        match self.scales {
+            Some((ks, vs)) => {
+                let at = self.rows[p] / self.d;
+                (ks[at].to_f32(), vs[at].to_f32())
+            }
+            None => (1.0, 1.0),
+        }
+    }
+
     /// Each position's K and V scale, positions `0..n`, when the cache has them. `D == self.d`
     /// (a constant, so the offsets' division is a shift).
     fn position_scales<const D: usize>(&self, n: usize) -> Option<(Vec<f32>, Vec<f32>)> {
@@ -201,27 +250,7 @@ fn scale_rows(s: &mut [f32], stride: usize, ctx: &[usize], scale: &[f32]) {
 /// When the shapes disagree or a row offset points outside `k` or `v` (a bug in the caller: block
 /// tables are validated when a step is planned).
 pub(crate) fn attend<T: KvElem>(isa: Isa, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
-    let n = t.ctx.len();
-    assert_eq!(t.q.len(), n * t.d, "query rows are d wide");
-    assert_eq!(out.len(), n * t.d, "output rows are d wide");
-    let cmax = t.ctx.iter().copied().max().unwrap_or(0);
-    assert!(
-        t.ctx.iter().all(|&c| c > t.from),
-        "every row sees at least one position"
-    );
-    assert!(cmax <= t.rows.len(), "a row offset for every position");
-    let last = t.rows[t.from..cmax].iter().copied().max().unwrap_or(0) + t.d;
-    assert!(
-        last <= t.k.len() && last <= t.v.len(),
-        "row offsets inside the cache"
-    );
-    if let Some((ks, vs)) = t.scales {
-        let last = last / t.d;
-        assert!(
-            last <= ks.len() && last <= vs.len(),
-            "scale offsets inside the cache"
-        );
-    }
+    let cmax = t.checked(out);
     // The kernels count positions from the tile's first one.
     let cmax = cmax - t.from;
     let ctx: Vec<usize> = t.ctx.iter().map(|c| c - t.from).collect();
@@ -371,10 +400,7 @@ pub(crate) fn tile_scalar<T: KvElem>(t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, 
     let d = t.d;
     let mut s = Vec::new();
     let mut stats = Vec::with_capacity(t.ctx.len());
-    let scale = |p: usize| match t.scales {
-        Some((ks, vs)) => (ks[t.rows[p] / d].to_f32(), vs[t.rows[p] / d].to_f32()),
-        None => (1.0, 1.0),
-    };
+    let scale = |p: usize| t.scale(p);
     for (r, &c) in t.ctx.iter().enumerate() {
         let q = &t.q[r * d..(r + 1) * d];
         s.clear();
@@ -1266,8 +1292,8 @@ pub(super) mod tests {
     pub(crate) struct Q8Case {
         pub(crate) k: (Vec<u8>, Vec<half::f16>),
         pub(crate) v: (Vec<u8>, Vec<half::f16>),
-        pub(crate) k_values: Vec<f32>,
-        pub(crate) v_values: Vec<f32>,
+        k_values: Vec<f32>,
+        v_values: Vec<f32>,
     }
 
     pub(crate) fn q8(c: &Case) -> Q8Case {

@@ -58,29 +58,11 @@ impl Width {
 /// softmax statistics.
 ///
 /// # Panics
-/// When the shapes disagree, `t.from != 0`, the head size is not `supports`ed, or a row offset
-/// points outside `k` or `v`.
+/// When `t.from != 0`, the head size is not `supports`ed, or `Tile::checked` fails.
 pub(crate) fn tile<T: KvElem>(width: Width, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
-    let n = t.ctx.len();
     assert!(supports(t.d), "head size {}", t.d);
     assert_eq!(t.from, 0, "a prompt's rows start at position 0");
-    assert_eq!(t.q.len(), n * t.d, "query rows are d wide");
-    assert_eq!(out.len(), n * t.d, "output rows are d wide");
-    assert!(t.ctx.iter().all(|&c| c > 0), "every row sees a position");
-    let cmax = t.ctx.iter().copied().max().unwrap_or(0);
-    assert!(cmax <= t.rows.len(), "a row offset for every position");
-    let last = t.rows[..cmax].iter().copied().max().unwrap_or(0) + t.d;
-    assert!(
-        last <= t.k.len() && last <= t.v.len(),
-        "row offsets inside the cache"
-    );
-    if let Some((ks, vs)) = t.scales {
-        let last = last / t.d;
-        assert!(
-            last <= ks.len() && last <= vs.len(),
-            "scale offsets inside the cache"
-        );
-    }
+    let cmax = t.checked(out);
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: the token proves the width's features; shapes and every row offset below
@@ -415,10 +397,7 @@ mod simd {
         let mut max = vec![f32::NEG_INFINITY; n];
         let mut sum = vec![0f32; n];
         out.fill(0.0);
-        let scale = |p: usize| match t.scales {
-            Some((ks, vs)) => (ks[t.rows[p] / D].to_f32(), vs[t.rows[p] / D].to_f32()),
-            None => (1.0, 1.0),
-        };
+        let scale = |p: usize| t.scale(p);
         // Positions (scores) and output columns (values) a register tile covers: 4 vectors.
         let span = 4 * V::LANES;
         for pb in (0..cmax).step_by(BLOCK) {
