@@ -229,7 +229,7 @@ pub struct MixedArgs {
     /// When each long prompt is sent, in seconds after the streams start (one per value).
     #[arg(long, value_delimiter = ',', default_value = "5", value_parser = seconds_from_0)]
     pub long_at: Vec<f64>,
-    /// New tokens per stream.
+    /// New tokens per stream reply, at most (a reply ends at its end-of-turn token).
     #[arg(long, default_value_t = 256)]
     pub max_tokens: usize,
 }

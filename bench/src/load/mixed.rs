@@ -32,8 +32,11 @@ pub(super) async fn stream_user(
     let mut ttfts = Vec::new();
     let mut n = 0;
     while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        // A reply ends at its end-of-turn token, as a visitor's does: past it (`ignore_eos`) the
+        // model writes chat markup whose special tokens have no text, so the gap over them would
+        // be several steps with nothing to show, not a late step.
         let frame = json!({"type": "chat", "id": format!("s{user}r{n}"), "messages": [{"role": "user", "content": prompt(user, n, 40)}],
-            "params": {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": true}});
+            "params": {"temperature": 0, "max_tokens": max_tokens}});
         n += 1;
         let sent = Instant::now();
         send_fresh(&mut ws, &frame).await?;
@@ -53,7 +56,9 @@ pub(super) async fn stream_user(
                     last = Some(now);
                 }
                 Some("done") => {
-                    let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                    // An end-of-turn token ends the reply with no text of its own.
+                    let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0)
+                        - u64::from(f["finish_reason"] == "stop");
                     for g in &mut gaps[first_gap..] {
                         g.2 = tokens > deltas;
                     }
