@@ -149,7 +149,7 @@ impl FastCpuPlan {
             .collect();
         // A one-token row runs as one task over all its KV heads (`attn::attend_heads`, which
         // reads each cache row's heads side by side) where the kernel for it pays here
-        // (`attn::heads_kernel`: an F32 or F16 cache on AVX-512).
+        // (`attn::heads_kernel`: an F32 or F16 cache on AVX2 or AVX-512).
         let heads_together = match cache {
             DType::F16 => heads_kernel::<half::f16>(isa, d.head_dim),
             DType::F32 => heads_kernel::<f32>(isa, d.head_dim),

@@ -469,10 +469,14 @@ mod tests {
 
     #[test]
     fn big_steps_run_on_the_tiles_where_the_cpu_has_them() {
-        let Some(amx) = Isa::available().into_iter().find(|i| i.amx().is_some()) else {
-            eprintln!("big_steps_run_on_the_tiles_where_the_cpu_has_them: skipped, no AMX here");
+        // Weights get their tile copy at the level the engine runs (`LLAMA_RELAY_ISA` may cap it).
+        let amx = Isa::best();
+        if amx.amx().is_none() {
+            eprintln!(
+                "big_steps_run_on_the_tiles_where_the_cpu_has_them: skipped, no AMX at this level"
+            );
             return;
-        };
+        }
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, (72, 96), &dev).unwrap();
         for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {

@@ -294,17 +294,12 @@ pub(crate) struct Heads<'a, T> {
 }
 
 /// Whether `attend_heads` runs its own kernel for heads of `d` values over an F32 or F16 cache
-/// here, so that a decode row is worth one task for all its KV heads: AVX-512 and the 512-bit
-/// kernel measured faster than the 256-bit one per head (`avx512::pays`). Elsewhere, and for a
-/// Q8 cache (whose scores take the 8-bit kernel per head), `attend_heads` runs `attend` head by
-/// head, and a task per head spreads better over the threads.
+/// here, so that a decode row is worth one task for all its KV heads: AVX2 (the 256-bit kernel,
+/// or the 512-bit one where AVX-512 measured faster than it, `avx512::pays`). Without AVX2, and
+/// for a Q8 cache (whose scores take the 8-bit kernel per head), `attend_heads` runs `attend`
+/// head by head, and a task per head spreads better over the threads.
 pub(crate) fn heads_kernel<T: KvElem>(isa: Isa, d: usize) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    if let Some(vnni) = isa.avx512_vnni() {
-        return std::mem::size_of::<T>() > 1 && matches!(d, 64 | 128) && avx512::pays(vnni);
-    }
-    let _ = (isa, d);
-    false
+    std::mem::size_of::<T>() > 1 && matches!(d, 64 | 128) && isa.avx2().is_some()
 }
 
 /// `attend` for the rows of a decode step's token over several KV heads (`Heads`); returns each
@@ -325,11 +320,21 @@ pub(crate) fn attend_heads<T: KvElem>(isa: Isa, t: &Heads<T>, out: &mut [f32]) -
     );
     #[cfg(target_arch = "x86_64")]
     if t.scales.is_none() && heads_kernel::<T>(isa, d) {
-        // SAFETY: `heads_kernel` saw the AVX-512 token; shapes and offsets checked above.
-        match d {
-            64 => return unsafe { avx512::heads::<T, 64>(t, out) },
-            128 => return unsafe { avx512::heads::<T, 128>(t, out) },
-            _ => {}
+        if isa.avx512_vnni().is_some_and(avx512::pays) {
+            // SAFETY: the token proves AVX-512; shapes and offsets checked above.
+            match d {
+                64 => return unsafe { avx512::heads::<T, 64>(t, out) },
+                128 => return unsafe { avx512::heads::<T, 128>(t, out) },
+                _ => {}
+            }
+        }
+        if isa.avx2().is_some() {
+            // SAFETY: the token proves AVX2, FMA and F16C; shapes and offsets checked above.
+            match d {
+                64 => return unsafe { avx2::heads::<T, 64>(t, out) },
+                128 => return unsafe { avx2::heads::<T, 128>(t, out) },
+                _ => {}
+            }
         }
     }
     per_head(isa, t, out)
@@ -597,12 +602,25 @@ pub(crate) unsafe fn exp16_minus(
     _mm512_maskz_mul_ps(!tiny, e, pow2)
 }
 
+/// Asks for `bytes` from `p` (a hint: never faults, no effect on results).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let mut off = 0;
+    while off < bytes {
+        _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
+        off += 64;
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        quantize_queries, scale_rows, softmax_avx2, KvElem, Tile, POS_BLOCK, PREFETCH_AHEAD,
+        prefetch_bytes, quantize_queries, scale_rows, softmax_avx2, Heads, KvElem, Tile, POS_BLOCK,
+        PREFETCH_AHEAD,
     };
     use crate::model::kernels::cpu::Avx512Vnni;
 
@@ -841,12 +859,7 @@ mod avx2 {
     /// Asks for the `D` values at `p` (a hint: never faults, no effect on results).
     #[inline(always)]
     unsafe fn prefetch<T, const D: usize>(p: *const T) {
-        let bytes = D * std::mem::size_of::<T>();
-        let mut off = 0;
-        while off < bytes {
-            _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
-            off += 64;
-        }
+        prefetch_bytes(p, D * std::mem::size_of::<T>());
     }
 
     /// The four sums of `a[0..4]` in one vector.
@@ -968,6 +981,167 @@ mod avx2 {
             }
         }
     }
+
+    /// Query rows a pass of `heads` takes at once: 3 rows x 4 positions of accumulators beside
+    /// one key vector fit the 16 ymm registers (each FMA reads its query from memory), so a GQA
+    /// group of 3 converts each key once.
+    const HEAD_ROWS: usize = 3;
+
+    /// Value columns a pass of `heads` takes: 3 rows x 4 vectors of accumulators, three
+    /// broadcast weights and the value vector they share fill the 16 ymm registers.
+    const HEAD_COLS: usize = 32;
+
+    /// `attend_heads` for one decode row over all its KV heads, which lie side by side in a cache
+    /// row: the first head's pass asks for the whole rows ahead, so the other heads find them in
+    /// cache, and one task reads a position's row once instead of a KV head's bytes at the stride
+    /// of the row per task.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; `t` checked by `attend_heads`; `D == t.d`, a multiple of 16.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn heads<T: KvElem, const D: usize>(
+        t: &Heads<T>,
+        out: &mut [f32],
+    ) -> Vec<(f32, f32)> {
+        let (g, n) = (t.group, t.ctx - t.from);
+        let rows = t.rows[t.from..].as_ptr();
+        let row_bytes = t.heads * D * std::mem::size_of::<T>();
+        let mut s = vec![0f32; t.heads * g * n];
+        let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
+        // Row groups of up to `HEAD_ROWS` within each head's GQA group: (head, first row, rows).
+        let groups: Vec<(usize, usize, usize)> = (0..t.heads)
+            .flat_map(|h| {
+                (0..g)
+                    .step_by(HEAD_ROWS)
+                    .map(move |r| (h, h * g + r, (g - r).min(HEAD_ROWS)))
+            })
+            .collect();
+        for &(h, r, nr) in &groups {
+            // The first group of the first head asks for the whole rows ahead.
+            let pf = if r == 0 { row_bytes } else { 0 };
+            let (qr, sr, kh) = (q.add(r * D), sp.add(r * n), k.add(h * D));
+            match nr {
+                3 => qk_heads::<T, D, 3>(qr, rows, kh, k, sr, n, pf),
+                2 => qk_heads::<T, D, 2>(qr, rows, kh, k, sr, n, pf),
+                _ => qk_heads::<T, D, 1>(qr, rows, kh, k, sr, n, pf),
+            }
+        }
+        let stats: Vec<(f32, f32)> = s.chunks_exact_mut(n).map(|row| softmax_avx2(row)).collect();
+        let op = out.as_mut_ptr();
+        for &(h, r, nr) in &groups {
+            for col in (0..D).step_by(HEAD_COLS) {
+                let pf = if r == 0 && col == 0 { row_bytes } else { 0 };
+                let (wr, or, vh) = (sp.add(r * n), op.add(r * D + col), v.add(h * D + col));
+                match nr {
+                    3 => pv_heads::<T, D, 3>(wr, n, rows, vh, v, or, pf),
+                    2 => pv_heads::<T, D, 2>(wr, n, rows, vh, v, or, pf),
+                    _ => pv_heads::<T, D, 1>(wr, n, rows, vh, v, or, pf),
+                }
+            }
+        }
+        stats
+    }
+
+    /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
+    /// at `kh + rows[p]`, each key vector loaded once for the `NR` rows; with `pf` > 0, asks for
+    /// `pf` bytes of each row `PREFETCH_AHEAD` positions ahead from `k0 + rows[p]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn qk_heads<T: KvElem, const D: usize, const NR: usize>(
+        q: *const f32,
+        rows: *const usize,
+        kh: *const T,
+        k0: *const T,
+        s: *mut f32,
+        n: usize,
+        pf: usize,
+    ) {
+        let mut p = 0;
+        while p + 4 <= n {
+            if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
+                for j in 0..4 {
+                    prefetch_bytes(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
+                }
+            }
+            let kr = [
+                kh.add(*rows.add(p)),
+                kh.add(*rows.add(p + 1)),
+                kh.add(*rows.add(p + 2)),
+                kh.add(*rows.add(p + 3)),
+            ];
+            let mut acc = [[_mm256_setzero_ps(); 4]; NR];
+            let mut c = 0;
+            while c < D {
+                for (j, kp) in kr.iter().enumerate() {
+                    let kv = T::load8(kp.add(c));
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * D + c)), kv, a[j]);
+                    }
+                }
+                c += 8;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                _mm_storeu_ps(s.add(r * n + p), hsum4(*a));
+            }
+            p += 4;
+        }
+        while p < n {
+            let kr = kh.add(*rows.add(p));
+            let mut acc = [_mm256_setzero_ps(); NR];
+            let mut c = 0;
+            while c < D {
+                let kv = T::load8(kr.add(c));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(q.add(r * D + c)), kv, *a);
+                }
+                c += 8;
+            }
+            for (r, a) in acc.iter().enumerate() {
+                let z = _mm256_setzero_ps();
+                *s.add(r * n + p) = _mm_cvtss_f32(hsum4([*a, z, z, z]));
+            }
+            p += 1;
+        }
+    }
+
+    /// `out[r][0..HEAD_COLS] = sum_p w[r * n + p] * v(p)[0..HEAD_COLS]` for `NR` rows (`out` rows
+    /// `D` apart), values at `vh + rows[p]`; with `pf` > 0, asks for `pf` bytes of each row ahead
+    /// from `v0 + rows[p]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn pv_heads<T: KvElem, const D: usize, const NR: usize>(
+        w: *const f32,
+        n: usize,
+        rows: *const usize,
+        vh: *const T,
+        v0: *const T,
+        out: *mut f32,
+        pf: usize,
+    ) {
+        const CV: usize = HEAD_COLS / 8;
+        let mut acc = [[_mm256_setzero_ps(); CV]; NR];
+        for p in 0..n {
+            if pf > 0 && p + PREFETCH_AHEAD < n {
+                prefetch_bytes(v0.add(*rows.add(p + PREFETCH_AHEAD)), pf);
+            }
+            let vr = vh.add(*rows.add(p));
+            let mut wv = [_mm256_setzero_ps(); NR];
+            for (r, x) in wv.iter_mut().enumerate() {
+                *x = _mm256_broadcast_ss(&*w.add(r * n + p));
+            }
+            for i in 0..CV {
+                let vv = T::load8(vr.add(8 * i));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    a[i] = _mm256_fmadd_ps(wv[r], vv, a[i]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (i, x) in a.iter().enumerate() {
+                _mm256_storeu_ps(out.add(r * D + 8 * i), *x);
+            }
+        }
+    }
 }
 
 /// The decode kernel on 512-bit vectors: one task reads a position's keys (then values) for all
@@ -982,16 +1156,17 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    use super::{softmax_avx2, Heads, KvElem, PREFETCH_AHEAD};
-    use crate::model::kernels::cpu::{wide_pays, Avx512Vnni, Isa};
+    use super::{prefetch_bytes, softmax_avx2, Heads, KvElem, PREFETCH_AHEAD};
+    use crate::model::kernels::cpu::{wide_pays, Avx512Vnni};
 
     /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
     const ROWS: usize = 4;
 
-    /// Whether `heads` runs faster than the 256-bit kernel head by head here:
-    /// `cpu::wide_pays` with `LLAMA_RELAY_ATTN_WIDTH`, timed once (a few milliseconds) over the
-    /// same cache-resident decode row, 3 KV heads of 3 query rows, 512 positions.
-    pub(super) fn pays(vnni: Avx512Vnni) -> bool {
+    /// Whether `heads` runs faster than the 256-bit `avx2::heads` here: `cpu::wide_pays` with
+    /// `LLAMA_RELAY_ATTN_WIDTH`, timed once (a few milliseconds) over the same cache-resident
+    /// decode row, 3 KV heads of 3 query rows, 512 positions.
+    /// The token proves AVX-512.
+    pub(super) fn pays(_vnni: Avx512Vnni) -> bool {
         static PAYS: OnceLock<bool> = OnceLock::new();
         *PAYS.get_or_init(|| {
             let (n_heads, group, d, n) = (3, 3, 64, 512);
@@ -1019,14 +1194,14 @@ mod avx512 {
                 d,
                 scales: None,
             };
-            let narrow_isa = Isa::Avx2(vnni.avx2());
             let (mut o1, mut o2) = (vec![0f32; q.len()], vec![0f32; q.len()]);
             wide_pays(
-                "decode attention (a row over all heads against head by head)",
+                "decode attention (a row over all heads)",
                 "LLAMA_RELAY_ATTN_WIDTH",
                 10,
                 || {
-                    super::per_head(narrow_isa, &t, &mut o1);
+                    // SAFETY: the token proves AVX2, FMA and F16C; the row offsets lie in the cache.
+                    unsafe { super::avx2::heads::<half::f16, 64>(&t, &mut o1) };
                     std::hint::black_box(&o1);
                 },
                 || {
@@ -1086,16 +1261,6 @@ mod avx512 {
         stats
     }
 
-    /// Asks for `bytes` from `p` (a hint: never faults, no effect on results).
-    #[inline(always)]
-    unsafe fn prefetch<T>(p: *const T, bytes: usize) {
-        let mut off = 0;
-        while off < bytes {
-            _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
-            off += 64;
-        }
-    }
-
     /// The four sums of `a[0..4]` in one vector: 128-bit lanes of pairs added (`shuffle_f32x4`),
     /// then of the pairs' sums, leaving vector `j`'s four partial sums in lane `j`, which two
     /// in-lane swaps add up.
@@ -1140,7 +1305,7 @@ mod avx512 {
         while p + 4 <= n {
             if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
                 for j in 0..4 {
-                    prefetch(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
+                    prefetch_bytes(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
                 }
             }
             let kr = [
@@ -1206,7 +1371,7 @@ mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); 4]; NR];
         for p in 0..n {
             if pf > 0 && p + PREFETCH_AHEAD < n {
-                prefetch(v0.add(*rows.add(p + PREFETCH_AHEAD)), pf);
+                prefetch_bytes(v0.add(*rows.add(p + PREFETCH_AHEAD)), pf);
             }
             let vr = vh.add(*rows.add(p));
             let vv = [
@@ -1416,8 +1581,8 @@ pub(super) mod tests {
         }
     }
 
-    /// Every level's `attend_heads`, and the 512-bit kernel itself where the CPU has AVX-512
-    /// (whether or not it was measured faster here), against `tile_scalar` head by head.
+    /// Every level's `attend_heads`, and the 256-bit and 512-bit kernels themselves where the CPU
+    /// has them (whichever was measured faster here), against `tile_scalar` head by head.
     fn check_heads<T: KvElem>(
         c: &HeadsCase,
         k: &[T],
@@ -1457,6 +1622,18 @@ pub(super) mod tests {
             let mut got = vec![0f32; c.q.len()];
             let st = attend_heads(isa, &t, &mut got);
             runs.push((format!("{isa:?}"), got, st));
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::best().avx2().is_some() {
+            let mut got = vec![0f32; c.q.len()];
+            // SAFETY: the CPU has AVX2, FMA and F16C; the case's offsets lie in its cache.
+            let st = unsafe {
+                match d {
+                    64 => avx2::heads::<T, 64>(&t, &mut got),
+                    _ => avx2::heads::<T, 128>(&t, &mut got),
+                }
+            };
+            runs.push(("the 256-bit kernel".into(), got, st));
         }
         #[cfg(target_arch = "x86_64")]
         if Isa::best().avx512_vnni().is_some() {
