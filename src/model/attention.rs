@@ -399,8 +399,10 @@ const TILE_ROWS: usize = 24;
 /// The fewest positions a part of a decode row's history gets. A decode row is cut into up to
 /// two parts a thread, so that one sequence keeps every thread busy (one task a decode row left
 /// one of two threads idle: 5.9 against 3.8 ms a step at context 1,500), whatever else the step
-/// holds: the cut must not depend on the other rows (`plan_tasks`).
-const MIN_PART: usize = 64;
+/// holds: the cut must not depend on the other rows (`plan_tasks`). Each part costs a task and a
+/// merge: with 64-position parts, 16 decodes at context 138 took 71 us a layer against 55 in
+/// one part each, and a lone decode there 8.2 against 5.9 us (`docs/performance.md`).
+const MIN_PART: usize = 256;
 
 /// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
 /// rows run on the tile units or on `attn_flash`, `tiled`), one KV head each, except with `heads_together` a
@@ -455,9 +457,11 @@ fn plan_tasks(
             // Only one-token tiles (decode rows) are cut: a chunk's rows end at different
             // positions. The cut depends on the row's history alone, never on the rest of the
             // step: a row rounds the same beside any other rows, and with drafts or without.
+            // A power of two, so the parts spread evenly over two threads (three parts of a
+            // lone decode at context 1,000 took 1.3x four).
             let ctx = seqs[t.seq].start_pos + t.t0 + 1;
             let parts = if t.tokens == 1 {
-                (ctx / MIN_PART).clamp(1, 2 * threads)
+                prev_power_of_two((ctx / MIN_PART).clamp(1, 2 * threads))
             } else {
                 1
             };
@@ -473,6 +477,11 @@ fn plan_tasks(
             })
         })
         .collect()
+}
+
+/// The largest power of two at most `n` (`n >= 1`).
+fn prev_power_of_two(n: usize) -> usize {
+    1 << n.ilog2()
 }
 
 /// `q`: `[tokens, heads * head_dim]`; `plan` made from the same `seqs`.
@@ -943,7 +952,7 @@ mod tests {
     fn decode_rows_over_all_kv_heads_attend_as_the_generic_path() {
         let steps: [&[(usize, usize)]; 3] = [
             &[(1, 70), (1, 3), (1, 130), (1, 0), (1, 64)],
-            &[(1, 299)],
+            &[(1, 1100)],
             &[(1, 40), (6, 20), (1, 9)],
         ];
         for head_dim in [64, 128] {
@@ -1130,7 +1139,7 @@ mod tests {
     fn a_decode_row_rounds_the_same_whatever_the_step_around_it() {
         for kv in 0..3 {
             for together in [true, false] {
-                let start = 300;
+                let start = 1100;
                 let (seqs, q, layer, dims) = step(64, &[(3, start)], &[0], 9, kv);
                 let table = seqs[0].block_table.clone();
                 let width = dims.num_heads * dims.head_dim;
@@ -1234,46 +1243,52 @@ mod tests {
                 .collect::<Vec<_>>(),
             vec![(0, 1, 3), (1, 1, 3), (2, 1, 3)]
         );
-        // One decode on two threads: its 300 positions in four parts.
-        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false], true);
+        // One decode on two threads: its 1,200 positions in four parts.
+        let t = plan_tasks(&[seq(1, 1199)], 3, 3, 2, &[false], true);
         assert_eq!(
             spans(&t),
-            vec![(0, 0, 75), (0, 75, 150), (0, 150, 225), (0, 225, 300)]
+            vec![(0, 0, 300), (0, 300, 600), (0, 600, 900), (0, 900, 1200)]
         );
         assert!(t.iter().all(|t| t.heads == 3));
     }
 
     #[test]
     fn one_decoding_sequence_is_cut_into_parts_for_idle_threads() {
-        // A task a KV head, on two threads: each head's 300 positions in four parts.
-        let t = plan_tasks(&[seq(1, 299)], 3, 3, 2, &[false], false);
-        let quarters = [(0, 75), (75, 150), (150, 225), (225, 300)];
+        // A task a KV head, on two threads: each head's 1,200 positions in four parts.
+        let t = plan_tasks(&[seq(1, 1199)], 3, 3, 2, &[false], false);
+        let quarters = [(0, 300), (300, 600), (600, 900), (900, 1200)];
         let want: Vec<_> = (0..3)
             .flat_map(|h| quarters.map(|(a, b)| (h, a, b)))
             .collect();
         assert_eq!(spans(&t), want);
         // Too short to cut: MIN_PART positions a part at least.
-        let t = plan_tasks(&[seq(1, 100)], 3, 3, 2, &[false], false);
+        let t = plan_tasks(&[seq(1, 500)], 3, 3, 2, &[false], false);
         assert!(t.iter().all(|t| t.from == 0 && t.to == usize::MAX));
         // Four sequences: each row cut as it would be alone (the cut depends on the row's
-        // history, not on the step), into four parts on two threads.
+        // history, not on the step); 1,000 positions hold three parts' worth, cut in two halves
+        // (a power of two).
         let t = plan_tasks(
-            &[seq(1, 999), seq(1, 999), seq(1, 99), seq(1, 999)],
+            &[seq(1, 999), seq(1, 999), seq(1, 99), seq(1, 1999)],
             3,
             3,
             2,
             &[false; 4],
             false,
         );
-        assert_eq!(t.len(), 3 * (4 + 4 + 1 + 4));
+        assert_eq!(t.len(), 3 * (2 + 2 + 1 + 4));
         let first: Vec<_> = t.iter().filter(|t| t.seq == 0 && t.kv_head == 0).collect();
         assert_eq!(
             first.iter().map(|t| (t.from, t.to)).collect::<Vec<_>>(),
-            vec![(0, 250), (250, 500), (500, 750), (750, 1000)]
+            vec![(0, 500), (500, 1000)]
+        );
+        let last: Vec<_> = t.iter().filter(|t| t.seq == 3 && t.kv_head == 0).collect();
+        assert_eq!(
+            last.iter().map(|t| (t.from, t.to)).collect::<Vec<_>>(),
+            vec![(0, 500), (500, 1000), (1000, 1500), (1500, 2000)]
         );
         // A decode with 2 drafts on the per-head kernel: a task a token and head, each token's
         // positions cut as its plain decode's would be.
-        let mut drafts = seq(3, 299);
+        let mut drafts = seq(3, 1199);
         drafts.exact = true;
         let t = plan_tasks(&[drafts], 3, 3, 2, &[false], false);
         assert_eq!(t.len(), 3 * 3 * 4);
@@ -1283,7 +1298,7 @@ mod tests {
                 .iter()
                 .map(|t| (t.t0, t.from, t.to))
                 .collect::<Vec<_>>(),
-            vec![(0, 0, 75), (0, 75, 150), (0, 150, 225), (0, 225, 300)]
+            vec![(0, 0, 300), (0, 300, 600), (0, 600, 900), (0, 900, 1200)]
         );
         // A prefill chunk's tiles are never cut.
         let t = plan_tasks(&[seq(5, 900)], 1, 3, 2, &[false], false);
