@@ -614,13 +614,93 @@ unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
     }
 }
 
+/// One pass of a decode-row kernel (`avx2::heads`, `avx512::heads`) over a group of query rows
+/// of one KV head: the rows' queries (scores pass) or softmax weights (values pass), the cache
+/// row offsets of positions `0..n`, this head's keys or values and the cache row's first head's
+/// (to prefetch whole rows from, `pf` bytes of each, when `pf` > 0), the scores out (scores pass)
+/// or the rows' first output column (values pass).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Pass<T> {
+    rows_in: *const f32,
+    rows: *const usize,
+    n: usize,
+    kv: *const T,
+    kv0: *const T,
+    out: *mut f32,
+    pf: usize,
+}
+
+/// The plan both decode-row kernels follow: each KV head's GQA group in groups of up to
+/// `per_group` query rows; scores by `qk(rows in the group, pass)`, each row's softmax, then the
+/// weighted values by `pv(rows in the group, pass)`, `cols` columns a pass. The first group of
+/// the first head asks for the whole cache rows ahead (keys in its scores pass, values in its
+/// first values pass), so the other heads find them in cache.
+///
+/// # Safety
+/// AVX2 and FMA; `t` checked by `attend_heads`; `D == t.d`, a multiple of `cols`; `qk` and
+/// `pv` safe to call with passes inside `t`'s shapes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn heads_passes<T: KvElem, const D: usize>(
+    t: &Heads<T>,
+    out: &mut [f32],
+    per_group: usize,
+    cols: usize,
+    qk: impl Fn(usize, Pass<T>),
+    pv: impl Fn(usize, Pass<T>),
+) -> Vec<(f32, f32)> {
+    let (g, n) = (t.group, t.ctx - t.from);
+    let rows = t.rows[t.from..].as_ptr();
+    let row_bytes = t.heads * D * std::mem::size_of::<T>();
+    let mut s = vec![0f32; t.heads * g * n];
+    let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
+    // (head, first row, rows).
+    let groups: Vec<(usize, usize, usize)> = (0..t.heads)
+        .flat_map(|h| {
+            (0..g)
+                .step_by(per_group)
+                .map(move |r| (h, h * g + r, (g - r).min(per_group)))
+        })
+        .collect();
+    for &(h, r, nr) in &groups {
+        let pass = Pass {
+            rows_in: q.add(r * D),
+            rows,
+            n,
+            kv: k.add(h * D),
+            kv0: k,
+            out: sp.add(r * n),
+            pf: if r == 0 { row_bytes } else { 0 },
+        };
+        qk(nr, pass);
+    }
+    let stats: Vec<(f32, f32)> = s.chunks_exact_mut(n).map(|row| softmax_avx2(row)).collect();
+    let op = out.as_mut_ptr();
+    for &(h, r, nr) in &groups {
+        for col in (0..D).step_by(cols) {
+            let pass = Pass {
+                rows_in: sp.add(r * n),
+                rows,
+                n,
+                kv: v.add(h * D + col),
+                kv0: v,
+                out: op.add(r * D + col),
+                pf: if r == 0 && col == 0 { row_bytes } else { 0 },
+            };
+            pv(nr, pass);
+        }
+    }
+    stats
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        prefetch_bytes, quantize_queries, scale_rows, softmax_avx2, Heads, KvElem, Tile, POS_BLOCK,
-        PREFETCH_AHEAD,
+        heads_passes, prefetch_bytes, quantize_queries, scale_rows, softmax_avx2, Heads, KvElem,
+        Pass, Tile, POS_BLOCK, PREFETCH_AHEAD,
     };
     use crate::model::kernels::cpu::Avx512Vnni;
 
@@ -992,54 +1072,28 @@ mod avx2 {
     const HEAD_COLS: usize = 32;
 
     /// `attend_heads` for one decode row over all its KV heads, which lie side by side in a cache
-    /// row: the first head's pass asks for the whole rows ahead, so the other heads find them in
-    /// cache, and one task reads a position's row once instead of a KV head's bytes at the stride
-    /// of the row per task.
+    /// row (`heads_passes`): one task reads a position's row once instead of a KV head's bytes
+    /// at the stride of the row per task.
     ///
     /// # Safety
-    /// AVX2, FMA and F16C; `t` checked by `attend_heads`; `D == t.d`, a multiple of 16.
+    /// AVX2, FMA and F16C; `t` checked by `attend_heads`; `D == t.d`, a multiple of 32.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn heads<T: KvElem, const D: usize>(
         t: &Heads<T>,
         out: &mut [f32],
     ) -> Vec<(f32, f32)> {
-        let (g, n) = (t.group, t.ctx - t.from);
-        let rows = t.rows[t.from..].as_ptr();
-        let row_bytes = t.heads * D * std::mem::size_of::<T>();
-        let mut s = vec![0f32; t.heads * g * n];
-        let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
-        // Row groups of up to `HEAD_ROWS` within each head's GQA group: (head, first row, rows).
-        let groups: Vec<(usize, usize, usize)> = (0..t.heads)
-            .flat_map(|h| {
-                (0..g)
-                    .step_by(HEAD_ROWS)
-                    .map(move |r| (h, h * g + r, (g - r).min(HEAD_ROWS)))
-            })
-            .collect();
-        for &(h, r, nr) in &groups {
-            // The first group of the first head asks for the whole rows ahead.
-            let pf = if r == 0 { row_bytes } else { 0 };
-            let (qr, sr, kh) = (q.add(r * D), sp.add(r * n), k.add(h * D));
-            match nr {
-                3 => qk_heads::<T, D, 3>(qr, rows, kh, k, sr, n, pf),
-                2 => qk_heads::<T, D, 2>(qr, rows, kh, k, sr, n, pf),
-                _ => qk_heads::<T, D, 1>(qr, rows, kh, k, sr, n, pf),
-            }
-        }
-        let stats: Vec<(f32, f32)> = s.chunks_exact_mut(n).map(|row| softmax_avx2(row)).collect();
-        let op = out.as_mut_ptr();
-        for &(h, r, nr) in &groups {
-            for col in (0..D).step_by(HEAD_COLS) {
-                let pf = if r == 0 && col == 0 { row_bytes } else { 0 };
-                let (wr, or, vh) = (sp.add(r * n), op.add(r * D + col), v.add(h * D + col));
-                match nr {
-                    3 => pv_heads::<T, D, 3>(wr, n, rows, vh, v, or, pf),
-                    2 => pv_heads::<T, D, 2>(wr, n, rows, vh, v, or, pf),
-                    _ => pv_heads::<T, D, 1>(wr, n, rows, vh, v, or, pf),
-                }
-            }
-        }
-        stats
+        // SAFETY (both closures): the passes lie inside `t`'s shapes, checked by `attend_heads`.
+        let qk = |nr: usize, p: Pass<T>| match nr {
+            3 => qk_heads::<T, D, 3>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            2 => qk_heads::<T, D, 2>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            _ => qk_heads::<T, D, 1>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+        };
+        let pv = |nr: usize, p: Pass<T>| match nr {
+            3 => pv_heads::<T, D, 3>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+            2 => pv_heads::<T, D, 2>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+            _ => pv_heads::<T, D, 1>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+        };
+        heads_passes::<T, D>(t, out, HEAD_ROWS, HEAD_COLS, qk, pv)
     }
 
     /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
@@ -1156,7 +1210,7 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    use super::{prefetch_bytes, softmax_avx2, Heads, KvElem, PREFETCH_AHEAD};
+    use super::{heads_passes, prefetch_bytes, Heads, KvElem, Pass, PREFETCH_AHEAD};
     use crate::model::kernels::cpu::{wide_pays, Avx512Vnni};
 
     /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
@@ -1220,45 +1274,20 @@ mod avx512 {
         t: &Heads<T>,
         out: &mut [f32],
     ) -> Vec<(f32, f32)> {
-        let (g, n) = (t.group, t.ctx - t.from);
-        let rows = t.rows[t.from..].as_ptr();
-        let row_bytes = t.heads * D * std::mem::size_of::<T>();
-        let mut s = vec![0f32; t.heads * g * n];
-        let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
-        // Row groups of up to `ROWS` within each head's GQA group: (head, first row, rows).
-        let groups: Vec<(usize, usize, usize)> = (0..t.heads)
-            .flat_map(|h| {
-                (0..g)
-                    .step_by(ROWS)
-                    .map(move |r| (h, h * g + r, (g - r).min(ROWS)))
-            })
-            .collect();
-        for &(h, r, nr) in &groups {
-            // The first group of the first head asks for the whole rows ahead.
-            let pf = if r == 0 { row_bytes } else { 0 };
-            let (qr, sr, kh) = (q.add(r * D), sp.add(r * n), k.add(h * D));
-            match nr {
-                4 => qk::<T, D, 4>(qr, rows, kh, k, sr, n, pf),
-                3 => qk::<T, D, 3>(qr, rows, kh, k, sr, n, pf),
-                2 => qk::<T, D, 2>(qr, rows, kh, k, sr, n, pf),
-                _ => qk::<T, D, 1>(qr, rows, kh, k, sr, n, pf),
-            }
-        }
-        let stats: Vec<(f32, f32)> = s.chunks_exact_mut(n).map(|row| softmax_avx2(row)).collect();
-        let op = out.as_mut_ptr();
-        for &(h, r, nr) in &groups {
-            for col in (0..D).step_by(64) {
-                let pf = if r == 0 && col == 0 { row_bytes } else { 0 };
-                let (wr, or, vh) = (sp.add(r * n), op.add(r * D + col), v.add(h * D + col));
-                match nr {
-                    4 => pv::<T, D, 4>(wr, n, rows, vh, v, or, pf),
-                    3 => pv::<T, D, 3>(wr, n, rows, vh, v, or, pf),
-                    2 => pv::<T, D, 2>(wr, n, rows, vh, v, or, pf),
-                    _ => pv::<T, D, 1>(wr, n, rows, vh, v, or, pf),
-                }
-            }
-        }
-        stats
+        // SAFETY (both closures): the passes lie inside `t`'s shapes, checked by `attend_heads`.
+        let qk = |nr: usize, p: Pass<T>| match nr {
+            4 => qk::<T, D, 4>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            3 => qk::<T, D, 3>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            2 => qk::<T, D, 2>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            _ => qk::<T, D, 1>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+        };
+        let pv = |nr: usize, p: Pass<T>| match nr {
+            4 => pv::<T, D, 4>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+            3 => pv::<T, D, 3>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+            2 => pv::<T, D, 2>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+            _ => pv::<T, D, 1>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
+        };
+        heads_passes::<T, D>(t, out, ROWS, 64, qk, pv)
     }
 
     /// The four sums of `a[0..4]` in one vector: 128-bit lanes of pairs added (`shuffle_f32x4`),
