@@ -57,8 +57,8 @@ pub(super) async fn stream_user(
                 }
                 Some("done") => {
                     // An end-of-turn token ends the reply with no text of its own.
-                    let tokens = f["usage"]["completion_tokens"].as_u64().unwrap_or(0)
-                        - u64::from(f["finish_reason"] == "stop");
+                    let tokens = (f["usage"]["completion_tokens"].as_u64().unwrap_or(0))
+                        .saturating_sub(u64::from(f["finish_reason"] == "stop"));
                     for g in &mut gaps[first_gap..] {
                         g.2 = tokens > deltas;
                     }

@@ -1218,8 +1218,7 @@ mod avx512 {
 
     /// Whether `heads` runs faster than the 256-bit `avx2::heads` here: `cpu::wide_pays` with
     /// `LLAMA_RELAY_ATTN_WIDTH`, timed once (a few milliseconds) over the same cache-resident
-    /// decode row, 3 KV heads of 3 query rows, 512 positions.
-    /// The token proves AVX-512.
+    /// decode row, 3 KV heads of 3 query rows, 512 positions (the token proves AVX-512).
     pub(super) fn pays(_vnni: Avx512Vnni) -> bool {
         static PAYS: OnceLock<bool> = OnceLock::new();
         *PAYS.get_or_init(|| {
