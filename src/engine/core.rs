@@ -25,8 +25,8 @@ use super::Engine;
 use crate::error::EngineError;
 use crate::kv_cache::manager::{KvConfig, KvManager, LeaseKey};
 use crate::kv_cache::{BlockPool, CacheScope};
+use crate::model::team;
 use crate::sampler::{log_probs, Prepared, Sampler, SamplingParams, TokenLogprobs};
-use rayon::prelude::*;
 
 /// A request, validated by the caller: a non-empty prompt shorter than the context. With
 /// `max_tokens` 0 it is prefill-only (a draft): its prompt is computed into the cache with what
@@ -845,12 +845,15 @@ impl<E: BorrowMut<Engine>> Core<E> {
             pending.push((id, row, raw));
         }
         let prepared: Vec<Option<Prepared>> = {
-            let samplers: Vec<Option<&Sampler>> = (pending.iter())
-                .map(|(id, _, _)| self.live.get(id).map(|d| &d.sampler))
+            let mut work: Vec<_> = (pending.iter_mut())
+                .map(|(id, row, _)| (self.live.get(id).map(|d| &d.sampler), row, None))
                 .collect();
-            (pending.par_iter_mut().zip(samplers))
-                .map(|((_, row, _), s)| s.map(|s| s.prepare(row)))
-                .collect()
+            // On the model's thread team, which is spinning from the step just run.
+            team::chunks_mut(&mut work, 1, 1, |_, w| {
+                let (s, row, out) = &mut w[0];
+                *out = s.map(|s| s.prepare(row));
+            });
+            work.into_iter().map(|(_, _, p)| p).collect()
         };
         for ((id, _, raw), prepared) in pending.into_iter().zip(prepared) {
             let (Some(d), Some(prepared)) = (self.live.get_mut(&id), prepared) else {

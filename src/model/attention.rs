@@ -19,7 +19,8 @@
 //!   decode. Tests compare the two on CPU.
 
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
+
+use crate::model::team;
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{slot_of, LayerKv, Written};
@@ -175,7 +176,7 @@ impl FastCpuPlan {
                 seqs,
                 d.num_kv_heads,
                 group,
-                rayon::current_num_threads(),
+                team::size(),
                 &per_seq,
                 heads_together,
             ),
@@ -284,7 +285,9 @@ impl Job<'_> {
                     work.push((pack, si, h, keep, n));
                 }
             }
-            work.into_par_iter().for_each(|(p, si, h, keep, n)| {
+            team::chunks_mut(&mut work, 1, 1, |_, w| {
+                let (p, si, h, keep, n) = &mut w[0];
+                let (si, h, keep, n) = (*si, *h, *keep, *n);
                 p.pack_from(
                     amx,
                     keep,
@@ -302,16 +305,14 @@ impl Job<'_> {
         // only part writes its own (token, KV head) rows, which no other task writes.
         let (dst, len) = (SendPtr(out.as_mut_ptr()), out.len());
         let width = d.num_heads * hd;
-        self.plan
-            .tasks
-            .par_iter()
-            .zip(self.alone)
-            // Each task its own job, so an idle thread takes the next task rather than waiting
-            // on a half of the list: a step's prompt tasks come first and are each many decode
-            // tasks' work (2 turns of 27 tokens beside 8 decodes at the AVX2 level: 71 against 59
-            // ms a step with rayon's default split).
-            .with_max_len(1)
-            .map(|(t, &alone)| {
+        let mut outs: Vec<Option<TaskOut>> = (0..self.plan.tasks.len()).map(|_| None).collect();
+        // Each task its own job, so an idle thread takes the next task rather than waiting on a
+        // half of the list: a step's prompt tasks come first and are each many decode tasks'
+        // work (2 turns of 27 tokens beside 8 decodes at the AVX2 level: 71 against 59 ms a step
+        // with rayon's default split).
+        team::chunks_mut(&mut outs, 1, 1, |i, slot| {
+            let one = || -> TaskOut {
+                let (t, alone) = (&self.plan.tasks[i], self.alone[i]);
                 let (o, stats) = self.task(t, qs, ks, vs, scales, &packs);
                 if !alone {
                     return (o, stats);
@@ -325,7 +326,11 @@ impl Job<'_> {
                     unsafe { std::ptr::copy_nonoverlapping(o[k * n..].as_ptr(), dst.0.add(at), n) };
                 }
                 (Vec::new(), Vec::new())
-            })
+            };
+            slot[0] = Some(one());
+        });
+        outs.into_iter()
+            .map(|o| o.expect("every task ran"))
             .collect()
     }
 
@@ -531,7 +536,12 @@ pub(crate) fn fast_cpu_rows(
     let len = n_tokens * h * hd;
     let mut out = Vec::with_capacity(len);
     if len >= POOL_ZEROES {
-        out.par_extend(rayon::iter::repeat_n(0f32, len));
+        let spare = &mut out.spare_capacity_mut()[..len];
+        team::chunks_mut(spare, POOL_ZEROES / 4, 1, |_, c| {
+            c.fill(std::mem::MaybeUninit::new(0.0))
+        });
+        // SAFETY: the tasks above wrote all `len` values.
+        unsafe { out.set_len(len) };
     } else {
         out.resize(len, 0f32);
     }

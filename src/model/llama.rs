@@ -14,7 +14,8 @@
 //! costs a large share of a step.
 
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
+
+use crate::model::team;
 
 use super::attention::{
     fast_cpu, fast_cpu_rows, generic, AttentionImpl, AttnDims, FastCpuPlan, GenericPlan,
@@ -153,9 +154,7 @@ fn add_assign(x: &mut [f32], y: &[f32]) {
     if x.len() < 4 * PART {
         return add(x, y);
     }
-    x.par_chunks_mut(PART)
-        .zip(y.par_chunks(PART))
-        .for_each(|(x, y)| add(x, y));
+    team::chunks_mut(x, PART, 1, |i, x| add(x, &y[i * PART..][..x.len()]));
 }
 
 #[derive(Debug, Clone)]
@@ -477,10 +476,11 @@ impl Llama {
     /// Runs one step. Returns `[rows, vocab]` F32 logits for the rows the sequences' `logits` name, in
     /// batch order, or `None` when no sequence wants them (a step of prefill chunks only).
     pub fn forward(&self, batch: &StepBatch, cache: &KvCache) -> Result<Option<Tensor>> {
-        // Run the whole step on a rayon worker: the many parallel loops inside (matmul kernels,
-        // attention, gemm) then start from a worker thread instead of each waking the pool from
-        // outside and sleeping on a latch, which cost ~20% of a decode step on 2 cores.
-        if rayon::current_thread_index().is_none() {
+        // The CPU layer path runs its parallel loops on the thread team (`model::team`), with
+        // this thread as one of its members. Other paths call candle, whose loops use rayon: they
+        // run on a rayon worker, so each loop starts from inside the pool instead of waking it
+        // from outside and sleeping on a latch (that cost ~20% of a decode step on 2 cores).
+        if !self.cpu_layers() && rayon::current_thread_index().is_none() {
             return rayon::scope(|_| self.forward_in_pool(batch, cache));
         }
         self.forward_in_pool(batch, cache)

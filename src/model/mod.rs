@@ -9,6 +9,7 @@ pub mod linear;
 pub mod llama;
 pub mod loader;
 pub mod profile;
+pub mod team;
 pub(crate) mod tile_packs;
 
 pub use attention::AttentionImpl;

@@ -29,6 +29,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
+use crate::model::team;
+
 use super::cpu::Amx;
 use super::{lines, Lines};
 
@@ -155,53 +157,47 @@ impl Tiles {
         // tile load reads one contiguous run (rows padded with zeros to whole blocks).
         let blocks = k / KB;
         let mut xa = lines(0u16, m_pad * k);
-        xa.par_chunks_mut(TILE * k)
-            .enumerate()
-            .for_each(|(mt, dst)| {
-                let rows = TILE.min(m.saturating_sub(mt * TILE));
-                let from = (mt * TILE * k).min(x.len());
-                to_bf16_tiles(amx, &x[from..from + rows * k], k, dst);
-            });
+        team::chunks_mut(&mut xa, TILE * k, 1, |mt, dst| {
+            let rows = TILE.min(m.saturating_sub(mt * TILE));
+            let from = (mt * TILE * k).min(x.len());
+            to_bf16_tiles(amx, &x[from..from + rows * k], k, dst);
+        });
         let n_blocks = n.div_ceil(BLOCK);
         let n_pad = n_blocks * BLOCK;
         // The tiles store straight into the result, padded to whole blocks both ways and cut
         // to `m x n` after (no copy where `n` is a multiple of 32, as a Llama's widths are).
         let mut y: Vec<f32> = Vec::with_capacity(m_pad * n_pad);
         let out = SendPtr(y.as_mut_ptr());
-        let per_task = n_blocks
-            .div_ceil(rayon::current_num_threads().max(1) * 4)
-            .max(1);
-        (0..n_blocks.div_ceil(per_task))
-            .into_par_iter()
-            .for_each(|t| {
-                let out = &out;
-                // SAFETY: the `Amx` token proves the tiles run here and that this process may use
-                // them; every tile load stays inside `xa` and `self.data` (rows padded to whole
-                // blocks on both sides), every store inside `y`'s `m_pad x n_pad` capacity, and
-                // tasks store disjoint column blocks.
-                unsafe {
-                    configure();
-                    // Row blocks outside, the task's column blocks inside: a row block's
-                    // activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
-                    // panels come from L2 (faster than the other order: docs/performance.md,
-                    // "Tile loads that start on a cache line").
-                    for r in (0..m_pad).step_by(BLOCK) {
-                        for j in t * per_task..((t + 1) * per_task).min(n_blocks) {
-                            let w0 = self.data.as_ptr().add(j * 2 * blocks * TILE_ELEMS);
-                            block_2x2(
-                                // Rows `r..r + 32` start `r / 16` row tiles in.
-                                xa.as_ptr().add(r * k),
-                                w0,
-                                w0.add(blocks * TILE_ELEMS),
-                                blocks,
-                                out.0.add(r * n_pad + j * BLOCK),
-                                n_pad,
-                            );
-                        }
+        let per_task = n_blocks.div_ceil(team::size() * 4).max(1);
+        team::run(n_blocks.div_ceil(per_task), |t| {
+            let out = &out;
+            // SAFETY: the `Amx` token proves the tiles run here and that this process may use
+            // them; every tile load stays inside `xa` and `self.data` (rows padded to whole
+            // blocks on both sides), every store inside `y`'s `m_pad x n_pad` capacity, and
+            // tasks store disjoint column blocks.
+            unsafe {
+                configure();
+                // Row blocks outside, the task's column blocks inside: a row block's
+                // activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
+                // panels come from L2 (faster than the other order: docs/performance.md,
+                // "Tile loads that start on a cache line").
+                for r in (0..m_pad).step_by(BLOCK) {
+                    for j in t * per_task..((t + 1) * per_task).min(n_blocks) {
+                        let w0 = self.data.as_ptr().add(j * 2 * blocks * TILE_ELEMS);
+                        block_2x2(
+                            // Rows `r..r + 32` start `r / 16` row tiles in.
+                            xa.as_ptr().add(r * k),
+                            w0,
+                            w0.add(blocks * TILE_ELEMS),
+                            blocks,
+                            out.0.add(r * n_pad + j * BLOCK),
+                            n_pad,
+                        );
                     }
-                    release();
                 }
-            });
+                release();
+            }
+        });
         // SAFETY: the tasks above stored every element of the `m_pad x n_pad` block.
         unsafe { y.set_len(m_pad * n_pad) };
         if n_pad == n {
@@ -209,9 +205,9 @@ impl Tiles {
             return y;
         }
         let mut out = vec![0f32; m * n];
-        out.par_chunks_mut(n)
-            .zip(y.par_chunks(n_pad))
-            .for_each(|(d, s)| d.copy_from_slice(&s[..n]));
+        team::chunks_mut(&mut out, n, 8, |r, d| {
+            d.copy_from_slice(&y[r * n_pad..][..n])
+        });
         out
     }
 }

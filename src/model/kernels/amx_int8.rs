@@ -25,7 +25,7 @@
 //! once (C 16 x 64 bytes, A 16 x 32, B 8 x 64), runs every 16-row chunk of its pairs and releases
 //! them. The tile instructions are written with `asm!` and run only with the `cpu::Amx` token.
 
-use rayon::prelude::*;
+use crate::model::team;
 
 use super::amx::SendPtr;
 use super::cpu::Amx;
@@ -73,12 +73,10 @@ pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
     let gbytes = blocks * GROUP_BLOCK_BYTES;
     // A lone last group runs beside zeros (scales 0, its columns not copied out).
     let zeros = vec![0u8; if groups % 2 == 1 { gbytes } else { 0 }];
-    let per_task = pairs
-        .div_ceil(rayon::current_num_threads().max(1) * 4)
-        .max(1);
+    let per_task = pairs.div_ceil(team::size() * 4).max(1);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let base = SendPtr(out.as_mut_ptr());
-    (0..pairs.div_ceil(per_task)).into_par_iter().for_each(|t| {
+    team::run(pairs.div_ceil(per_task), |t| {
         let base = &base;
         let mut buf = Scratch {
             c: [0; RUN * ROWS * 16],

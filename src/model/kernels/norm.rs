@@ -12,7 +12,7 @@
 
 use std::mem::MaybeUninit;
 
-use rayon::prelude::*;
+use crate::model::team;
 
 use super::cpu::Isa;
 
@@ -162,11 +162,11 @@ pub fn rms_norm_rows_with(x: &[f32], weight: &[f32], eps: f32, width: usize, isa
     let mut out = Vec::with_capacity(x.len());
     let spare = &mut out.spare_capacity_mut()[..x.len()];
     let norm = |(o, xr): (&mut [MaybeUninit<f32>], &[f32])| row_with(xr, weight, eps, o, isa);
-    if x.len() / width >= PAR_ROWS {
-        spare
-            .par_chunks_mut(width)
-            .zip(x.par_chunks(width))
-            .for_each(norm);
+    let rows = x.len() / width;
+    if rows >= PAR_ROWS {
+        team::chunks_mut(spare, width, team::per_task(rows), |r, o| {
+            norm((o, &x[r * width..][..width]))
+        });
     } else {
         spare.chunks_mut(width).zip(x.chunks(width)).for_each(norm);
     }

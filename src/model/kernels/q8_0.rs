@@ -8,7 +8,8 @@
 //! weight rows stay in L1 while every row tile passes over them.
 
 use half::f16;
-use rayon::prelude::*;
+
+use crate::model::team::{self, SharedMut};
 
 use super::cpu::Isa;
 
@@ -78,11 +79,23 @@ pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> Quantiz
     };
     if rows >= 2 * QUANTIZE_ROWS_PER_TASK {
         let per = QUANTIZE_ROWS_PER_TASK;
-        x.par_chunks(per * k)
-            .zip(qs.par_chunks_mut(per * k))
-            .zip(scales.par_chunks_mut(per * blocks))
-            .zip(sums.par_chunks_mut(per * blocks))
-            .for_each(|(((x, qs), scales), sums)| run(x, qs, scales, sums));
+        let (q, s, u) = (
+            SharedMut(qs.as_mut_ptr()),
+            SharedMut(scales.as_mut_ptr()),
+            SharedMut(sums.as_mut_ptr()),
+        );
+        team::run(rows.div_ceil(per), |t| {
+            let (r0, nr) = (t * per, per.min(rows - t * per));
+            // SAFETY: task t alone owns rows r0..r0 + nr of each buffer, all inside them.
+            let (q, s, u) = unsafe {
+                (
+                    q.slice(r0 * k, nr * k),
+                    s.slice(r0 * blocks, nr * blocks),
+                    u.slice(r0 * blocks, nr * blocks),
+                )
+            };
+            run(&x[r0 * k..][..nr * k], q, s, u)
+        });
     } else {
         run(x, &mut qs, &mut scales, &mut sums);
     }
@@ -603,23 +616,20 @@ pub(crate) fn tiled_matmul(
     let a = quantize_rows(x, m, k);
     // Transposed result: each task owns a contiguous run of output columns.
     let mut out_t = vec![0f32; n * m];
-    out_t
-        .par_chunks_mut(COLS_PER_TASK * m)
-        .enumerate()
-        .for_each(|(ci, chunk)| {
-            let c0 = ci * COLS_PER_TASK;
-            let mut res = [0f32; TILE_ROWS];
-            for (j, col) in chunk.chunks_mut(m).enumerate() {
-                let wrow = &w[(c0 + j) * row_bytes..(c0 + j + 1) * row_bytes];
-                let mut r0 = 0;
-                while r0 < m {
-                    let nr = (m - r0).min(TILE_ROWS);
-                    tile(wrow, &a, r0, nr, &mut res);
-                    col[r0..r0 + nr].copy_from_slice(&res[..nr]);
-                    r0 += nr;
-                }
+    team::chunks_mut(&mut out_t, COLS_PER_TASK * m, 1, |ci, chunk| {
+        let c0 = ci * COLS_PER_TASK;
+        let mut res = [0f32; TILE_ROWS];
+        for (j, col) in chunk.chunks_mut(m).enumerate() {
+            let wrow = &w[(c0 + j) * row_bytes..(c0 + j + 1) * row_bytes];
+            let mut r0 = 0;
+            while r0 < m {
+                let nr = (m - r0).min(TILE_ROWS);
+                tile(wrow, &a, r0, nr, &mut res);
+                col[r0..r0 + nr].copy_from_slice(&res[..nr]);
+                r0 += nr;
             }
-        });
+        }
+    });
     let mut out = vec![0f32; m * n];
     for (j, col) in out_t.chunks_exact(m).enumerate() {
         for (r, v) in col.iter().enumerate() {

@@ -22,6 +22,8 @@
 use half::f16;
 use rayon::prelude::*;
 
+use crate::model::team;
+
 use super::cpu::Isa;
 use super::{lines, Lines};
 use crate::model::profile::{time, Part};
@@ -256,39 +258,37 @@ pub(crate) fn grouped_matmul<'w>(
     let total = n.div_ceil(GROUP);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let base = Out(out.as_mut_ptr());
-    (0..total.div_ceil(GROUPS_PER_TASK))
-        .into_par_iter()
-        .for_each(|t| {
-            let base = &base;
-            let mut buf = [0f32; PAIR_TILE_ROWS * 2 * GROUP];
-            let (mut g, end) = (t * GROUPS_PER_TASK, ((t + 1) * GROUPS_PER_TASK).min(total));
-            while g < end {
-                let count = if pair_rows > 0 && g + 2 <= end { 2 } else { 1 };
-                let rows = if count == 2 { pair_rows } else { TILE_ROWS };
-                let w = groups(g, count);
-                let c0 = g * GROUP;
-                let width = count * GROUP;
-                let cols = width.min(n - c0);
-                let mut r0 = 0;
-                while r0 < m {
-                    let nr = (m - r0).min(rows);
-                    tile(w, count, a, r0, nr, &mut buf[..nr * width]);
-                    for r in 0..nr {
-                        // SAFETY: row r0 + r < m and columns c0..c0 + cols <= n lie inside the
-                        // m * n allocation; only this task writes columns of these groups.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                buf.as_ptr().add(r * width),
-                                base.0.add((r0 + r) * n + c0),
-                                cols,
-                            )
-                        }
+    team::run(total.div_ceil(GROUPS_PER_TASK), |t| {
+        let base = &base;
+        let mut buf = [0f32; PAIR_TILE_ROWS * 2 * GROUP];
+        let (mut g, end) = (t * GROUPS_PER_TASK, ((t + 1) * GROUPS_PER_TASK).min(total));
+        while g < end {
+            let count = if pair_rows > 0 && g + 2 <= end { 2 } else { 1 };
+            let rows = if count == 2 { pair_rows } else { TILE_ROWS };
+            let w = groups(g, count);
+            let c0 = g * GROUP;
+            let width = count * GROUP;
+            let cols = width.min(n - c0);
+            let mut r0 = 0;
+            while r0 < m {
+                let nr = (m - r0).min(rows);
+                tile(w, count, a, r0, nr, &mut buf[..nr * width]);
+                for r in 0..nr {
+                    // SAFETY: row r0 + r < m and columns c0..c0 + cols <= n lie inside the
+                    // m * n allocation; only this task writes columns of these groups.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            buf.as_ptr().add(r * width),
+                            base.0.add((r0 + r) * n + c0),
+                            cols,
+                        )
                     }
-                    r0 += nr;
                 }
-                g += count;
+                r0 += nr;
             }
-        });
+            g += count;
+        }
+    });
     // SAFETY: the groups cover columns 0..n and each group's tiles rows 0..m, so all m * n
     // elements were written above.
     unsafe { out.set_len(m * n) };

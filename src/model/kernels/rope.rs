@@ -4,7 +4,7 @@
 //! the batch dimension only, which is 1 for a step batch: it took ~15% of a 16-token prefill here.
 //! This version parallelizes over tokens and runs the contiguous half-rows in the inner loop.
 
-use rayon::prelude::*;
+use crate::model::team;
 
 /// Tokens per parallel task (below that a step runs on one thread).
 const TOKENS_PER_TASK: usize = 8;
@@ -18,24 +18,21 @@ pub fn rope_half(x: &[f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) ->
     assert_eq!(cos.len(), tokens * half);
     assert_eq!(sin.len(), tokens * half);
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(row)
-        .with_min_len(TOKENS_PER_TASK)
-        .zip(x.par_chunks(row))
-        .enumerate()
-        .for_each(|(t, (o, xr))| {
-            let (c, s) = (
-                &cos[t * half..(t + 1) * half],
-                &sin[t * half..(t + 1) * half],
-            );
-            for (oh, xh) in o.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
-                let (x1, x2) = xh.split_at(half);
-                let (o1, o2) = oh.split_at_mut(half);
-                for i in 0..half {
-                    o1[i] = x1[i] * c[i] - x2[i] * s[i];
-                    o2[i] = x2[i] * c[i] + x1[i] * s[i];
-                }
+    team::chunks_mut(&mut out, row, TOKENS_PER_TASK, |t, o| {
+        let xr = &x[t * row..][..row];
+        let (c, s) = (
+            &cos[t * half..(t + 1) * half],
+            &sin[t * half..(t + 1) * half],
+        );
+        for (oh, xh) in o.chunks_exact_mut(d).zip(xr.chunks_exact(d)) {
+            let (x1, x2) = xh.split_at(half);
+            let (o1, o2) = oh.split_at_mut(half);
+            for i in 0..half {
+                o1[i] = x1[i] * c[i] - x2[i] * s[i];
+                o2[i] = x2[i] * c[i] + x1[i] * s[i];
             }
-        });
+        }
+    });
     out
 }
 
@@ -75,10 +72,7 @@ pub fn rope_half_in_place(
             .enumerate()
             .for_each(|(t, r)| rotate(t, r));
     } else {
-        x.par_chunks_mut(stride)
-            .with_min_len(TOKENS_PER_TASK)
-            .enumerate()
-            .for_each(|(t, r)| rotate(t, r));
+        team::chunks_mut(x, stride, TOKENS_PER_TASK, rotate);
     }
 }
 

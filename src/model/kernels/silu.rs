@@ -8,7 +8,7 @@
 
 use std::mem::MaybeUninit;
 
-use rayon::prelude::*;
+use crate::model::team;
 
 use super::cpu::Isa;
 
@@ -119,7 +119,7 @@ pub fn silu_mul_rows(
     };
     let spare = &mut out.spare_capacity_mut()[..rows * width];
     if rows * width >= PAR_VALUES {
-        spare.par_chunks_mut(width).enumerate().for_each(row);
+        team::chunks_mut(spare, width, team::per_task(rows), |r, o| row((r, o)));
     } else {
         spare.chunks_mut(width).enumerate().for_each(row);
     }
