@@ -334,6 +334,12 @@ mod vnni {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// How far ahead a one-row tile prefetches its weights (about two groups at k = 576): at
+    /// one row the tile waits on its weight loads, not on its arithmetic, and the hardware
+    /// prefetcher alone left a step's projections at 53-65% of the read roof
+    /// (docs/performance.md, "One team of threads for a step").
+    const PF_BYTES: usize = 32 * GROUP_BLOCK_BYTES;
+
     /// # Safety
     /// The CPU must support AVX2, FMA, F16C, AVX512VL and AVX512VNNI; `w` must hold `a.blocks`
     /// group blocks; rows `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
@@ -347,6 +353,14 @@ mod vnni {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
+            if NR == 1 {
+                // A group block is 160 bytes: three lines cover one a block. Prefetches never
+                // fault, so running past the matrix's end is harmless.
+                let ahead = gb.wrapping_add(PF_BYTES) as *const i8;
+                _mm_prefetch::<_MM_HINT_T0>(ahead);
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128));
+            }
             let nib = gb.add(QS);
             let mut s32 = [_mm256_setzero_si256(); NR];
             for s in 0..4 {
