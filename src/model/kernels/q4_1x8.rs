@@ -264,6 +264,25 @@ pub(crate) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// How far ahead a one-row tile prefetches its weights (about two groups at k = 576): at
+    /// one row a tile waits on its weight loads, not on its arithmetic, and the hardware
+    /// prefetcher alone left a step's projections at 53-65% of the read roof
+    /// (docs/performance.md, "One team of threads for a step").
+    const PF_BYTES: usize = 32 * GROUP_BLOCK_BYTES;
+
+    /// Prefetches the group block `PF_BYTES` past `gb`: three lines cover a 160-byte block.
+    /// Prefetches never fault, so running past the matrix's end is harmless.
+    #[inline(always)]
+    pub(super) fn prefetch_block(gb: *const u8) {
+        let ahead = gb.wrapping_add(PF_BYTES) as *const i8;
+        // SAFETY: SSE is baseline on x86_64, and a prefetch touches no memory it could fault on.
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(ahead);
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128));
+        }
+    }
+
     /// The 16-bit dot products of one group's block of interleaved nibbles (`nib`, 128 bytes in
     /// this module's order) with block `b` of activation rows `r0..r0+NR`: per row, each column's
     /// sum in a pair of lanes, exact (see the module doc). Shared with `q4_kx8`.
@@ -309,6 +328,9 @@ pub(crate) mod avx2 {
         let wp = w.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
+            if NR == 1 {
+                prefetch_block(gb);
+            }
             let s16 = nibble_sums::<NR>(gb.add(QS), a, r0, b);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(MINS) as *const __m128i));
@@ -334,12 +356,6 @@ mod vnni {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// How far ahead a one-row tile prefetches its weights (about two groups at k = 576): at
-    /// one row the tile waits on its weight loads, not on its arithmetic, and the hardware
-    /// prefetcher alone left a step's projections at 53-65% of the read roof
-    /// (docs/performance.md, "One team of threads for a step").
-    const PF_BYTES: usize = 32 * GROUP_BLOCK_BYTES;
-
     /// # Safety
     /// The CPU must support AVX2, FMA, F16C, AVX512VL and AVX512VNNI; `w` must hold `a.blocks`
     /// group blocks; rows `r0..r0+NR` must exist in `a`; `out` must hold `NR * 8` values.
@@ -354,12 +370,7 @@ mod vnni {
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
             if NR == 1 {
-                // A group block is 160 bytes: three lines cover one a block. Prefetches never
-                // fault, so running past the matrix's end is harmless.
-                let ahead = gb.wrapping_add(PF_BYTES) as *const i8;
-                _mm_prefetch::<_MM_HINT_T0>(ahead);
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128));
+                super::avx2::prefetch_block(gb);
             }
             let nib = gb.add(QS);
             let mut s32 = [_mm256_setzero_si256(); NR];
