@@ -220,16 +220,26 @@ pub fn chunks_mut<T: Send>(
     });
 }
 
+/// `f(0..tasks)` run on the team, its results in index order.
+pub fn map<R: Send>(tasks: usize, f: impl Fn(usize) -> R + Sync) -> Vec<R> {
+    let mut out: Vec<Option<R>> = (0..tasks).map(|_| None).collect();
+    chunks_mut(&mut out, 1, 1, |i, slot| slot[0] = Some(f(i)));
+    out.into_iter()
+        .map(|r| r.expect("every task ran"))
+        .collect()
+}
+
 /// Pieces of `items` a task for about four tasks a thread: an idle thread takes the next task
 /// instead of waiting on one big half.
 pub fn per_task(items: usize) -> usize {
     items.div_ceil(4 * size()).max(1)
 }
 
-/// A base pointer shared by tasks that write disjoint parts behind it.
+/// A result's base pointer, shared by the tasks that write disjoint parts behind it (column
+/// blocks of a matmul, attention rows, a quantizer's rows, `chunks_mut`'s pieces).
 pub struct SharedMut<T>(pub *mut T);
-// SAFETY: tasks reach elements only through `slice`, whose caller promises disjoint ranges of a
-// `Send` type.
+// SAFETY: every user's tasks write disjoint elements of a `Send` type, through `slice` or the
+// raw pointer, while the buffer outlives the loop.
 unsafe impl<T: Send> Sync for SharedMut<T> {}
 
 impl<T> SharedMut<T> {
@@ -270,6 +280,16 @@ mod tests {
             });
             let want: Vec<usize> = (0..len).map(|j| j / chunk + 1).collect();
             assert_eq!(v, want, "len {len} chunk {chunk} per {per}");
+        }
+    }
+
+    #[test]
+    fn map_keeps_index_order() {
+        for tasks in [0, 1, 5, 300] {
+            assert_eq!(
+                map(tasks, |i| i * 3),
+                (0..tasks).map(|i| i * 3).collect::<Vec<_>>()
+            );
         }
     }
 

@@ -29,7 +29,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rayon::prelude::*;
 
-use crate::model::team;
+use crate::model::team::{self, SharedMut};
 
 use super::cpu::Amx;
 use super::{lines, Lines};
@@ -167,7 +167,7 @@ impl Tiles {
         // The tiles store straight into the result, padded to whole blocks both ways and cut
         // to `m x n` after (no copy where `n` is a multiple of 32, as a Llama's widths are).
         let mut y: Vec<f32> = Vec::with_capacity(m_pad * n_pad);
-        let out = SendPtr(y.as_mut_ptr());
+        let out = SharedMut(y.as_mut_ptr());
         let per_task = n_blocks.div_ceil(team::size() * 4).max(1);
         team::run(n_blocks.div_ceil(per_task), |t| {
             let out = &out;
@@ -211,12 +211,6 @@ impl Tiles {
         out
     }
 }
-
-/// A result's base pointer, shared by the tasks that store disjoint parts of it: column blocks
-/// (`Tiles::matmul`, `amx_int8`) or attention rows (`attention::fast_cpu_rows`).
-pub(crate) struct SendPtr(pub(crate) *mut f32);
-// SAFETY: the tasks holding it write disjoint elements (each user's tasks own their part).
-unsafe impl Sync for SendPtr {}
 
 /// Rounds `src` to bf16 into `dst` (`bf16_bits`, the same bits): 16 values at a time on AVX-512,
 /// which every CPU with the tile units has (the scalar loop was not vectorized: its NaN branch

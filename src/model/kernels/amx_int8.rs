@@ -25,9 +25,8 @@
 //! once (C 16 x 64 bytes, A 16 x 32, B 8 x 64), runs every 16-row chunk of its pairs and releases
 //! them. The tile instructions are written with `asm!` and run only with the `cpu::Amx` token.
 
-use crate::model::team;
+use crate::model::team::{self, SharedMut};
 
-use super::amx::SendPtr;
 use super::cpu::Amx;
 use super::lines;
 use super::q4_1x8::{Repacked, GROUP_BLOCK_BYTES};
@@ -75,7 +74,7 @@ pub fn matmul_q4_1(_amx: Amx, w: &Repacked, a: &QuantizedRows) -> Vec<f32> {
     let zeros = vec![0u8; if groups % 2 == 1 { gbytes } else { 0 }];
     let per_task = pairs.div_ceil(team::size() * 4).max(1);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let base = SendPtr(out.as_mut_ptr());
+    let base = SharedMut(out.as_mut_ptr());
     team::run(pairs.div_ceil(per_task), |t| {
         let base = &base;
         let mut buf = Scratch {

@@ -22,7 +22,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use crate::model::team;
+use crate::model::team::{self, SharedMut};
 
 use super::cpu::Isa;
 use super::{lines, Lines};
@@ -250,14 +250,10 @@ pub(crate) fn grouped_matmul<'w>(
     tile: impl Fn(&[u8], usize, &QuantizedRows, usize, usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
     let pair_rows = pairs.map_or(0, |rows| rows.clamp(1, PAIR_TILE_ROWS));
-    /// The result's base pointer, shared by tasks that write disjoint columns.
-    struct Out(*mut f32);
-    // SAFETY: tasks write disjoint elements (their own columns), and the Vec outlives them.
-    unsafe impl Sync for Out {}
     let m = a.rows;
     let total = n.div_ceil(GROUP);
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
-    let base = Out(out.as_mut_ptr());
+    let base = SharedMut(out.as_mut_ptr());
     team::run(total.div_ceil(GROUPS_PER_TASK), |t| {
         let base = &base;
         let mut buf = [0f32; PAIR_TILE_ROWS * 2 * GROUP];
