@@ -713,7 +713,7 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
             3
         }),
     );
-    for seqs in [1usize, 16] {
+    for seqs in [1usize, 4, 16] {
         let (ctx0, steps) = (128, 20);
         let tables = prefilled(e, seqs, ctx0, steps + 1, 0);
         // First touch of the steps' KV pages, untimed (as in `decode_batch`).

@@ -52,6 +52,34 @@ macro_rules! dispatch_pair_rows {
     };
 }
 
+/// How far ahead the 8-row kernels prefetch their weights (about two Q4_1 groups at k = 576): at a
+/// few rows a tile waits on its weight loads, not on its arithmetic, and the hardware prefetcher
+/// alone left a step's projections at 53-65% of the read roof, its 2-row and 4-row steps at twice
+/// and three times the one-row step (docs/performance.md, "One team of threads for a step" and
+/// "Prefetching at every row count").
+pub(crate) const WEIGHTS_AHEAD: usize = 5120;
+
+/// Prefetches into L1 the `LEN` bytes `WEIGHTS_AHEAD` past `p`, a line at a time (a block whose
+/// lines the previous call covered costs a hint each). Prefetches never fault, so running past a
+/// matrix's end is harmless.
+#[inline(always)]
+pub(crate) fn prefetch_ahead<const LEN: usize>(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let ahead = p.wrapping_add(WEIGHTS_AHEAD) as *const i8;
+        let mut off = 0;
+        while off < LEN {
+            // SAFETY: SSE is baseline on x86_64, and a prefetch touches no memory it could
+            // fault on.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off)) };
+            off += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// `asm!` on x86_64, for the tile instructions (`amx`, `attn_amx`: Rust's AMX intrinsics are
 /// unstable). Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing reaches
 /// the functions that use it; they only need to compile.

@@ -12,13 +12,14 @@
 //! they are, and its 16-bit sums (at most 2 * 15 * 127 per lane and step) stay exact over a whole
 //! block's 8 steps: one `madd` per block instead of one per step. Q4_0 (`d * (q - 8)`) is repacked
 //! into the same layout with minimum `-8 d` (exact in f16) and runs on the same kernel. Q4_K has
-//! its own layout (`q4_kx8`).
+//! its own layout (`q4_kx8`). Every tile prefetches the weights it reads next
+//! (`kernels::prefetch_ahead`): at the few rows of a decode step it waits on them.
 
 use half::f16;
 use rayon::prelude::*;
 
 use super::cpu::Isa;
-use super::{lines, Lines};
+use super::{lines, prefetch_ahead, Lines};
 
 use super::q8_0::{QuantizedRows, QK};
 use super::q8_0x8::{matmul_grouped, pair_by_halves, RowGroups, GROUP, PAIR_TILE_ROWS, TILE_ROWS};
@@ -264,25 +265,6 @@ pub(crate) mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// How far ahead a one-row tile prefetches its weights (about two groups at k = 576): at
-    /// one row a tile waits on its weight loads, not on its arithmetic, and the hardware
-    /// prefetcher alone left a step's projections at 53-65% of the read roof
-    /// (docs/performance.md, "One team of threads for a step").
-    const PF_BYTES: usize = 32 * GROUP_BLOCK_BYTES;
-
-    /// Prefetches the group block `PF_BYTES` past `gb`: three lines cover a 160-byte block.
-    /// Prefetches never fault, so running past the matrix's end is harmless.
-    #[inline(always)]
-    pub(super) fn prefetch_block(gb: *const u8) {
-        let ahead = gb.wrapping_add(PF_BYTES) as *const i8;
-        // SAFETY: SSE is baseline on x86_64, and a prefetch touches no memory it could fault on.
-        unsafe {
-            _mm_prefetch::<_MM_HINT_T0>(ahead);
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64));
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(128));
-        }
-    }
-
     /// The 16-bit dot products of one group's block of interleaved nibbles (`nib`, 128 bytes in
     /// this module's order) with block `b` of activation rows `r0..r0+NR`: per row, each column's
     /// sum in a pair of lanes, exact (see the module doc). Shared with `q4_kx8`.
@@ -328,9 +310,7 @@ pub(crate) mod avx2 {
         let wp = w.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
-            if NR == 1 {
-                prefetch_block(gb);
-            }
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(gb);
             let s16 = nibble_sums::<NR>(gb.add(QS), a, r0, b);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(gb as *const __m128i));
             let mw = _mm256_cvtph_ps(_mm_loadu_si128(gb.add(MINS) as *const __m128i));
@@ -369,9 +349,7 @@ mod vnni {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * GROUP_BLOCK_BYTES);
-            if NR == 1 {
-                super::avx2::prefetch_block(gb);
-            }
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(gb);
             let nib = gb.add(QS);
             let mut s32 = [_mm256_setzero_si256(); NR];
             for s in 0..4 {
@@ -473,6 +451,8 @@ mod vnni_pair {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let (g0, g1) = (w0.add(b * GROUP_BLOCK_BYTES), w1.add(b * GROUP_BLOCK_BYTES));
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g0);
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g1);
             let mut s32 = [_mm512_setzero_si512(); NR];
             for s in 0..4 {
                 let v = _mm512_inserti64x4::<1>(
@@ -528,6 +508,8 @@ mod vnni_pair {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let (g0, g1) = (w0.add(b * GROUP_BLOCK_BYTES), w1.add(b * GROUP_BLOCK_BYTES));
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g0);
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g1);
             let mut s32 = [[_mm256_setzero_si256(); 2]; NR];
             for s in 0..4 {
                 let v0 = _mm256_loadu_si256(g0.add(QS + s * 32) as *const __m256i);

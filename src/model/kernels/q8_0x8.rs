@@ -11,8 +11,9 @@
 //! VNNI, Q8_0 (`S = 1`) runs `vpdpbusd` on the weights flipped to unsigned bytes instead (`vnni`):
 //! one instruction a step and row where AVX2 needs four.
 //!
-//! Weights are repacked once at load; the GGUF bytes are dropped (no second copy). Rows past `n`
-//! in the last group are zero. `dequantize_row` reads a row back (embedding lookups, dense path).
+//! Weights are repacked once at load; the GGUF bytes are dropped (no second copy), and the tiles
+//! prefetch them ahead of use (`kernels::prefetch_ahead`). Rows past `n` in the last group are
+//! zero. `dequantize_row` reads a row back (embedding lookups, dense path).
 //!
 //! The layout is generic over `S`, the scales per row and block: Q8_0 has one (`Repacked`); Q6_K
 //! (`Q6kRepacked`) has one per 16 values, so two, and its 6-bit values are stored as i8 `q - 32`
@@ -25,7 +26,7 @@ use rayon::prelude::*;
 use crate::model::team::{self, SharedMut};
 
 use super::cpu::Isa;
-use super::{lines, Lines};
+use super::{lines, prefetch_ahead, Lines};
 use crate::model::profile::{time, Part};
 
 #[cfg(target_arch = "x86_64")]
@@ -230,6 +231,18 @@ impl<const S: usize> RowGroups for Rows8<S> {
         pair_by_halves(&w[..2 * gbytes], nr, out, |wh, one| {
             self.tile(wh, a, r0, nr, one, isa)
         });
+    }
+
+    /// Q8_0 on the tile units from `amx_int8::Q8_0_MIN_ROWS` rows where the CPU has AMX (the
+    /// same values as the VNNI kernels), else the 8-row kernels.
+    fn matmul_quantized_with(&self, a: &QuantizedRows, isa: Isa) -> Vec<f32> {
+        let amx = isa
+            .amx()
+            .filter(|_| a.rows >= super::amx_int8::Q8_0_MIN_ROWS);
+        if let (1, Some(amx)) = (S, amx) {
+            return super::amx_int8::matmul_q8_0(amx, self, a);
+        }
+        matmul_grouped(self, a, isa)
     }
 }
 
@@ -463,6 +476,8 @@ mod avx2 {
         let steps = QK / 4 / S;
         for b in 0..a.blocks {
             let gb = wp.add(b * gbb);
+            // (Q6_K's 320 bytes: the same five lines as Q8_0's 288.)
+            prefetch_ahead::<{ group_block_bytes(2) }>(gb);
             let qs = gb.add(GROUP * 4 * S);
             for h in 0..S {
                 let mut isum = [_mm256_setzero_si256(); NR];
@@ -515,6 +530,7 @@ mod vnni {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let gb = wp.add(b * gbb);
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(gb);
             let qs = gb.add(GROUP * 4);
             let mut isum = [[_mm256_setzero_si256(); 2]; NR];
             for c in 0..QK / 4 {
@@ -584,6 +600,8 @@ mod vnni_pair {
         let ap = a.qs.as_ptr();
         for b in 0..a.blocks {
             let (g0, g1) = (w0.add(b * gbb), w1.add(b * gbb));
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g0);
+            prefetch_ahead::<GROUP_BLOCK_BYTES>(g1);
             let (q0, q1) = (g0.add(GROUP * 4), g1.add(GROUP * 4));
             let mut isum = [_mm512_setzero_si512(); NR];
             for c in 0..QK / 4 {
