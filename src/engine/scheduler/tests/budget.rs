@@ -25,6 +25,40 @@ fn timed(blocks: usize, step_tokens: usize, target_ms: u64, max_running: usize) 
 }
 
 #[test]
+fn the_planning_margin_covers_all_but_the_slowest_steps_of_the_target_size() {
+    let mut s = timed(64, 512, 100, 4);
+    // 40 ms predicted: half the planned 80 ms step.
+    let shape = StepShape::default().with_run(0, 40);
+    let predicted = FixedCost.predict(&shape);
+    for _ in 0..7 {
+        s.observe_step(&shape, 2.0 * predicted);
+    }
+    assert_eq!(s.safety(), 1.0, "too few steps to judge");
+    // A full window: three steps in 64 ran 1.3x their prediction, one 1.6x; the rest on time.
+    for i in 0..ERROR_WINDOW {
+        let slow = match i {
+            10 | 30 | 40 => 1.3,
+            25 => 1.6,
+            _ => 1.0,
+        };
+        s.observe_step(&shape, slow * predicted);
+    }
+    assert!((s.safety() - 1.3).abs() < 1e-9, "{}", s.safety());
+    // Two slow steps in the window set no margin of their own.
+    for i in 0..ERROR_WINDOW {
+        let slow = if i % 32 == 5 { 1.6 } else { 1.0 };
+        s.observe_step(&shape, slow * predicted);
+    }
+    assert!((s.safety() - 1.0).abs() < 1e-9, "{}", s.safety());
+    // Steps far under the target (10 ms of a planned 80) do not count, however late.
+    let small = StepShape::default().with_run(0, 10);
+    for _ in 0..ERROR_WINDOW {
+        s.observe_step(&small, 3.0 * FixedCost.predict(&small));
+    }
+    assert!((s.safety() - 1.0).abs() < 1e-9, "{}", s.safety());
+}
+
+#[test]
 fn while_a_reply_streams_a_long_prompt_takes_chunks_that_shrink_as_its_context_grows() {
     let mut s = timed(2048, 512, 50, 4);
     s.add(id(1), vec![1; 8], 4000, scope(0)).unwrap();
