@@ -137,11 +137,7 @@ fn matmul<const Q8: bool>(
                         a.sums.as_ptr().add(r0 * blocks),
                         &mut buf,
                     );
-                    if Q8 {
-                        dispatch16!(nr, pair_chunk, true, args);
-                    } else {
-                        dispatch16!(nr, pair_chunk, false, args);
-                    }
+                    dispatch16!(nr, pair_chunk, Q8, args);
                     for r in 0..nr {
                         // SAFETY: row r0 + r < m, columns c0..c0 + cols <= n: inside the m * n
                         // allocation; only this task writes these columns.
@@ -175,7 +171,7 @@ struct Scratch {
 
 /// Runs `pair_chunk::<NR, Q8>` for `nr` (1..=16) rows.
 macro_rules! dispatch16 {
-    ($nr:expr, $f:ident, $q8:literal, $args:expr) => {{
+    ($nr:expr, $f:ident, $q8:ident, $args:expr) => {{
         let (g0, g1, gbb, blocks, at, sc, su, buf) = $args;
         macro_rules! call {
             ($n:literal) => {
@@ -351,10 +347,7 @@ unsafe fn pair_chunk<const NR: usize, const Q8: bool>(
             let (w0, w1) = (g0.add(b * gbb), g1.add(b * gbb));
             // Q8_0: f32 scales, and the flip's `-128 * d` in place of a minimum.
             let (dw, mw) = if Q8 {
-                let dw = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(w0 as *const f32))),
-                    _mm256_castps_pd(_mm256_loadu_ps(w1 as *const f32)),
-                ));
+                let dw = q8_0x8::vnni_pair::halves(w0, w1);
                 (dw, _mm512_mul_ps(dw, m128))
             } else {
                 (halves(w0, w1), halves(w0.add(MINS), w1.add(MINS)))

@@ -564,14 +564,15 @@ mod vnni {
 /// feeds both groups, half the issue slots a column of the one-group `vnni::tile`. The output
 /// projection of a 16-row decode step (49,152 columns) is its main user.
 #[cfg(target_arch = "x86_64")]
-mod vnni_pair {
+pub(super) mod vnni_pair {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// Eight f32 values at `lo` then eight at `hi`, in one register.
+    /// Eight f32 values at `lo` then eight at `hi`, in one register (two groups' scales; the
+    /// tile kernel `amx_int8` reads Q8_0's with it too).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512 {
+    pub(in super::super) unsafe fn halves(lo: *const u8, hi: *const u8) -> __m512 {
         _mm512_castpd_ps(_mm512_insertf64x4::<1>(
             _mm512_castps_pd(_mm512_castps256_ps512(_mm256_loadu_ps(lo as *const f32))),
             _mm256_castps_pd(_mm256_loadu_ps(hi as *const f32)),
