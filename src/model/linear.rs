@@ -13,6 +13,10 @@
 //!   more run on it (`Packed::on_tiles`); smaller ones keep the 8-row kernels.
 //! - **Fused projections.** Q, K and V (and gate and up) read the same input; stored as one matrix
 //!   they cost one activation quantization and one thread-pool dispatch instead of three.
+//! - **The MLP on the tiles.** Where a stacked `[gate; up]` and `down` both run on the tiles
+//!   (`mlp_on_tiles`), the activation `silu(gate) * up` is computed in the gate/up kernel's
+//!   epilogue and handed to `down` as bf16 tiles (`amx::Tiles::matmul_silu_mul`), the same bits
+//!   as the three steps apart.
 
 use std::borrow::Cow;
 
@@ -120,6 +124,11 @@ impl Packed {
     fn on_tiles(&self, rows: usize, isa: Isa) -> Option<(&amx::Tiles, Amx)> {
         let t = isa.amx().filter(|_| rows >= amx::AMX_MIN_ROWS)?;
         Some((self.tiles.as_ref()?, t))
+    }
+
+    /// The bf16 copy and the token to run it, when a `rows`-row step runs on the tile units.
+    pub fn tiles_at(&self, rows: usize) -> Option<(&amx::Tiles, Amx)> {
+        self.on_tiles(rows, Isa::best())
     }
 
     /// (rows, columns).
@@ -363,7 +372,43 @@ pub enum PackedGroup<'a> {
     Parts(Vec<&'a Packed>),
 }
 
+/// A layer's MLP on the tile units: the stacked `[gate; up]` copy, `down`'s, and the token.
+pub struct MlpTiles<'a> {
+    pub gate_up: &'a amx::Tiles,
+    pub down: &'a amx::Tiles,
+    pub amx: Amx,
+}
+
+/// The MLP's copies when a `rows`-row step runs both of its projections on the tile units and
+/// `[gate; up]` is one stacked matrix of two `down`-wide halves, each whole 32-row blocks (as
+/// `amx::Tiles::matmul_silu_mul` needs).
+pub fn mlp_on_tiles<'a>(
+    gate_up: &PackedGroup<'a>,
+    down: &'a Packed,
+    rows: usize,
+) -> Option<MlpTiles<'a>> {
+    let PackedGroup::Stacked(gu) = gate_up else {
+        return None;
+    };
+    let ((gu, amx), (down, _)) = (gu.tiles_at(rows)?, down.tiles_at(rows)?);
+    let (n, inter) = (gu.dims().0, down.dims().1);
+    (n == 2 * inter && inter.is_multiple_of(32)).then_some(MlpTiles {
+        gate_up: gu,
+        down,
+        amx,
+    })
+}
+
 impl PackedGroup<'_> {
+    /// The stacked matrix's bf16 copy and the token, when the group is one stacked matrix and a
+    /// `rows`-row step runs it on the tile units.
+    pub fn stacked_tiles_at(&self, rows: usize) -> Option<(&amx::Tiles, Amx)> {
+        match self {
+            PackedGroup::Stacked(p) => p.tiles_at(rows),
+            PackedGroup::Parts(_) => None,
+        }
+    }
+
     pub fn forward_rows(&self, xs: &[f32], rows: usize) -> Result<Vec<f32>> {
         let parts = match self {
             PackedGroup::Stacked(p) => return p.forward_rows(xs, rows),

@@ -21,13 +21,14 @@ use super::attention::{
     fast_cpu, fast_cpu_rows, generic, AttentionImpl, AttnDims, FastCpuPlan, GenericPlan,
 };
 use super::config::{inv_freqs, ModelConfig};
-use super::kernels::cpu::Isa;
+use super::kernels::amx::ActTiles;
+use super::kernels::cpu::{Amx, Isa};
 use super::kernels::f16::round_to_f16;
-use super::kernels::norm::rms_norm_rows;
+use super::kernels::norm::{rms_norm_row, rms_norm_rows};
 use super::kernels::rope::{rope_half, rope_half_in_place};
 use super::kernels::silu::silu_mul_rows;
 use super::kernels::with_cpu_slice;
-use super::linear::{Linear, Packed, PackedGroup, ProjectionGroup};
+use super::linear::{mlp_on_tiles, Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
 use super::profile::{time, Part};
 use super::tile_packs::PackStore;
@@ -118,6 +119,21 @@ impl RmsNorm {
     /// in eight lanes; both layer paths use it, so they agree to the bit).
     fn forward_rows(&self, x: &[f32], width: usize) -> Result<Vec<f32>> {
         with_cpu_slice(&self.weight, |w| rms_norm_rows(x, w, self.eps, width))
+    }
+
+    /// The norm of `x`'s rows rounded to the tile units' input (`amx::ActTiles::from_rows`):
+    /// `ActTiles::from_f32(forward_rows(x))` without the F32 rows in memory.
+    fn tiles(&self, amx: Amx, x: &[f32], width: usize) -> Result<ActTiles> {
+        let isa = Isa::best();
+        with_cpu_slice(&self.weight, |w| {
+            // SAFETY: `rms_norm_row` writes every value of its `out` (each level writes the
+            // whole row).
+            unsafe {
+                ActTiles::from_rows(amx, x.len() / width, width, |r, out| {
+                    rms_norm_row(&x[r * width..][..width], w, self.eps, out, isa)
+                })
+            }
+        })
     }
 
     fn on_cpu_f32(&self) -> bool {
@@ -299,8 +315,13 @@ impl DecoderLayer {
         let width = x.len() / n;
         let (qd, kvd, hd) = (p.q_width, p.kv_width, ctx.dims.head_dim);
         let stride = qd + 2 * kvd;
-        let h = time(Part::Norm, || self.input_layernorm.forward_rows(x, width))?;
-        let mut qkv = time(Part::Qkv, || p.qkv.forward_rows(&h, n))?;
+        let mut qkv = if let Some((tiles, t)) = p.qkv.stacked_tiles_at(n) {
+            let xa = time(Part::Norm, || self.input_layernorm.tiles(t, x, width))?;
+            time(Part::Qkv, || tiles.matmul_tiles(t, &xa))
+        } else {
+            let h = time(Part::Norm, || self.input_layernorm.forward_rows(x, width))?;
+            time(Part::Qkv, || p.qkv.forward_rows(&h, n))?
+        };
         let (cos, sin) = rope;
         time(Part::Rope, || {
             rope_half_in_place(&mut qkv, stride, 0, self.self_attn.num_heads, hd, cos, sin);
@@ -328,15 +349,33 @@ impl DecoderLayer {
         let o = time(Part::Attention, || {
             fast_cpu_rows(&qkv, stride, &kv, &ctx.plan.seqs, fast)
         })?;
-        let o = time(Part::O, || p.o_proj.forward_rows(&o, n))?;
-        time(Part::Residual, || add_assign(x, &o));
-        let h = time(Part::Norm, || {
-            self.post_attention_layernorm.forward_rows(x, width)
-        })?;
-        let gu = time(Part::GateUp, || p.gate_up.forward_rows(&h, n))?;
-        let act = time(Part::Silu, || silu_mul(&gu, p.inter));
-        let d = time(Part::Down, || p.down.forward_rows(&act, n))?;
-        time(Part::Residual, || add_assign(x, &d));
+        if let Some((tiles, t)) = p.o_proj.tiles_at(n) {
+            // The residual add runs in the kernel's epilogue (its time is counted there).
+            time(Part::O, || {
+                let xa = ActTiles::from_f32(t, &o, n, tiles.dims().1);
+                tiles.matmul_tiles_add(t, &xa, x)
+            });
+        } else {
+            let o = time(Part::O, || p.o_proj.forward_rows(&o, n))?;
+            time(Part::Residual, || add_assign(x, &o));
+        }
+        if let Some(t) = mlp_on_tiles(&p.gate_up, p.down, n) {
+            // SiLU and the residual add run in the kernels' epilogues (their time is counted
+            // there).
+            let xa = time(Part::Norm, || {
+                self.post_attention_layernorm.tiles(t.amx, x, width)
+            })?;
+            let act = time(Part::GateUp, || t.gate_up.matmul_silu_mul(t.amx, &xa));
+            time(Part::Down, || t.down.matmul_tiles_add(t.amx, &act, x));
+        } else {
+            let h = time(Part::Norm, || {
+                self.post_attention_layernorm.forward_rows(x, width)
+            })?;
+            let gu = time(Part::GateUp, || p.gate_up.forward_rows(&h, n))?;
+            let act = time(Part::Silu, || silu_mul(&gu, p.inter));
+            let d = time(Part::Down, || p.down.forward_rows(&act, n))?;
+            time(Part::Residual, || add_assign(x, &d));
+        }
         Ok(())
     }
 

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 pub enum Part {
     /// Token embeddings looked up.
     Embed,
-    /// RMS norms (two a layer, one before the LM head).
+    /// RMS norms (two a layer, one before the LM head); on the tile units' path they write the
+    /// projections' bf16 input tiles, so the rounding is counted here.
     Norm,
     /// The Q/K/V projection (stacked).
     Qkv,
@@ -29,11 +30,12 @@ pub enum Part {
     O,
     /// The gate and up projections (stacked).
     GateUp,
-    /// SiLU(gate) * up.
+    /// SiLU(gate) * up (on the tile units' path it runs in `GateUp`'s epilogue and counts there).
     Silu,
     /// The down projection.
     Down,
-    /// Residual additions.
+    /// Residual additions (on the tile units' path they run in `O`'s and `Down`'s epilogues and
+    /// count there).
     Residual,
     /// The output projection to the vocabulary.
     LmHead,

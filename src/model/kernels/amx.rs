@@ -20,6 +20,15 @@
 //! 32 weight rows and runs 2 x 2 output tiles per 32 tokens: per 32-value block, two activation
 //! tiles and two weight tiles loaded, four `tdpbf16ps`.
 //!
+//! Epilogues: a layer on the tiles writes as little as it can. `Tiles::matmul_silu_mul` runs a
+//! gate block and its up block into L1 and writes only `silu(gate) * up`, as `down`'s bf16
+//! input tiles (`ActTiles`); `Tiles::matmul_tiles_add` adds the `o` and `down` products into
+//! the residual stream; `ActTiles::from_rows` rounds an RMS norm's rows as they come. Each is
+//! the same bits as the separate steps (proptests), which wrote a 512-token step's F32
+//! products to memory and read them back: 6 MiB for gate/up alone, and on a host reading ~23
+//! GB/s that traffic cost more than the tile work (docs/performance.md, "The MLP's activation
+//! in the tiles' epilogue").
+//!
 //! The tile instructions are written with `asm!` (Rust's AMX intrinsics are unstable) and run
 //! only with the `cpu::Amx` token, which runtime detection hands out after Linux granted this
 //! process the tile state. The scalar reference (`reference`) computes the same products of
@@ -32,7 +41,9 @@ use rayon::prelude::*;
 use crate::model::team::{self, SharedMut};
 
 use super::cpu::Amx;
-use super::{lines, Lines};
+use std::mem::MaybeUninit;
+
+use super::{assume_written, lines, lines_written, Lines};
 
 /// Rows of a tile; also the F32 columns of an output tile.
 pub(crate) const TILE: usize = 16;
@@ -150,53 +161,24 @@ impl Tiles {
 
     /// `out[m, n] = x[m, k] . w[n, k]` on the tile units, with `x` rounded to bf16.
     pub fn matmul(&self, amx: Amx, x: &[f32], m: usize) -> Vec<f32> {
-        let (n, k) = (self.n, self.k);
-        assert_eq!(x.len(), m * k);
+        self.matmul_tiles(amx, &ActTiles::from_f32(amx, x, m, self.k))
+    }
+
+    /// `out[m, n] = x[m, k] . w[n, k]` on the tile units, `x` already rounded and laid out.
+    pub fn matmul_tiles(&self, amx: Amx, xa: &ActTiles) -> Vec<f32> {
+        let (n, m) = (self.n, xa.m);
         let m_pad = m.div_ceil(BLOCK) * BLOCK;
-        // The activations as tiles too: per 16 rows and 32-value block, 1 KiB in a row, so a
-        // tile load reads one contiguous run (rows padded with zeros to whole blocks).
-        let blocks = k / KB;
-        let mut xa = lines(0u16, m_pad * k);
-        team::chunks_mut(&mut xa, TILE * k, 1, |mt, dst| {
-            let rows = TILE.min(m.saturating_sub(mt * TILE));
-            let from = (mt * TILE * k).min(x.len());
-            to_bf16_tiles(amx, &x[from..from + rows * k], k, dst);
-        });
         let n_blocks = n.div_ceil(BLOCK);
         let n_pad = n_blocks * BLOCK;
         // The tiles store straight into the result, padded to whole blocks both ways and cut
         // to `m x n` after (no copy where `n` is a multiple of 32, as a Llama's widths are).
         let mut y: Vec<f32> = Vec::with_capacity(m_pad * n_pad);
         let out = SharedMut(y.as_mut_ptr());
-        let per_task = n_blocks.div_ceil(team::size() * 4).max(1);
-        team::run(n_blocks.div_ceil(per_task), |t| {
+        self.each_block(amx, xa, n_blocks, |r, j, rows, _| {
             let out = &out;
-            // SAFETY: the `Amx` token proves the tiles run here and that this process may use
-            // them; every tile load stays inside `xa` and `self.data` (rows padded to whole
-            // blocks on both sides), every store inside `y`'s `m_pad x n_pad` capacity, and
-            // tasks store disjoint column blocks.
-            unsafe {
-                configure();
-                // Row blocks outside, the task's column blocks inside: a row block's
-                // activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
-                // panels come from L2 (faster than the other order: docs/performance.md,
-                // "Tile loads that start on a cache line").
-                for r in (0..m_pad).step_by(BLOCK) {
-                    for j in t * per_task..((t + 1) * per_task).min(n_blocks) {
-                        let w0 = self.data.as_ptr().add(j * 2 * blocks * TILE_ELEMS);
-                        block_2x2(
-                            // Rows `r..r + 32` start `r / 16` row tiles in.
-                            xa.as_ptr().add(r * k),
-                            w0,
-                            w0.add(blocks * TILE_ELEMS),
-                            blocks,
-                            out.0.add(r * n_pad + j * BLOCK),
-                            n_pad,
-                        );
-                    }
-                }
-                release();
-            }
+            // SAFETY: `j < n_blocks`; rows `r..r + 32` of the block lie inside `y`'s
+            // `m_pad x n_pad` capacity, and tasks own disjoint column blocks.
+            unsafe { rows.times(j, out.0.add(r * n_pad + j * BLOCK), n_pad) }
         });
         // SAFETY: the tasks above stored every element of the `m_pad x n_pad` block.
         unsafe { y.set_len(m_pad * n_pad) };
@@ -210,6 +192,302 @@ impl Tiles {
         });
         out
     }
+
+    /// `y[m, n] += x[m, k] . w[n, k]` on the tile units: the same bits as `matmul_tiles` then
+    /// adding its result to `y`, without writing that result to memory and reading it back
+    /// (the residual stream after a layer's `o` and `down` projections).
+    pub fn matmul_tiles_add(&self, amx: Amx, xa: &ActTiles, y: &mut [f32]) {
+        let (n, m) = (self.n, xa.m);
+        assert_eq!(y.len(), m * n, "{} values for {m} x {n}", y.len());
+        let out = SharedMut(y.as_mut_ptr());
+        self.each_block(amx, xa, n.div_ceil(BLOCK), |r, j, xr, scratch| {
+            let out = &out;
+            let (rows, cols) = (BLOCK.min(m - r), BLOCK.min(n - j * BLOCK));
+            // SAFETY: `j` is a block of the weights; `scratch` holds a 32 x 32 result; rows
+            // `r..r + rows` and columns `32j..32j + cols` lie inside `y` (`m x n`), and tasks
+            // own disjoint column blocks.
+            unsafe {
+                xr.times(j, scratch.as_mut_ptr(), BLOCK);
+                add_block(
+                    amx.vnni(),
+                    scratch.as_ptr(),
+                    out.0.add(r * n + j * BLOCK),
+                    n,
+                    rows,
+                    cols,
+                );
+            }
+        });
+    }
+
+    /// For `[gate; up]` stacked (`n = 2 * inter`, `inter` a multiple of 32): `silu(gate) * up` of
+    /// each row of `x`, rounded to bf16 as the tiles of the next projection's input (`down`'s).
+    ///
+    /// The same bits as `matmul_tiles`, then `silu::silu_mul_rows`, then `ActTiles::from_f32`:
+    /// each task runs a gate block and its up block into two 32 x 32 results in L1 and writes
+    /// only the 32 x 32 bf16 activations, so the `[m, 2 * inter]` F32 product (6 MiB at a
+    /// 512-token step) and the F32 activation are never written to memory and read back
+    /// (docs/performance.md, "The MLP's activation in the tiles' epilogue").
+    pub fn matmul_silu_mul(&self, amx: Amx, xa: &ActTiles) -> ActTiles {
+        let (n, m) = (self.n, xa.m);
+        assert!(
+            n.is_multiple_of(2 * BLOCK),
+            "[gate; up] of {n} rows is not two whole blocks of {BLOCK}"
+        );
+        let (inter, m_pad) = (n / 2, m.div_ceil(BLOCK) * BLOCK);
+        let (g_blocks, out_blocks) = (inter / BLOCK, inter / KB);
+        let mut act: Lines<MaybeUninit<u16>> = Lines::with_capacity(64, m_pad * inter);
+        // SAFETY: `MaybeUninit` values need no initialization.
+        unsafe { act.set_len(m_pad * inter) };
+        let dst = SharedMut(act.as_mut_ptr() as *mut u16);
+        self.each_block(amx, xa, g_blocks, |r, j, xr, scratch| {
+            let dst = &dst;
+            // SAFETY: gate block `j` and up block `j + g_blocks` lie inside the weights; the
+            // products go to `scratch` (two 32 x 32 results); rows `r..r + 32` are row tiles
+            // `r / 16` and the next, columns `32j..32j + 32` their block `j`, inside `act`'s
+            // `m_pad x inter`, and tasks own disjoint `j`.
+            unsafe {
+                xr.times(j, scratch.as_mut_ptr(), BLOCK);
+                xr.times(j + g_blocks, scratch.as_mut_ptr().add(BLOCK * BLOCK), BLOCK);
+                silu_mul_into_tiles(
+                    amx.vnni(),
+                    scratch.as_ptr(),
+                    dst.0.add(((r / TILE) * out_blocks + j) * TILE_ELEMS),
+                    out_blocks * TILE_ELEMS,
+                );
+            }
+        });
+        ActTiles {
+            m,
+            k: inter,
+            // SAFETY: the tasks above wrote every row block (padding rows included) of every
+            // 32-value block `j < inter / 32`, which is all of `act`.
+            data: unsafe { assume_written(act) },
+        }
+    }
+
+    /// The tile loop every product shares: tasks take runs of the first `col_blocks` 32-column
+    /// blocks; each configures the tiles and calls `each(r, j, rows, scratch)` for every 32-row
+    /// block `r` of `xa` (outside) and its blocks `j` (inside), where `rows` multiplies rows
+    /// `r..r + 32` by any weight block (`RowBlock::times`) and `scratch` is the task's room for
+    /// two 32 x 32 results. Row blocks outside: a
+    /// row block's activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
+    /// panels come from L2 (faster than the other order: docs/performance.md, "Tile loads
+    /// that start on a cache line").
+    fn each_block(
+        &self,
+        _amx: Amx,
+        xa: &ActTiles,
+        col_blocks: usize,
+        each: impl Fn(usize, usize, &RowBlock, &mut Lines<f32>) + Sync,
+    ) {
+        let (k, m) = (self.k, xa.m);
+        assert_eq!(xa.k, k, "activations {} wide for {k}", xa.k);
+        let (m_pad, blocks) = (m.div_ceil(BLOCK) * BLOCK, k / KB);
+        let per_task = col_blocks.div_ceil(team::size() * 4).max(1);
+        team::run(col_blocks.div_ceil(per_task), |t| {
+            let mut scratch = lines(0f32, 2 * BLOCK * BLOCK);
+            // SAFETY: the `Amx` token proves the tiles run here and that this process may use
+            // them; `r < m_pad`, so rows `r..r + 32` lie inside `xa` (rows padded to whole
+            // blocks).
+            unsafe {
+                configure();
+                for r in (0..m_pad).step_by(BLOCK) {
+                    let rows = RowBlock {
+                        x: xa.data.as_ptr().add(r * k),
+                        w: self.data.as_ptr(),
+                        blocks,
+                        n_blocks: self.n.div_ceil(BLOCK),
+                    };
+                    for j in t * per_task..((t + 1) * per_task).min(col_blocks) {
+                        each(r, j, &rows, &mut scratch);
+                    }
+                }
+                release();
+            }
+        });
+    }
+}
+
+/// 32 activation rows (`x`: their two row tiles' `blocks` tiles each) against the weights'
+/// 32-row blocks (`w`: `n_blocks` of them, panels of `blocks` tiles), inside `each_block`'s
+/// configured tiles.
+struct RowBlock {
+    x: *const u16,
+    w: *const u16,
+    blocks: usize,
+    n_blocks: usize,
+}
+
+impl RowBlock {
+    /// Stores the rows times weight block `jj` (32 x 32 F32) at `y`, rows `stride` floats apart.
+    ///
+    /// # Safety
+    /// Called inside `each_block`'s task (tiles configured); `y` must hold 32 rows of 32 floats
+    /// at that stride, written by no other thread meanwhile.
+    unsafe fn times(&self, jj: usize, y: *mut f32, stride: usize) {
+        assert!(jj < self.n_blocks, "weight block {jj} of {}", self.n_blocks);
+        let w0 = self.w.add(jj * 2 * self.blocks * TILE_ELEMS);
+        block_2x2(
+            self.x,
+            w0,
+            w0.add(self.blocks * TILE_ELEMS),
+            self.blocks,
+            y,
+            stride,
+        );
+    }
+}
+
+/// A step's activations rounded to bf16 (`to_bf16`'s bits) as the tile units read them: per 16
+/// rows and 32-value block one 1 KiB tile, so a tile load reads one contiguous run; rows padded
+/// with zeros to a multiple of 32.
+pub struct ActTiles {
+    m: usize,
+    k: usize,
+    data: Lines<u16>,
+}
+
+impl ActTiles {
+    /// `x` (`m` rows of `k`, a multiple of 32) as tiles.
+    pub fn from_f32(amx: Amx, x: &[f32], m: usize, k: usize) -> ActTiles {
+        assert!(
+            k > 0 && k.is_multiple_of(KB),
+            "k = {k} is not a positive multiple of {KB}"
+        );
+        assert_eq!(x.len(), m * k);
+        let m_pad = m.div_ceil(BLOCK) * BLOCK;
+        // SAFETY: each row tile is written whole by `to_bf16_tiles`, padding rows included.
+        let data = unsafe {
+            lines_written(m_pad * k, |buf| {
+                team::chunks_mut(buf, TILE * k, 1, |mt, dst| {
+                    let rows = TILE.min(m.saturating_sub(mt * TILE));
+                    let from = (mt * TILE * k).min(x.len());
+                    to_bf16_tiles(amx, &x[from..from + rows * k], k, dst);
+                })
+            })
+        };
+        ActTiles { m, k, data }
+    }
+
+    /// Rows `0..m` of `k` values, each written by `row(r, out)` into an F32 scratch row and
+    /// rounded as `from_f32` rounds it: the same tiles as `from_f32` of the rows, without the
+    /// `m x k` F32 matrix in memory (a layer's RMS norm feeds its projections this way).
+    ///
+    /// # Safety
+    /// `row` must write every value of the `out` it is given.
+    pub unsafe fn from_rows(
+        amx: Amx,
+        m: usize,
+        k: usize,
+        row: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
+    ) -> ActTiles {
+        assert!(
+            k > 0 && k.is_multiple_of(KB),
+            "k = {k} is not a positive multiple of {KB}"
+        );
+        let m_pad = m.div_ceil(BLOCK) * BLOCK;
+        let fill = |buf: &mut [MaybeUninit<u16>]| {
+            team::chunks_mut(buf, TILE * k, 1, |mt, dst| {
+                let rows = TILE.min(m.saturating_sub(mt * TILE));
+                let mut f32s: Vec<f32> = Vec::with_capacity(rows * k);
+                let spare = &mut f32s.spare_capacity_mut()[..rows * k];
+                for (i, out) in spare.chunks_exact_mut(k).enumerate() {
+                    row(mt * TILE + i, out);
+                }
+                // SAFETY: `row` writes all `k` values of each row (the caller's promise).
+                unsafe { f32s.set_len(rows * k) };
+                to_bf16_tiles(amx, &f32s, k, dst);
+            })
+        };
+        // SAFETY: each row tile is written whole by `to_bf16_tiles`, padding rows included.
+        let data = unsafe { lines_written(m_pad * k, fill) };
+        ActTiles { m, k, data }
+    }
+
+    /// (rows, values a row).
+    pub fn dims(&self) -> (usize, usize) {
+        (self.m, self.k)
+    }
+}
+
+/// A gate and an up result (`s`: two 32 x 32 F32 blocks, row-major, gate first) as `silu(g) * u`
+/// rounded to bf16, into two row tiles' block (`dst`: rows 0-15 there, rows 16-31
+/// `tile_stride` elements on). The 512-bit SiLU kernel's and the rounding's own operations, so
+/// the same bits as the unfused path.
+///
+/// # Safety
+/// AVX-512 F/BW, AVX2 and FMA (the VNNI token's); `s` 2 x 1,024 floats, 64-byte aligned; `dst`
+/// and `dst + tile_stride` each 512 writable u16, 32-byte aligned.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
+unsafe fn silu_mul_into_tiles(
+    _vnni: super::cpu::Avx512Vnni,
+    s: *const f32,
+    dst: *mut u16,
+    tile_stride: usize,
+) {
+    use std::arch::x86_64::*;
+    for row in 0..BLOCK {
+        let to = dst.add((row / TILE) * tile_stride + (row % TILE) * KB);
+        for h in 0..2 {
+            let g = _mm512_load_ps(s.add(row * BLOCK + h * 16));
+            let u = _mm512_load_ps(s.add(BLOCK * BLOCK + row * BLOCK + h * 16));
+            let v = super::silu::avx512::silu_mul16(g, u);
+            _mm256_store_si256(to.add(h * 16) as *mut __m256i, bf16x16(v));
+        }
+    }
+}
+
+/// `y[r][c] += s[r][c]` for the first `rows` rows and `cols` columns of a 32 x 32 result `s`
+/// (row-major), `y`'s rows `stride` floats apart: one F32 add a value, as `add_assign` does.
+///
+/// # Safety
+/// AVX-512 F (the VNNI token's); `s` 1,024 floats, 64-byte aligned; `y` as described.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_block(
+    _vnni: super::cpu::Avx512Vnni,
+    s: *const f32,
+    y: *mut f32,
+    stride: usize,
+    rows: usize,
+    cols: usize,
+) {
+    use std::arch::x86_64::*;
+    let masks = [0, 16].map(|c0: usize| {
+        let n = cols.saturating_sub(c0).min(16);
+        ((1u32 << n) - 1) as __mmask16
+    });
+    for r in 0..rows {
+        for (h, &mask) in masks.iter().enumerate() {
+            let (from, to) = (s.add(r * BLOCK + h * 16), y.add(r * stride + h * 16));
+            let sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, to), _mm512_load_ps(from));
+            _mm512_mask_storeu_ps(to, mask, sum);
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn add_block(
+    _vnni: super::cpu::Avx512Vnni,
+    _s: *const f32,
+    _y: *mut f32,
+    _stride: usize,
+    _rows: usize,
+    _cols: usize,
+) {
+    unreachable!("AMX tiles exist on x86_64 only")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn silu_mul_into_tiles(
+    _vnni: super::cpu::Avx512Vnni,
+    _s: *const f32,
+    _dst: *mut u16,
+    _tile_stride: usize,
+) {
+    unreachable!("AMX tiles exist on x86_64 only")
 }
 
 /// Rounds `src` to bf16 into `dst` (`bf16_bits`, the same bits): 16 values at a time on AVX-512,
@@ -237,44 +515,56 @@ pub(crate) fn to_bf16(amx: Amx, src: &[f32], dst: &mut [u16]) {
 }
 
 /// Up to 16 rows of `k` values (`src`) rounded to bf16 (`to_bf16`'s bits) into one row tile's
-/// blocks (`dst`: per 32-value block `b`, 16 rows of 32 at `(b * 16 + r) * 32`). One call for
-/// the whole tile: a call per 32-value block cost more than the rounding.
+/// blocks (`dst`: per 32-value block `b`, 16 rows of 32 at `(b * 16 + r) * 32`), zeros in the
+/// rows past `src`'s, so every value of `dst` is written. One call for the whole tile: a call
+/// per 32-value block cost more than the rounding.
 ///
 /// # Panics
 /// When `k` is not a multiple of 32, `src` is not whole rows, there are more than 16, or `dst`
 /// is not 16 rows of `k`.
-pub(crate) fn to_bf16_tiles(amx: Amx, src: &[f32], k: usize, dst: &mut [u16]) {
+pub(crate) fn to_bf16_tiles(amx: Amx, src: &[f32], k: usize, dst: &mut [MaybeUninit<u16>]) {
     assert!(k.is_multiple_of(KB) && src.len().is_multiple_of(k.max(1)));
     assert!(
         src.len() <= TILE * k && dst.len() == TILE * k,
         "one row tile"
     );
+    let rows = src.len() / k.max(1);
     #[cfg(target_arch = "x86_64")]
     {
         let _vnni = amx.vnni();
         // SAFETY: the AVX-512 VNNI token (from the tile units') proves AVX-512 F/BW; every
         // block written lies inside `dst` (asserted above).
-        unsafe { to_bf16_tiles_avx512(src, k, dst) };
+        unsafe { to_bf16_tiles_avx512(src, k, dst.as_mut_ptr() as *mut u16) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
         let _ = amx;
         for (r, row) in src.chunks_exact(k).enumerate() {
             for (b, vals) in row.chunks_exact(KB).enumerate() {
-                to_bf16_scalar(vals, &mut dst[(b * TILE + r) * KB..][..KB]);
+                for (d, &v) in dst[(b * TILE + r) * KB..][..KB].iter_mut().zip(vals) {
+                    d.write(bf16_bits(v));
+                }
             }
         }
+    }
+    for b in 0..k / KB {
+        dst[(b * TILE + rows) * KB..(b + 1) * TILE * KB].fill(MaybeUninit::new(0));
     }
 }
 
 /// # Safety
-/// AVX-512 F and BW; the shapes `to_bf16_tiles` asserts.
+/// AVX-512 F and BW; the shapes `to_bf16_tiles` asserts (`dst`: 16 rows of `k` writable).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn to_bf16_tiles_avx512(src: &[f32], k: usize, dst: &mut [u16]) {
+unsafe fn to_bf16_tiles_avx512(src: &[f32], k: usize, dst: *mut u16) {
+    use std::arch::x86_64::*;
     for (r, row) in src.chunks_exact(k).enumerate() {
         for (b, vals) in row.chunks_exact(KB).enumerate() {
-            to_bf16_avx512(vals, &mut dst[(b * TILE + r) * KB..][..KB]);
+            let to = dst.add((b * TILE + r) * KB);
+            for h in 0..KB / 16 {
+                let x = _mm512_loadu_ps(vals.as_ptr().add(h * 16));
+                _mm256_storeu_si256(to.add(h * 16) as *mut __m256i, bf16x16(x));
+            }
         }
     }
 }
@@ -293,25 +583,33 @@ fn to_bf16_scalar(src: &[f32], dst: &mut [u16]) {
 unsafe fn to_bf16_avx512(src: &[f32], dst: &mut [u16]) {
     use std::arch::x86_64::*;
     let n16 = src.len() / 16 * 16;
+    for i in (0..n16).step_by(16) {
+        let x = _mm512_loadu_ps(src.as_ptr().add(i));
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i) as *mut __m256i, bf16x16(x));
+    }
+    to_bf16_scalar(&src[n16..], &mut dst[n16..]);
+}
+
+/// Sixteen values rounded to bf16 (`bf16_bits`' bits, NaNs kept quiet).
+///
+/// # Safety
+/// AVX-512 F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn bf16x16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
     let (one, bias, quiet) = (
         _mm512_set1_epi32(1),
         _mm512_set1_epi32(0x7fff),
         _mm512_set1_epi32(0x40),
     );
-    for i in (0..n16).step_by(16) {
-        let x = _mm512_loadu_ps(src.as_ptr().add(i));
-        let b = _mm512_castps_si512(x);
-        let hi = _mm512_srli_epi32::<16>(b);
-        let round = _mm512_add_epi32(bias, _mm512_and_si512(hi, one));
-        let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, round));
-        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
-        let v = _mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, quiet));
-        _mm256_storeu_si256(
-            dst.as_mut_ptr().add(i) as *mut __m256i,
-            _mm512_cvtepi32_epi16(v),
-        );
-    }
-    to_bf16_scalar(&src[n16..], &mut dst[n16..]);
+    let b = _mm512_castps_si512(x);
+    let hi = _mm512_srli_epi32::<16>(b);
+    let round = _mm512_add_epi32(bias, _mm512_and_si512(hi, one));
+    let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(b, round));
+    let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+    _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, _mm512_or_si512(hi, quiet)))
 }
 
 /// Loads the tile configuration: palette 1, all eight tiles 16 rows x 64 bytes.
@@ -488,7 +786,8 @@ mod tests {
         }
     }
 
-    /// A row tile rounded in one call holds `to_bf16`'s bits for every block, zeros past the rows.
+    /// A row tile rounded in one call holds `to_bf16`'s bits for every block, zeros past the rows
+    /// (whatever the buffer held).
     #[test]
     fn a_row_tile_rounded_at_once_equals_block_by_block() {
         let Some(amx) = amx_for_test("a_row_tile_rounded_at_once_equals_block_by_block") else {
@@ -496,8 +795,11 @@ mod tests {
         };
         for (rows, k) in [(16, 576), (5, 64), (1, 32), (0, 96)] {
             let src: Vec<f32> = lcg(rows as u64 + 7, rows * k);
-            let mut got = vec![0u16; TILE * k];
+            // Garbage first: the call writes every value.
+            let mut got = vec![MaybeUninit::new(0xAAAAu16); TILE * k];
             to_bf16_tiles(amx, &src, k, &mut got);
+            // SAFETY: every value was initialized above.
+            let got: Vec<u16> = got.iter().map(|v| unsafe { v.assume_init() }).collect();
             let mut want = vec![0u16; TILE * k];
             for r in 0..rows {
                 for b in 0..k / KB {
@@ -562,6 +864,73 @@ mod tests {
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 24, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// The MLP's activation computed in the gate/up kernel's epilogue is, to the bit, the
+        /// gate/up product, then `silu_mul_rows`, then rounding to tiles: any rows (padding
+        /// within a row block and past it), any width of whole blocks, gates from -24 to 24.
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
+        #[test]
+        fn silu_in_the_epilogue_equals_the_three_steps_bit_for_bit(
+            m in 1usize..70, inter_blocks in 1usize..4, kb in 1usize..4, seed in any::<u64>()
+        ) {
+            let Some(amx) = amx_for_test("silu_in_the_epilogue_equals_the_three_steps_bit_for_bit") else {
+                return Ok(());
+            };
+            let (inter, k) = (inter_blocks * BLOCK, kb * KB);
+            let w = lcg(seed, 2 * inter * k);
+            let x: Vec<f32> = lcg(seed ^ 0x77, m * k).iter().map(|v| v * 4.0).collect();
+            let tiles = Tiles::from_f32(&w, 2 * inter, k);
+            let xa = ActTiles::from_f32(amx, &x, m, k);
+            let fused = tiles.matmul_silu_mul(amx, &xa);
+            let gu = tiles.matmul_tiles(amx, &xa);
+            let act = super::super::silu::silu_mul_rows(&gu, 2 * inter, &gu[inter..], 2 * inter, inter, m);
+            let want = ActTiles::from_f32(amx, &act, m, inter);
+            prop_assert_eq!(fused.dims(), want.dims());
+            prop_assert_eq!(&fused.data[..], &want.data[..]);
+        }
+
+        /// Rows written one at a time into scratch give `from_f32`'s tiles.
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
+        #[test]
+        fn tiles_from_rows_equal_tiles_from_the_matrix(m in 0usize..70, kb in 1usize..4, seed in any::<u64>()) {
+            let Some(amx) = amx_for_test("tiles_from_rows_equal_tiles_from_the_matrix") else {
+                return Ok(());
+            };
+            let k = kb * KB;
+            let x = lcg(seed, m * k);
+            // SAFETY: the closure writes all `k` values of each row.
+            let got = unsafe {
+                ActTiles::from_rows(amx, m, k, |r, out| {
+                    for (o, &v) in out.iter_mut().zip(&x[r * k..][..k]) {
+                        o.write(v);
+                    }
+                })
+            };
+            let want = ActTiles::from_f32(amx, &x, m, k);
+            prop_assert_eq!(got.dims(), want.dims());
+            prop_assert_eq!(&got.data[..], &want.data[..]);
+        }
+
+        /// Adding the product in the epilogue is, to the bit, the product then one F32 add a
+        /// value: any rows and any width (partial last blocks of both).
+        #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
+        #[test]
+        fn the_product_added_in_the_epilogue_equals_adding_it_after(
+            m in 1usize..70, n in 1usize..90, kb in 1usize..4, seed in any::<u64>()
+        ) {
+            let Some(amx) = amx_for_test("the_product_added_in_the_epilogue_equals_adding_it_after") else {
+                return Ok(());
+            };
+            let k = kb * KB;
+            let tiles = Tiles::from_f32(&lcg(seed, n * k), n, k);
+            let xa = ActTiles::from_f32(amx, &lcg(seed ^ 0x77, m * k), m, k);
+            let y0 = lcg(seed ^ 0x99, m * n);
+            let mut got = y0.clone();
+            tiles.matmul_tiles_add(amx, &xa, &mut got);
+            let want: Vec<f32> = y0.iter().zip(tiles.matmul_tiles(amx, &xa)).map(|(a, b)| a + b).collect();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&got), bits(&want));
+        }
+
         #[cfg_attr(not(amx_tiles), ignore = "this CPU has no AMX tiles")]
         #[test]
         fn tiles_match_the_reference_on_odd_shapes(

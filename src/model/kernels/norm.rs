@@ -151,6 +151,13 @@ fn row_with(x: &[f32], w: &[f32], eps: f32, out: &mut [MaybeUninit<f32>], isa: I
     row_scalar(x, w, eps, out);
 }
 
+/// RMS norm of one row `x` with `weight` into `out` (every value written), at level `isa`: the
+/// bits `rms_norm_rows` gives that row (the tile units' input tiles are filled row by row).
+pub fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [MaybeUninit<f32>], isa: Isa) {
+    assert!(weight.len() == x.len() && out.len() == x.len());
+    row_with(x, weight, eps, out, isa);
+}
+
 /// RMS norm of each `width`-wide row of `x` with `weight` (`width` values), at the best level.
 pub fn rms_norm_rows(x: &[f32], weight: &[f32], eps: f32, width: usize) -> Vec<f32> {
     rms_norm_rows_with(x, weight, eps, width, Isa::best())

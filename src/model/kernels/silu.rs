@@ -56,7 +56,7 @@ mod avx2 {
 /// `avx2::silu_mul` on 512-bit vectors: the same operations on each lane (`attn::exp16_minus` is
 /// `exp8_minus` at twice the width), so the same bits, in half the instructions.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use super::super::attn::exp16_minus;
     use std::arch::x86_64::*;
     use std::mem::MaybeUninit;
@@ -66,17 +66,30 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma")]
     pub unsafe fn silu_mul(g: &[f32], u: &[f32], out: &mut [MaybeUninit<f32>]) {
         let n16 = out.len() / 16 * 16;
-        let one = _mm512_set1_ps(1.0);
-        let top = _mm512_set1_ps(88.0);
-        let zero = _mm512_setzero_ps();
         for i in (0..n16).step_by(16) {
             let gv = _mm512_loadu_ps(g.as_ptr().add(i));
             let uv = _mm512_loadu_ps(u.as_ptr().add(i));
-            let e = exp16_minus(_mm512_min_ps(_mm512_sub_ps(zero, gv), top), zero);
-            let s = _mm512_div_ps(gv, _mm512_add_ps(e, one));
-            _mm512_storeu_ps((out.as_mut_ptr() as *mut f32).add(i), _mm512_mul_ps(s, uv));
+            _mm512_storeu_ps((out.as_mut_ptr() as *mut f32).add(i), silu_mul16(gv, uv));
         }
         super::avx2::silu_mul(&g[n16..], &u[n16..], &mut out[n16..]);
+    }
+
+    /// Sixteen lanes of `silu(g) * u` (the tile units' fused MLP epilogue calls it too, so both
+    /// paths give these bits).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[inline]
+    pub(crate) unsafe fn silu_mul16(gv: __m512, uv: __m512) -> __m512 {
+        let zero = _mm512_setzero_ps();
+        // exp(-g) overflows f32 past 88.7: clamp there, as the 256-bit kernel does.
+        let e = exp16_minus(
+            _mm512_min_ps(_mm512_sub_ps(zero, gv), _mm512_set1_ps(88.0)),
+            zero,
+        );
+        let s = _mm512_div_ps(gv, _mm512_add_ps(e, _mm512_set1_ps(1.0)));
+        _mm512_mul_ps(s, uv)
     }
 }
 
