@@ -64,15 +64,20 @@ pub(crate) const WEIGHTS_AHEAD: usize = 5120;
 /// matrix's end is harmless.
 #[inline(always)]
 pub(crate) fn prefetch_ahead<const LEN: usize>(p: *const u8) {
+    prefetch_lines::<LEN>(p.wrapping_add(WEIGHTS_AHEAD));
+}
+
+/// Prefetches into L1 the `LEN` bytes from `p`, a line at a time (a hint: it never faults).
+#[inline(always)]
+pub(crate) fn prefetch_lines<const LEN: usize>(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let ahead = p.wrapping_add(WEIGHTS_AHEAD) as *const i8;
         let mut off = 0;
         while off < LEN {
             // SAFETY: SSE is baseline on x86_64, and a prefetch touches no memory it could
             // fault on.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off)) };
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off) as *const i8) };
             off += 64;
         }
     }
@@ -80,9 +85,6 @@ pub(crate) fn prefetch_ahead<const LEN: usize>(p: *const u8) {
     let _ = p;
 }
 
-/// `asm!` on x86_64, for the tile instructions (`amx`, `attn_amx`: Rust's AMX intrinsics are
-/// unstable). Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing reaches
-/// the functions that use it; they only need to compile.
 #[cfg(target_arch = "x86_64")]
 macro_rules! tile_asm {
     ($($t:tt)*) => { std::arch::asm!($($t)*) };
