@@ -323,17 +323,15 @@ impl DecoderLayer {
             time(Part::Qkv, || p.qkv.forward_rows(&h, n))?
         };
         let (cos, sin) = rope;
+        let (heads, kv_heads) = (self.self_attn.num_heads, self.self_attn.num_kv_heads);
         time(Part::Rope, || {
-            rope_half_in_place(&mut qkv, stride, 0, self.self_attn.num_heads, hd, cos, sin);
-            rope_half_in_place(
-                &mut qkv,
-                stride,
-                qd,
-                self.self_attn.num_kv_heads,
-                hd,
-                cos,
-                sin,
-            );
+            if qd == heads * hd {
+                // K's heads follow Q's in each row (`[q | k | v]`): one pass rotates both.
+                rope_half_in_place(&mut qkv, stride, 0, heads + kv_heads, hd, cos, sin);
+            } else {
+                rope_half_in_place(&mut qkv, stride, 0, heads, hd, cos, sin);
+                rope_half_in_place(&mut qkv, stride, qd, kv_heads, hd, cos, sin);
+            }
         });
         time(Part::KvWrite, || {
             let isa = Isa::best();
