@@ -43,7 +43,7 @@ use crate::model::team::{self, SharedMut};
 use super::cpu::Amx;
 use std::mem::MaybeUninit;
 
-use super::{assume_written, lines, lines_written, prefetch_lines, Lines};
+use super::{lines, lines_written, prefetch_lines, Lines};
 
 /// Rows of a tile; also the F32 columns of an output tile.
 pub(crate) const TILE: usize = 16;
@@ -241,33 +241,32 @@ impl Tiles {
         );
         let (inter, m_pad) = (n / 2, m.div_ceil(BLOCK) * BLOCK);
         let (g_blocks, out_blocks) = (inter / BLOCK, inter / KB);
-        let mut act: Lines<MaybeUninit<u16>> = Lines::with_capacity(64, m_pad * inter);
-        // SAFETY: `MaybeUninit` values need no initialization.
-        unsafe { act.set_len(m_pad * inter) };
-        let dst = SharedMut(act.as_mut_ptr() as *mut u16);
-        self.each_block(amx, xa, g_blocks, |r, j, xr, scratch| {
-            let dst = &dst;
-            // SAFETY: gate block `j` and up block `j + g_blocks` lie inside the weights; the
-            // products go to `scratch` (two 32 x 32 results); rows `r..r + 32` are row tiles
-            // `r / 16` and the next, columns `32j..32j + 32` their block `j`, inside `act`'s
-            // `m_pad x inter`, and tasks own disjoint `j`.
-            unsafe {
-                xr.times(j, scratch.as_mut_ptr(), BLOCK);
-                xr.times(j + g_blocks, scratch.as_mut_ptr().add(BLOCK * BLOCK), BLOCK);
-                silu_mul_into_tiles(
-                    amx.vnni(),
-                    scratch.as_ptr(),
-                    dst.0.add(((r / TILE) * out_blocks + j) * TILE_ELEMS),
-                    out_blocks * TILE_ELEMS,
-                );
-            }
-        });
+        let fill = |act: &mut [MaybeUninit<u16>]| {
+            let dst = SharedMut(act.as_mut_ptr() as *mut u16);
+            self.each_block(amx, xa, g_blocks, |r, j, xr, scratch| {
+                let dst = &dst;
+                // SAFETY: gate block `j` and up block `j + g_blocks` lie inside the weights;
+                // the products go to `scratch` (two 32 x 32 results); rows `r..r + 32` are row
+                // tiles `r / 16` and the next, columns `32j..32j + 32` their block `j`, inside
+                // `act`'s `m_pad x inter`, and tasks own disjoint `j`.
+                unsafe {
+                    xr.times(j, scratch.as_mut_ptr(), BLOCK);
+                    xr.times(j + g_blocks, scratch.as_mut_ptr().add(BLOCK * BLOCK), BLOCK);
+                    silu_mul_into_tiles(
+                        amx.vnni(),
+                        scratch.as_ptr(),
+                        dst.0.add(((r / TILE) * out_blocks + j) * TILE_ELEMS),
+                        out_blocks * TILE_ELEMS,
+                    );
+                }
+            })
+        };
         ActTiles {
             m,
             k: inter,
-            // SAFETY: the tasks above wrote every row block (padding rows included) of every
-            // 32-value block `j < inter / 32`, which is all of `act`.
-            data: unsafe { assume_written(act) },
+            // SAFETY: the tasks write every row block (padding rows included) of every 32-value
+            // block `j < inter / 32`, which is all of the buffer.
+            data: unsafe { lines_written(m_pad * inter, fill) },
         }
     }
 
@@ -275,10 +274,9 @@ impl Tiles {
     /// blocks; each configures the tiles and calls `each(r, j, rows, scratch)` for every 32-row
     /// block `r` of `xa` (outside) and its blocks `j` (inside), where `rows` multiplies rows
     /// `r..r + 32` by any weight block (`RowBlock::times`) and `scratch` is the task's room for
-    /// two 32 x 32 results. Row blocks outside: a
-    /// row block's activation tiles (36 KiB at k = 576) stay in L1 while the task's weight
-    /// panels come from L2 (faster than the other order: docs/performance.md, "Tile loads
-    /// that start on a cache line").
+    /// two 32 x 32 results. Row blocks outside: a row block's activation tiles (36 KiB at
+    /// k = 576) stay in L1 while the task's weight panels come from L2 (faster than the other
+    /// order: docs/performance.md, "Tile loads that start on a cache line").
     fn each_block(
         &self,
         _amx: Amx,
@@ -356,23 +354,13 @@ pub struct ActTiles {
 impl ActTiles {
     /// `x` (`m` rows of `k`, a multiple of 32) as tiles.
     pub fn from_f32(amx: Amx, x: &[f32], m: usize, k: usize) -> ActTiles {
-        assert!(
-            k > 0 && k.is_multiple_of(KB),
-            "k = {k} is not a positive multiple of {KB}"
-        );
         assert_eq!(x.len(), m * k);
-        let m_pad = m.div_ceil(BLOCK) * BLOCK;
-        // SAFETY: each row tile is written whole by `to_bf16_tiles`, padding rows included.
-        let data = unsafe {
-            lines_written(m_pad * k, |buf| {
-                team::chunks_mut(buf, TILE * k, 1, |mt, dst| {
-                    let rows = TILE.min(m.saturating_sub(mt * TILE));
-                    let from = (mt * TILE * k).min(x.len());
-                    to_bf16_tiles(amx, &x[from..from + rows * k], k, dst);
-                })
+        // SAFETY: `to_bf16_tiles` writes its whole row tile.
+        unsafe {
+            Self::by_tile(amx, m, k, |r0, rows, dst| {
+                to_bf16_tiles(amx, &x[r0 * k..(r0 + rows) * k], k, dst)
             })
-        };
-        ActTiles { m, k, data }
+        }
     }
 
     /// Rows `0..m` of `k` values, each written by `row(r, out)` into an F32 scratch row and
@@ -387,6 +375,32 @@ impl ActTiles {
         k: usize,
         row: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync,
     ) -> ActTiles {
+        // SAFETY: `to_bf16_tiles` writes its whole row tile.
+        unsafe {
+            Self::by_tile(amx, m, k, |r0, rows, dst| {
+                let mut f32s: Vec<f32> = Vec::with_capacity(rows * k);
+                let spare = &mut f32s.spare_capacity_mut()[..rows * k];
+                for (i, out) in spare.chunks_exact_mut(k).enumerate() {
+                    row(r0 + i, out);
+                }
+                // SAFETY: `row` writes all `k` values of each row (the caller's promise).
+                f32s.set_len(rows * k);
+                to_bf16_tiles(amx, &f32s, k, dst);
+            })
+        }
+    }
+
+    /// The tiles of `m` rows of `k` values, a task a row tile: `tile(r0, rows, dst)` fills row
+    /// tile `dst` (16 rows of `k`) from rows `r0..r0 + rows`, padding rows included.
+    ///
+    /// # Safety
+    /// `tile` must write every value of its `dst` (as `to_bf16_tiles` does).
+    unsafe fn by_tile(
+        _amx: Amx,
+        m: usize,
+        k: usize,
+        tile: impl Fn(usize, usize, &mut [MaybeUninit<u16>]) + Sync,
+    ) -> ActTiles {
         assert!(
             k > 0 && k.is_multiple_of(KB),
             "k = {k} is not a positive multiple of {KB}"
@@ -394,18 +408,12 @@ impl ActTiles {
         let m_pad = m.div_ceil(BLOCK) * BLOCK;
         let fill = |buf: &mut [MaybeUninit<u16>]| {
             team::chunks_mut(buf, TILE * k, 1, |mt, dst| {
-                let rows = TILE.min(m.saturating_sub(mt * TILE));
-                let mut f32s: Vec<f32> = Vec::with_capacity(rows * k);
-                let spare = &mut f32s.spare_capacity_mut()[..rows * k];
-                for (i, out) in spare.chunks_exact_mut(k).enumerate() {
-                    row(mt * TILE + i, out);
-                }
-                // SAFETY: `row` writes all `k` values of each row (the caller's promise).
-                unsafe { f32s.set_len(rows * k) };
-                to_bf16_tiles(amx, &f32s, k, dst);
+                let r0 = (mt * TILE).min(m);
+                tile(r0, TILE.min(m - r0), dst)
             })
         };
-        // SAFETY: each row tile is written whole by `to_bf16_tiles`, padding rows included.
+        // SAFETY: every row tile is handed to `tile`, which writes it whole (the caller's
+        // promise).
         let data = unsafe { lines_written(m_pad * k, fill) };
         ActTiles { m, k, data }
     }

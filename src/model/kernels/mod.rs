@@ -85,6 +85,9 @@ pub(crate) fn prefetch_lines<const LEN: usize>(p: *const u8) {
     let _ = p;
 }
 
+/// `asm!` on x86_64, for the tile instructions (`amx`, `attn_amx`: Rust's AMX intrinsics are
+/// unstable). Elsewhere no `cpu::Amx` token can exist (detection answers no), so nothing reaches
+/// the functions that use it; they only need to compile.
 #[cfg(target_arch = "x86_64")]
 macro_rules! tile_asm {
     ($($t:tt)*) => { std::arch::asm!($($t)*) };
