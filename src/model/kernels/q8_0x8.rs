@@ -52,9 +52,6 @@ pub(crate) const TILE_ROWS: usize = 4;
 /// accumulators take 16 of the 32 registers, and the weights' decode (load, insert, mask or flip)
 /// and the per-block scale loads are shared by all rows of the tile.
 pub(crate) const PAIR_TILE_ROWS: usize = 16;
-/// Weight groups per parallel task: 4 groups of 1536 values are 36 KiB, about L1, and every row
-/// tile of the step passes over them while they are there.
-const GROUPS_PER_TASK: usize = 4;
 
 /// A `[n, k]` matrix of 8-bit weights in the 8-row layout, `S` scales per row and 32-value block.
 #[derive(Debug, Clone)]
@@ -246,8 +243,9 @@ impl<const S: usize> RowGroups for Rows8<S> {
     }
 }
 
-/// The driver the 8-row kernels share: output columns in tasks of `GROUPS_PER_TASK` groups (a
-/// task's weights stay in L1 while every tile of up to 4 activation rows passes over them), each
+/// The driver the 8-row kernels share: output columns in about four tasks a thread
+/// (`team::per_task`, an even count of groups where they go in pairs), each group (or pair) held in
+/// L1 while every row tile passes over it, each
 /// tile's results copied straight into the row-major `[m, n]` result (no per-task buffers to
 /// gather, and the result is not zeroed first: every element is written once, which matters for
 /// the 49152-column output projection). `groups(g, count)` is the bytes of groups
@@ -265,12 +263,19 @@ pub(crate) fn grouped_matmul<'w>(
     let pair_rows = pairs.map_or(0, |rows| rows.clamp(1, PAIR_TILE_ROWS));
     let m = a.rows;
     let total = n.div_ceil(GROUP);
+    // Long runs of groups: at a few rows, where the weights stream from memory, tasks of 4
+    // groups ran a one-row step 1.4-1.8x slower on Zen 4 (docs/performance.md, "Longer tasks for
+    // the 8-row kernels"); four a thread still let a thread that falls behind be helped.
+    let mut per_task = team::per_task(total);
+    if pair_rows > 0 {
+        per_task += per_task % 2;
+    }
     let mut out: Vec<f32> = Vec::with_capacity(m * n);
     let base = SharedMut(out.as_mut_ptr());
-    team::run(total.div_ceil(GROUPS_PER_TASK), |t| {
+    team::run(total.div_ceil(per_task), |t| {
         let base = &base;
         let mut buf = [0f32; PAIR_TILE_ROWS * 2 * GROUP];
-        let (mut g, end) = (t * GROUPS_PER_TASK, ((t + 1) * GROUPS_PER_TASK).min(total));
+        let (mut g, end) = (t * per_task, ((t + 1) * per_task).min(total));
         while g < end {
             let count = if pair_rows > 0 && g + 2 <= end { 2 } else { 1 };
             let rows = if count == 2 { pair_rows } else { TILE_ROWS };
