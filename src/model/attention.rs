@@ -401,8 +401,9 @@ const TILE_ROWS: usize = 24;
 /// one part each, and a lone decode there 8.2 against 5.9 us (`docs/performance.md`).
 const MIN_PART: usize = 256;
 
-/// Tasks for a step: tiles of up to `TILE_ROWS` rows (`attn_amx::TASK_ROWS` for a sequence whose
-/// rows run on the tile units or on `attn_flash`, `tiled`), one KV head each, except with `heads_together` a
+/// Tasks for a step: tiles of up to `TILE_ROWS` rows (for a sequence whose rows run on the tile
+/// units or on `attn_flash`, `tiled`, up to `attn_amx::TASK_ROWS` spread by `tiled_tokens`), one
+/// KV head each, except with `heads_together` a
 /// one-token sequence's row and each token of a reply's decode with drafts (`SeqMeta::exact`):
 /// one task for all its KV heads; a decode with drafts, a token a task either way. Each decode
 /// row's positions are cut into parts (merged after with `merge_parts`) by its history's length
@@ -430,6 +431,9 @@ fn plan_tasks(
             let (per_task, step, heads) = match (together, s.exact) {
                 (true, _) => (1, kvh, kvh),
                 (false, true) => (1, 1, 1),
+                (false, false) if tiled[si] => {
+                    (tiled_tokens(s.q_len, rows / group, kvh, threads), 1, 1)
+                }
                 (false, false) => ((rows / group).max(1), 1, 1),
             };
             (0..kvh).step_by(step).flat_map(move |g| {
@@ -474,6 +478,22 @@ fn plan_tasks(
             })
         })
         .collect()
+}
+
+/// Tokens a task of a tiled prompt run (`attn_amx`, `attn_flash`) takes: at most `most`, spread
+/// evenly over as many tasks a KV head as make the run's tasks a multiple of the threads where
+/// the run has the tokens (two a task at least). With 32 a task, a long prompt's chunk of 30 tokens beside streams was
+/// one task a KV head, 3 tasks on 2 threads: one idle for a third of the run's attention
+/// (docs/performance.md, "A short chunk's attention on every thread"). A function of the run's
+/// length alone, so a run's rows are cut the same beside any other rows; the kernels compute
+/// each row the same whichever rows share its task.
+fn tiled_tokens(q_len: usize, most: usize, kvh: usize, threads: usize) -> usize {
+    let mut tiles = q_len.div_ceil(most.max(1)).max(1);
+    // Two tokens a task at least: a one-token task is a decode row's, cut into parts elsewhere.
+    while threads > 1 && !(kvh * tiles).is_multiple_of(threads) && tiles < q_len / 2 {
+        tiles += 1;
+    }
+    q_len.div_ceil(tiles).max(1)
 }
 
 /// The largest power of two at most `n` (`n >= 1`).
@@ -1113,6 +1133,79 @@ mod tests {
                         plain[r],
                         "{isa:?}, kv {kv}: run {i} on attn"
                     );
+                }
+            }
+        }
+    }
+
+    /// A tiled prompt run's tokens are spread evenly over a multiple of the threads' tasks (a
+    /// short chunk on two threads: 3 KV heads x 2 tasks of 15 tokens, not 3 of 30), and its rows
+    /// come out the same bits however they are cut into tasks, at every level this CPU has.
+    #[test]
+    fn a_tiled_run_is_spread_over_the_threads_and_its_rows_do_not_depend_on_the_cut() {
+        let cut = |q_len: usize, threads: usize| {
+            let seq = SeqMeta {
+                q_start: 0,
+                q_len,
+                start_pos: 6000,
+                block_table: Vec::new(),
+                exact: false,
+                more: false,
+            };
+            plan_tasks(&[seq], 3, 3, threads, &[true], false)
+                .iter()
+                .map(|t| (t.kv_head, t.t0, t.tokens))
+                .collect::<Vec<_>>()
+        };
+        let halves = |h| [(h, 0, 15), (h, 15, 15)];
+        assert_eq!(cut(30, 2), [halves(0), halves(1), halves(2)].concat());
+        assert_eq!(cut(30, 1), [(0, 0, 30), (1, 0, 30), (2, 0, 30)]);
+        assert_eq!(cut(64, 2).len(), 6);
+        assert_eq!(cut(96, 2).len(), 12);
+        assert_eq!(
+            cut(5, 16),
+            [
+                (0, 0, 3),
+                (0, 3, 2),
+                (1, 0, 3),
+                (1, 3, 2),
+                (2, 0, 3),
+                (2, 3, 2)
+            ]
+        );
+        assert_eq!(tiled_tokens(1, 32, 3, 2), 1);
+
+        let shapes = [(40, 0), (1, 50), (70, 30), (4, 7), (33, 200)];
+        let tiled_runs = [0, 2, 3, 4];
+        let test = "a_tiled_run_is_spread_over_the_threads_and_its_rows_do_not_depend_on_the_cut";
+        for kv in 0..3 {
+            let (seqs, q, layer, dims) = step(64, &shapes, &[1], 9, kv);
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for isa in Isa::simd_levels_for_test(test) {
+                let mut plan = FastCpuPlan::at_level(&seqs, dims, layer.k.dtype(), isa);
+                if plan.flash.is_none() && plan.amx.is_none() {
+                    continue;
+                }
+                let blocked = plan.blocked.clone();
+                assert_eq!(
+                    tiled_runs.map(|i| blocked[i]),
+                    [true; 4],
+                    "{isa:?}, kv {kv}: the runs are tiled"
+                );
+                let mut outs = Vec::new();
+                for threads in [1, 2, 3, 8] {
+                    plan.tasks = plan_tasks(&seqs, 2, 3, threads, &blocked, false);
+                    outs.push(flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap()));
+                }
+                for i in tiled_runs {
+                    let r = run_rows(&shapes, 6 * 64, i);
+                    for (o, threads) in outs[1..].iter().zip([2, 3, 8]) {
+                        assert_eq!(
+                            o[r.clone()],
+                            outs[0][r.clone()],
+                            "{isa:?}, kv {kv}: run {i} cut for {threads} threads"
+                        );
+                    }
                 }
             }
         }
