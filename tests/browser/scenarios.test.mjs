@@ -59,6 +59,30 @@ async function until(page, fn, arg, timeout = REPLY_MS) {
   return handle.jsonValue();
 }
 
+/** Records in the page, from each DOM change under `rootSel` (the element, or its shadow root),
+ * every distinct length of the newest `.assistant .body` added after this call: each WebSocket
+ * frame is its own task, so the observer sees each delta the page shows however slowly the test
+ * polls (`grownLengths` reads them). */
+async function recordGrowth(page, rootSel) {
+  await page.evaluate((sel) => {
+    const host = document.querySelector(sel);
+    const root = host.shadowRoot || host;
+    const before = new Set(root.querySelectorAll(".assistant .body"));
+    const seen = (window.__replyGrowth = []);
+    new MutationObserver(() => {
+      const fresh = [...root.querySelectorAll(".assistant .body")].filter((b) => !before.has(b));
+      const b = fresh[fresh.length - 1];
+      if (!b) { return; }
+      const n = (b.markdownSource != null ? b.markdownSource : b.textContent).length;
+      if (n && seen[seen.length - 1] !== n) { seen.push(n); }
+    }).observe(root, { subtree: true, childList: true, characterData: true });
+  }, rootSel);
+}
+
+async function grownLengths(page) {
+  return page.evaluate(() => window.__replyGrowth);
+}
+
 /** Watches the text of the last `.assistant .body` under `rootSel` (piercing shadow roots) and
  * records each distinct length until its stats line fills; returns { lengths, stats, text }. */
 async function watchReply(page, rootSel, onFirstGrowth) {
@@ -531,9 +555,12 @@ test("chat page streams a reply with TTFT and tok/s, and a second turn hits the 
   await page.goto(RELAY + "/");
   await page.locator("#conn", { hasText: "connected" }).waitFor();
   await page.locator("#input").fill("Tell me three facts about the Moon.");
+  await recordGrowth(page, "#log");
   await page.locator("#input").press("Enter");
   const first = await watchReply(page, "#log", () => page.screenshot({ path: path.join(ARTIFACTS, "chat-midstream.png") }));
-  assert.ok(first.lengths.length >= 3, `text grew over several frames: ${first.lengths}`);
+  const grown = await grownLengths(page);
+  assert.ok(grown.length >= 3, `text grew over several frames: ${grown}`);
+  assert.equal(grown[grown.length - 1], first.text.length, "the last frame shows the whole reply");
   assert.match(first.stats, /^TTFT \d+ ms · \d+\.\d tok\/s · \d+ cached tokens/);
   await page.locator("#input").fill("And one about the Sun?");
   await page.keyboard.press("Enter");
@@ -991,9 +1018,12 @@ test("widget on an allowed origin opens, streams a reply, survives hostile host 
   assert.equal(await page.locator("llama-relay-widget .assistant .body").first().textContent(), "Hi! Ask us anything about your order.");
   await page.locator("llama-relay-widget .conn", { hasText: "connected" }).waitFor({ timeout: REPLY_MS });
   await page.locator("llama-relay-widget textarea").fill("Where is my order?");
+  await recordGrowth(page, "llama-relay-widget");
   await page.locator("llama-relay-widget textarea").press("Enter");
   const reply = await watchReply(page, "llama-relay-widget", () => page.screenshot({ path: path.join(ARTIFACTS, "widget-midstream.png") }));
-  assert.ok(reply.lengths.length >= 3, `text grew over several frames: ${reply.lengths}`);
+  const grown = await grownLengths(page);
+  assert.ok(grown.length >= 3, `text grew over several frames: ${grown}`);
+  assert.equal(grown[grown.length - 1], reply.text.length, "the last frame shows the whole reply");
   assert.match(reply.stats, /^TTFT \d+ ms/);
   // The widget's pinned system prompt was prefilled at start: the first turn is a cache hit.
   assert.ok(Number(reply.stats.match(/(\d+) cached tokens/)[1]) > 0, reply.stats);
