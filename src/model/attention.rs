@@ -171,13 +171,14 @@ impl FastCpuPlan {
                         .collect()
                 })
                 .collect(),
-            tasks: plan_tasks(
+            tasks: plan_tasks_cut(
                 seqs,
                 d.num_kv_heads,
                 group,
                 team::size(),
                 &per_seq,
                 heads_together,
+                flash.is_some(),
             ),
             amx,
             tiled,
@@ -380,7 +381,8 @@ impl Job<'_> {
             d: hd,
             scales: scales.map(|(k, v)| (&k[t.kv_head..], &v[t.kv_head..])),
         };
-        if let (Some(width), true, true) = (self.plan.flash, self.plan.blocked[t.seq], whole) {
+        // All of a run's positions, or a part of them (`tiled_cut`).
+        if let (Some(width), true) = (self.plan.flash, self.plan.blocked[t.seq]) {
             let stats = attn_flash::tile(width, &tile, &mut o);
             return (o, stats);
         }
@@ -408,6 +410,7 @@ const MIN_PART: usize = 256;
 /// one task for all its KV heads; a decode with drafts, a token a task either way. Each decode
 /// row's positions are cut into parts (merged after with `merge_parts`) by its history's length
 /// alone.
+#[cfg(test)]
 fn plan_tasks(
     seqs: &[SeqMeta],
     kvh: usize,
@@ -415,6 +418,20 @@ fn plan_tasks(
     threads: usize,
     tiled: &[bool],
     heads_together: bool,
+) -> Vec<Task> {
+    plan_tasks_cut(seqs, kvh, group, threads, tiled, heads_together, false)
+}
+
+/// `plan_tasks`; with `history_parts` (where `attn_flash` runs the tiled runs) a tiled run after a
+/// long history may also be cut into parts of its positions (`tiled_cut`).
+fn plan_tasks_cut(
+    seqs: &[SeqMeta],
+    kvh: usize,
+    group: usize,
+    threads: usize,
+    tiled: &[bool],
+    heads_together: bool,
+    history_parts: bool,
 ) -> Vec<Task> {
     let base: Vec<Task> = seqs
         .iter()
@@ -428,24 +445,33 @@ fn plan_tasks(
             // A reply's decode with drafts runs token by token, each as its plain decode runs:
             // speculation must not change a reply.
             let together = heads_together && !tiled[si] && (s.q_len == 1 || s.exact);
-            let (per_task, step, heads) = match (together, s.exact) {
-                (true, _) => (1, kvh, kvh),
-                (false, true) => (1, 1, 1),
+            let (per_task, step, heads, parts) = match (together, s.exact) {
+                (true, _) => (1, kvh, kvh, 1),
+                (false, true) => (1, 1, 1, 1),
                 (false, false) if tiled[si] => {
-                    (tiled_tokens(s.q_len, rows / group, kvh, threads), 1, 1)
+                    let (tokens, parts) = tiled_cut(s, rows / group, kvh, threads, history_parts);
+                    (tokens, 1, 1, parts)
                 }
-                (false, false) => ((rows / group).max(1), 1, 1),
+                (false, false) => ((rows / group).max(1), 1, 1, 1),
             };
+            let h = s.start_pos;
             (0..kvh).step_by(step).flat_map(move |g| {
-                (0..s.q_len).step_by(per_task).map(move |t0| Task {
-                    seq: si,
-                    kv_head: g,
-                    heads,
-                    together,
-                    t0,
-                    tokens: per_task.min(s.q_len - t0),
-                    from: 0,
-                    to: usize::MAX,
+                (0..s.q_len).step_by(per_task).flat_map(move |t0| {
+                    (0..parts).map(move |p| Task {
+                        seq: si,
+                        kv_head: g,
+                        heads,
+                        together,
+                        t0,
+                        tokens: per_task.min(s.q_len - t0),
+                        // A part of the history; the last part the rest and the run's own.
+                        from: if parts == 1 { 0 } else { h * p / parts },
+                        to: if p + 1 == parts {
+                            usize::MAX
+                        } else {
+                            h * (p + 1) / parts
+                        },
+                    })
                 })
             })
         })
@@ -478,6 +504,34 @@ fn plan_tasks(
             })
         })
         .collect()
+}
+
+/// How a tiled prompt run is cut into tasks: (tokens a task, parts of the positions a task of
+/// them covers). With `history_parts` (`attn_flash`), after a history of at least `MIN_PART`
+/// positions a part, a run whose tiles of up to `most` tokens are not a multiple of the threads'
+/// tasks keeps them whole and cuts its positions into as many parts as make them one: each task
+/// converts only its part's keys and values, for all its rows. Else its tokens are spread
+/// (`tiled_tokens`). A 10-token chunk after 5,500 positions: 3 KV heads x 2 parts of 30 rows
+/// instead of 6 tasks of 15 rows each converting the whole history (docs/performance.md, "A
+/// short chunk's attention on every thread"). A function of the run alone.
+fn tiled_cut(
+    s: &SeqMeta,
+    most: usize,
+    kvh: usize,
+    threads: usize,
+    history_parts: bool,
+) -> (usize, usize) {
+    let tiles = s.q_len.div_ceil(most.max(1)).max(1);
+    if history_parts && threads > 1 {
+        let mut parts = 1;
+        while !(kvh * tiles * parts).is_multiple_of(threads) && parts < threads {
+            parts += 1;
+        }
+        if parts > 1 && s.start_pos >= parts * MIN_PART {
+            return (s.q_len.div_ceil(tiles), parts);
+        }
+    }
+    (tiled_tokens(s.q_len, most, kvh, threads), 1)
 }
 
 /// Tokens a task of a tiled prompt run (`attn_amx`, `attn_flash`) takes: at most `most`, spread
@@ -1207,6 +1261,58 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// A short tiled run after a long history, its positions cut into parts (`tiled_cut`, where
+    /// `attn_flash` runs) and merged, attends as the generic path; a short history, or a run
+    /// whose tiles already fill the threads, is not cut.
+    #[test]
+    fn a_short_run_after_a_long_history_is_cut_into_parts_that_attend_as_the_generic_path() {
+        let run = |q_len, start_pos| SeqMeta {
+            q_start: 0,
+            q_len,
+            start_pos,
+            block_table: Vec::new(),
+            exact: false,
+            more: false,
+        };
+        assert_eq!(tiled_cut(&run(10, 5500), 32, 3, 2, true), (10, 2));
+        assert_eq!(tiled_cut(&run(10, 5500), 32, 3, 2, false), (5, 1));
+        assert_eq!(tiled_cut(&run(10, 400), 32, 3, 2, true), (5, 1));
+        assert_eq!(tiled_cut(&run(64, 5500), 32, 3, 2, true), (32, 1));
+        assert_eq!(tiled_cut(&run(10, 5500), 32, 3, 3, true), (10, 1));
+
+        let shapes = [(10, 800), (1, 50), (6, 900)];
+        let test = "a_short_run_after_a_long_history_is_cut_into_parts";
+        for kv in 0..3 {
+            let (seqs, q, layer, dims) = step(64, &shapes, &[1], 3, kv);
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let generic =
+                flat(paged_attention(AttentionImpl::Generic, &q, &layer, &seqs, dims).unwrap());
+            for isa in Isa::simd_levels_for_test(test) {
+                let mut plan = FastCpuPlan::at_level(&seqs, dims, layer.k.dtype(), isa);
+                if plan.flash.is_none() {
+                    continue;
+                }
+                let blocked = plan.blocked.clone();
+                plan.tasks = plan_tasks_cut(&seqs, 2, 3, 3, &blocked, false, true);
+                let cut: Vec<_> = plan.tasks.iter().filter(|t| t.seq == 0).collect();
+                assert_eq!(cut.len(), 2 * 3, "{isa:?}: 2 KV heads x 3 parts");
+                assert_eq!(
+                    cut.iter().map(|t| (t.from, t.to)).collect::<Vec<_>>()[..3],
+                    [(0, 266), (266, 533), (533, usize::MAX)]
+                );
+                let fast = flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap());
+                // A Q8 cache's decode scores from 8-bit queries (VNNI).
+                let bound = if kv == 2 && isa.avx512_vnni().is_some() {
+                    1e-2
+                } else {
+                    1e-5
+                };
+                let d = max_diff(&fast, &generic);
+                assert!(d <= bound, "{isa:?}, kv {kv}: max-abs-diff {d}");
             }
         }
     }

@@ -18,8 +18,9 @@
 //! are `attn::attend`'s (largest score, sum of `exp(score - largest)`). Everything stays in F32; a
 //! Q8 cache's scales multiply keys and values as they are converted.
 //!
-//! Only a prompt's runs take it (`model::attention` decides, as for `attn_amx`): a reply's decode
-//! rows stay on `attn`, so speculating never changes a reply. `attn::tile_scalar` is the reference;
+//! Only a prompt's runs take it (`model::attention` decides, as for `attn_amx`; a short run after a
+//! long history in parts of its positions, merged after): a reply's decode rows stay on `attn`,
+//! so speculating never changes a reply. `attn::tile_scalar` is the reference;
 //! a seeded proptest compares the two on odd shapes and every cache type.
 
 use super::attn::{KvElem, Tile};
@@ -54,14 +55,14 @@ impl Width {
     }
 }
 
-/// `attn::attend` for a prompt's rows (`t.from == 0`): `out` is `[rows, d]`; returns each row's
-/// softmax statistics.
+/// `attn::attend` for a prompt's rows over positions `t.from..` (a part of a long history, merged
+/// after with `attn::merge_parts`, or all of it): `out` is `[rows, d]`; returns each row's softmax
+/// statistics.
 ///
 /// # Panics
-/// When `t.from != 0`, the head size is not `supports`ed, or `Tile::checked` fails.
+/// When the head size is not `supports`ed, or `Tile::checked` fails.
 pub(crate) fn tile<T: KvElem>(width: Width, t: &Tile<T>, out: &mut [f32]) -> Vec<(f32, f32)> {
     assert!(supports(t.d), "head size {}", t.d);
-    assert_eq!(t.from, 0, "a prompt's rows start at position 0");
     let cmax = t.checked(out);
     #[cfg(target_arch = "x86_64")]
     {
@@ -400,7 +401,7 @@ mod simd {
         let scale = |p: usize| t.scale(p);
         // Positions (scores) and output columns (values) a register tile covers: 4 vectors.
         let span = 4 * V::LANES;
-        for pb in (0..cmax).step_by(BLOCK) {
+        for pb in (t.from..cmax).step_by(BLOCK) {
             // The rows that see this block, and how far any of them sees into it.
             let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
             let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
@@ -579,13 +580,14 @@ mod tests {
     fn check<T: KvElem>(
         width: Width,
         c: &Case,
+        from: usize,
         k: &[T],
         v: &[T],
         scales: Option<(&[half::f16], &[half::f16])>,
     ) -> Result<(), TestCaseError> {
         let t = Tile {
             q: &c.q,
-            from: 0,
+            from,
             ctx: &c.ctx,
             rows: &c.rows,
             k,
@@ -618,7 +620,8 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 40, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
         /// The blocked kernel equals the reference: row counts that leave partial register tiles,
         /// contexts that end inside a block and rows that start in a later block than others,
-        /// one to three rows per token, both head sizes, F32, F16 and Q8 caches, both widths.
+        /// one to three rows per token, both head sizes, F32, F16 and Q8 caches, both widths; from
+        /// position 0 or, as a part of a long history, from a later one.
         #[test]
         fn blocks_equal_the_reference(
             seed in any::<u64>(),
@@ -626,6 +629,7 @@ mod tests {
             n_rows in 1usize..110,
             ctx0 in 0usize..200,
             per_token in 1usize..4,
+            from_share in 0usize..4,
         ) {
             let widths: Vec<Width> = Avx512Vnni::detect()
                 .map(Width::W512)
@@ -639,10 +643,12 @@ mod tests {
             let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
             let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
             let q = q8(&c);
+            // Every row sees a position past `from`.
+            let from = c.ctx.iter().min().map_or(0, |&m| m.saturating_sub(1) * from_share / 4);
             for w in widths {
-                check::<f32>(w, &c, &c.k, &c.v, None)?;
-                check(w, &c, &k16, &v16, None)?;
-                check(w, &c, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
+                check::<f32>(w, &c, from, &c.k, &c.v, None)?;
+                check(w, &c, from, &k16, &v16, None)?;
+                check(w, &c, from, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
             }
         }
     }
