@@ -9,7 +9,8 @@
 //!   the tile units instead
 //!   (`kernels::attn_amx`: each of its KV heads packed once a layer, tiles of `TASK_ROWS`), and on
 //!   other CPUs with AVX2 on F32 register tiles over blocks of positions (`kernels::attn_flash`,
-//!   the same tiles, each converting its blocks itself). Written
+//!   the same tiles, each converting its blocks itself; bf16 dot products with AVX-512 BF16 and an
+//!   F16 or Q8 cache, rounded as the tile units round). Written
 //!   by hand because candle has no paged attention on CPU and gathering blocks into a fresh tensor
 //!   per sequence per layer costs more than the attention itself at decode time.
 //! - `generic`: gathers the sequences' slots with `index_select` and runs standard masked
@@ -132,7 +133,7 @@ impl FastCpuPlan {
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
         let amx = (isa.amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
-        let flash = attn_flash::Width::of(isa)
+        let flash = attn_flash::Width::of(isa, !tiles)
             .filter(|_| isa.amx().is_none() && attn_flash::supports(d.head_dim));
         let per_seq: Vec<bool> = seqs
             .iter()
@@ -1159,9 +1160,10 @@ mod tests {
             for isa in Isa::simd_levels_for_test(test) {
                 let mut plan = FastCpuPlan::at_level(&seqs, dims, layer.k.dtype(), isa);
                 let fast = flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap());
-                // bf16 on the tile units; a Q8 cache's decode scores from 8-bit queries (VNNI).
-                let amx = isa.amx().is_some() && kv > 0;
-                let bound = if amx || (isa.avx512_vnni().is_some() && kv == 2) {
+                // bf16 on the tile units or AVX-512 BF16 (an F16 or Q8 cache); a Q8 cache's decode
+                // scores from 8-bit queries (VNNI).
+                let bf16 = isa.avx512_bf16().is_some() && kv > 0;
+                let bound = if bf16 || (isa.avx512_vnni().is_some() && kv == 2) {
                     1e-2
                 } else {
                     1e-5
@@ -1305,8 +1307,10 @@ mod tests {
                     [(0, 266), (266, 533), (533, usize::MAX)]
                 );
                 let fast = flat(fast_cpu(&q, &layer, &seqs, &plan).unwrap());
-                // A Q8 cache's decode scores from 8-bit queries (VNNI).
-                let bound = if kv == 2 && isa.avx512_vnni().is_some() {
+                // A Q8 cache's decode scores from 8-bit queries (VNNI); bf16 on AVX-512 BF16 (an
+                // F16 or Q8 cache).
+                let bf16 = isa.avx512_bf16().is_some() && kv > 0;
+                let bound = if bf16 || (kv == 2 && isa.avx512_vnni().is_some()) {
                     1e-2
                 } else {
                     1e-5

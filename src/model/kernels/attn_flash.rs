@@ -18,13 +18,23 @@
 //! are `attn::attend`'s (largest score, sum of `exp(score - largest)`). Everything stays in F32; a
 //! Q8 cache's scales multiply keys and values as they are converted.
 //!
+//! Where the CPU has AVX-512 BF16 (Zen 4 and later) and the cache is F16 or Q8, the same blocks
+//! run as bf16 dot products (`Width::Bf16`, `simd::tile_bf16`): `vdpbf16ps` sums two bf16
+//! products into each F32 lane, twice the products of an F32 FMA, so scores and weighted sums
+//! take half the instructions. Queries, scaled keys and values, and each block's weights are
+//! rounded to bf16 as the tile units round them (`attn_amx`); scores, the softmax and the sums
+//! stay in F32. An F32 cache, the setting that asks for exact attention, keeps the F32 form. On
+//! real text the rounding moves the default model's predictions by a mean KL of ~0.0001 (F32
+//! weights both ways; docs/performance.md, "bf16 attention on Zen 4"). `reference_bf16` (tests)
+//! computes the same roundings in F64; a seeded proptest compares the two.
+//!
 //! Only a prompt's runs take it (`model::attention` decides, as for `attn_amx`; a short run after a
 //! long history in parts of its positions, merged after): a reply's decode rows stay on `attn`,
 //! so speculating never changes a reply. `attn::tile_scalar` is the reference;
 //! a seeded proptest compares the two on odd shapes and every cache type.
 
 use super::attn::{KvElem, Tile};
-use super::cpu::{Avx2, Avx512Vnni, Isa};
+use super::cpu::{Avx2, Avx512Bf16, Avx512Vnni, Isa};
 
 /// Positions a block takes: 64 positions of a 64-wide head are 16 KiB of keys and 16 of values
 /// in F32, and a task's 96 rows of scores 24 KiB.
@@ -35,21 +45,26 @@ pub(crate) fn supports(d: usize) -> bool {
     d == 64 || d == 128
 }
 
-/// The kernel's vector width, with the token that proves the CPU runs it: 512-bit registers on
-/// AVX-512 (Ice Lake, Zen 4: half the instructions of the 256-bit form for the same FMAs), else
-/// AVX2's 256-bit ones (Zen 3 and older).
+/// The kernel's form, with the token that proves the CPU runs it: bf16 dot products on 512-bit
+/// registers where the level has AVX-512 BF16 (Zen 4 and later: `vdpbf16ps` sums two products a
+/// lane, twice the F32 FMA's), else F32 on 512-bit registers on AVX-512 (Ice Lake: half the
+/// instructions of the 256-bit form for the same FMAs), else AVX2's 256-bit ones (Zen 3 and
+/// older).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Width {
+    Bf16(Avx512Bf16),
     W512(Avx512Vnni),
     W256(Avx2),
 }
 
 impl Width {
-    /// The widest this level runs, or `None` without AVX2.
-    pub(crate) fn of(isa: Isa) -> Option<Width> {
-        match (isa.avx512_vnni(), isa.avx2()) {
-            (Some(v), _) => Some(Width::W512(v)),
-            (None, Some(a)) => Some(Width::W256(a)),
+    /// The fastest form this level runs, or `None` without AVX2. With `exact` (an F32 cache, the
+    /// setting that asks for exact attention, as on the tile units) never bf16.
+    pub(crate) fn of(isa: Isa, exact: bool) -> Option<Width> {
+        match (isa.avx512_bf16(), isa.avx512_vnni(), isa.avx2()) {
+            (Some(b), _, _) if !exact => Some(Width::Bf16(b)),
+            (_, Some(v), _) => Some(Width::W512(v)),
+            (_, None, Some(a)) => Some(Width::W256(a)),
             _ => None,
         }
     }
@@ -70,6 +85,8 @@ pub(crate) fn tile<T: KvElem>(width: Width, t: &Tile<T>, out: &mut [f32]) -> Vec
         // `cmax` checked above.
         unsafe {
             match (width, t.d) {
+                (Width::Bf16(_), 64) => simd::tile_bf16::<T, 64>(t, cmax, out),
+                (Width::Bf16(_), _) => simd::tile_bf16::<T, 128>(t, cmax, out),
                 (Width::W512(_), 64) => simd::tile512::<T, 64>(t, cmax, out),
                 (Width::W512(_), _) => simd::tile512::<T, 128>(t, cmax, out),
                 (Width::W256(_), 64) => simd::tile256::<T, 64>(t, cmax, out),
@@ -568,6 +585,242 @@ mod simd {
             }
         }
     }
+
+    /// bf16 values as the instructions take them: a 512-bit register of 32.
+    #[inline(always)]
+    unsafe fn bh(x: __m512i) -> __m512bh {
+        // SAFETY: both are 64 bytes of plain vector data.
+        std::mem::transmute::<__m512i, __m512bh>(x)
+    }
+
+    /// Two 16-lane F32 vectors as 32 bf16 values (round to nearest even), `lo`'s first, as 16
+    /// words of (even, odd) pairs.
+    #[inline(always)]
+    unsafe fn pairs(lo: __m512, hi: __m512) -> __m512i {
+        // SAFETY: as `bh`.
+        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
+    }
+
+    /// The kernel (module doc) on bf16 dot products (`vdpbf16ps`): the query rows, each block's
+    /// keys and values and each row's weights rounded to bf16 as the tile units round them
+    /// (`attn_amx`), every product summed in F32, the softmax in F32 as in `drive`. Keys of a
+    /// block are (even, odd) dimension pairs a word, transposed (`kt`: `[D / 2][BLOCK]` words), so
+    /// a row's scores for 16 positions are one register of `vdpbf16ps` with the row's pair
+    /// broadcast: half the instructions of the F32 form. Values are (even, odd) position pairs a
+    /// word (`vb`: `[BLOCK / 2][D]` words), the weights' pairs broadcast.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL and BF16 (and AVX2, FMA, F16C); `t` checked by `super::tile`; `D == t.d`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")]
+    pub(super) unsafe fn tile_bf16<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        cmax: usize,
+        out: &mut [f32],
+    ) -> Vec<(f32, f32)> {
+        let n = t.ctx.len();
+        let mut qb: Lines<u32> = lines(0u32, n * D / 2);
+        for r in 0..n {
+            for c in (0..D).step_by(32) {
+                let q = t.q.as_ptr().add(r * D + c);
+                let w = pairs(_mm512_loadu_ps(q), _mm512_loadu_ps(q.add(16)));
+                _mm512_storeu_si512(qb.as_mut_ptr().add((r * D + c) / 2) as _, w);
+            }
+        }
+        let mut kt: Lines<u32> = lines(0u32, D / 2 * BLOCK);
+        let mut vb: Lines<u32> = lines(0u32, BLOCK / 2 * D);
+        let mut s: Lines<f32> = lines(0f32, n * BLOCK);
+        let mut wb: Lines<u32> = lines(0u32, n * BLOCK / 2);
+        let mut max = vec![f32::NEG_INFINITY; n];
+        let mut sum = vec![0f32; n];
+        out.fill(0.0);
+        let scale = |p: usize| t.scale(p);
+        for pb in (t.from..cmax).step_by(BLOCK) {
+            let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
+            let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
+            if reach == 0 {
+                continue;
+            }
+            keys_bf16::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
+            values_in_bf16::<T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
+            let mut r = first;
+            while r < n {
+                let nr = V512::ROWS.min(n - r);
+                for c in (0..reach).step_by(64) {
+                    let q = qb.as_ptr().add(r * D / 2);
+                    let (k, sp) = (kt.as_ptr().add(c), s.as_mut_ptr().add(r * BLOCK + c));
+                    match nr {
+                        6 => scores_bf16::<D, 6>(q, k, sp),
+                        5 => scores_bf16::<D, 5>(q, k, sp),
+                        4 => scores_bf16::<D, 4>(q, k, sp),
+                        3 => scores_bf16::<D, 3>(q, k, sp),
+                        2 => scores_bf16::<D, 2>(q, k, sp),
+                        _ => scores_bf16::<D, 1>(q, k, sp),
+                    }
+                }
+                r += nr;
+            }
+            for r in first..n {
+                let row = s.as_mut_ptr().add(r * BLOCK);
+                let o = out.as_mut_ptr().add(r * D);
+                weights::<V512, D>(row, seen(t.ctx[r], pb), &mut max[r], &mut sum[r], o);
+                for j in (0..BLOCK).step_by(32) {
+                    let w = pairs(
+                        _mm512_loadu_ps(row.add(j)),
+                        _mm512_loadu_ps(row.add(j + 16)),
+                    );
+                    _mm512_storeu_si512(wb.as_mut_ptr().add((r * BLOCK + j) / 2) as _, w);
+                }
+            }
+            let span = reach.div_ceil(2);
+            let mut r = first;
+            while r < n {
+                let nr = V512::ROWS.min(n - r);
+                let w = wb.as_ptr().add(r * BLOCK / 2);
+                for c in (0..D).step_by(64) {
+                    let (v, o) = (vb.as_ptr().add(c), out.as_mut_ptr().add(r * D + c));
+                    match nr {
+                        6 => values_bf16::<D, 6>(w, v, o, span),
+                        5 => values_bf16::<D, 5>(w, v, o, span),
+                        4 => values_bf16::<D, 4>(w, v, o, span),
+                        3 => values_bf16::<D, 3>(w, v, o, span),
+                        2 => values_bf16::<D, 2>(w, v, o, span),
+                        _ => values_bf16::<D, 1>(w, v, o, span),
+                    }
+                }
+                r += nr;
+            }
+        }
+        for (r, o) in out.chunks_exact_mut(D).enumerate() {
+            let inv = V512::splat(1.0 / sum[r]);
+            for c in (0..D).step_by(16) {
+                let p = o.as_mut_ptr().add(c);
+                V512::mul(V512::load(p), inv).store(p);
+            }
+        }
+        max.into_iter().zip(sum).collect()
+    }
+
+    /// Keys of positions `pb..pb + count`, each scaled by its position's K scale and rounded to
+    /// bf16, into `kt` as `[D / 2][BLOCK]` words of (even, odd) dimension pairs; positions past
+    /// `count` zero.
+    #[inline(always)]
+    unsafe fn keys_bf16<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        pb: usize,
+        count: usize,
+        scale: &impl Fn(usize) -> (f32, f32),
+        kt: *mut u32,
+    ) {
+        let k = t.k.as_ptr();
+        for j in 0..BLOCK / 16 {
+            for c in (0..D).step_by(32) {
+                let mut words = [_mm512_setzero_si512(); 16];
+                for (i, w) in words.iter_mut().enumerate() {
+                    let at = j * 16 + i;
+                    if at < count {
+                        let p = pb + at;
+                        let sk = _mm512_set1_ps(scale(p).0);
+                        let row = k.add(t.rows[p] + c);
+                        *w = pairs(
+                            _mm512_mul_ps(T::load16(row), sk),
+                            _mm512_mul_ps(T::load16(row.add(16)), sk),
+                        );
+                    }
+                }
+                for (i, x) in transpose16(words).iter().enumerate() {
+                    _mm512_storeu_si512(kt.add((c / 2 + i) * BLOCK + j * 16) as _, *x);
+                }
+            }
+        }
+    }
+
+    /// Values of positions `pb..pb + count`, each scaled by its position's V scale and rounded to
+    /// bf16, into `vb` as `[BLOCK / 2][D]` words of (even, odd) position pairs; an odd count's last
+    /// pair has a zero second value.
+    #[inline(always)]
+    unsafe fn values_in_bf16<T: KvElem, const D: usize>(
+        t: &Tile<T>,
+        pb: usize,
+        count: usize,
+        scale: &impl Fn(usize) -> (f32, f32),
+        vb: *mut u32,
+    ) {
+        let v = t.v.as_ptr();
+        // Word m of the result: value m of the first position, then value m of the second.
+        let interleave = _mm512_set_epi16(
+            31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+            4, 19, 3, 18, 2, 17, 1, 16, 0,
+        );
+        for pair in 0..count.div_ceil(2) {
+            let p = pb + 2 * pair;
+            let s0 = _mm512_set1_ps(scale(p).1);
+            let second = (2 * pair + 1 < count).then(|| (p + 1, _mm512_set1_ps(scale(p + 1).1)));
+            for c in (0..D).step_by(16) {
+                let a = _mm512_mul_ps(T::load16(v.add(t.rows[p] + c)), s0);
+                let b = match second {
+                    Some((p1, s1)) => _mm512_mul_ps(T::load16(v.add(t.rows[p1] + c)), s1),
+                    None => _mm512_setzero_ps(),
+                };
+                let w = _mm512_permutexvar_epi16(interleave, pairs(a, b));
+                _mm512_storeu_si512(vb.add(pair * D + c) as _, w);
+            }
+        }
+    }
+
+    /// `s[r][0..64] = q[r] . kt[.][0..64]` for `NR` query rows (`qb`: `D / 2` words a row; `s`
+    /// rows `BLOCK` apart) against a block's transposed key pairs (`kt` rows `BLOCK` apart).
+    #[inline(always)]
+    unsafe fn scores_bf16<const D: usize, const NR: usize>(
+        qb: *const u32,
+        kt: *const u32,
+        s: *mut f32,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); 4]; NR];
+        for i in 0..D / 2 {
+            let kv: [__m512bh; 4] =
+                std::array::from_fn(|j| bh(_mm512_loadu_si512(kt.add(i * BLOCK + j * 16) as _)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let qv = bh(_mm512_set1_epi32(*qb.add(r * D / 2 + i) as i32));
+                for j in 0..4 {
+                    a[j] = _mm512_dpbf16_ps(a[j], qv, kv[j]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (j, x) in a.iter().enumerate() {
+                _mm512_storeu_ps(s.add(r * BLOCK + j * 16), *x);
+            }
+        }
+    }
+
+    /// `o[r][0..64] += sum_p w[r][p] * v[p][0..64]` for `NR` rows over `span` position pairs
+    /// (`w`: `BLOCK / 2` words of weight pairs a row; `vb` and `o` rows `D` apart).
+    #[inline(always)]
+    unsafe fn values_bf16<const D: usize, const NR: usize>(
+        w: *const u32,
+        vb: *const u32,
+        o: *mut f32,
+        span: usize,
+    ) {
+        let mut acc: [[__m512; 4]; NR] = std::array::from_fn(|r| {
+            std::array::from_fn(|j| _mm512_loadu_ps(o.add(r * D + j * 16)))
+        });
+        for pair in 0..span {
+            let vv: [__m512bh; 4] =
+                std::array::from_fn(|j| bh(_mm512_loadu_si512(vb.add(pair * D + j * 16) as _)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                let wv = bh(_mm512_set1_epi32(*w.add(r * BLOCK / 2 + pair) as i32));
+                for j in 0..4 {
+                    a[j] = _mm512_dpbf16_ps(a[j], wv, vv[j]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (j, x) in a.iter().enumerate() {
+                _mm512_storeu_ps(o.add(r * D + j * 16), *x);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -616,8 +869,128 @@ mod tests {
         Ok(())
     }
 
+    /// The bf16 form of `tile` computed in F64 from the kernel's roundings: the query rows, the
+    /// scaled keys and values, and each block's weights `exp(score - running max)` (F32) rounded
+    /// to bf16, blocks of `BLOCK` positions from `t.from` as the kernel takes them. Returns the
+    /// output rows and each row's statistics.
+    fn reference_bf16<T: KvElem>(t: &Tile<T>) -> (Vec<f32>, Vec<(f32, f32)>) {
+        use super::super::amx::{bf16_bits, bf16_value};
+        let bf = |x: f32| bf16_value(bf16_bits(x)) as f64;
+        let d = t.d;
+        let mut out = vec![0f32; t.q.len()];
+        let mut stats = Vec::new();
+        for (r, &c) in t.ctx.iter().enumerate() {
+            let q: Vec<f64> = t.q[r * d..(r + 1) * d].iter().map(|&x| bf(x)).collect();
+            let (mut m, mut sum, mut o) = (f64::NEG_INFINITY, 0f64, vec![0f64; d]);
+            for pb in (t.from..c).step_by(BLOCK) {
+                let ps = pb..(pb + BLOCK).min(c);
+                let s: Vec<f64> = ps
+                    .clone()
+                    .map(|p| {
+                        let (kr, sk) = (&t.k[t.rows[p]..t.rows[p] + d], t.scale(p).0);
+                        q.iter().zip(kr).map(|(a, b)| a * bf(b.to_f32() * sk)).sum()
+                    })
+                    .collect();
+                let top = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                if top > m {
+                    let alpha = (m - top).exp();
+                    sum *= alpha;
+                    o.iter_mut().for_each(|x| *x *= alpha);
+                    m = top;
+                }
+                for (p, x) in ps.zip(&s) {
+                    let e = (x - m).exp() as f32;
+                    sum += e as f64;
+                    let (vr, sv) = (&t.v[t.rows[p]..t.rows[p] + d], t.scale(p).1);
+                    for (y, v) in o.iter_mut().zip(vr) {
+                        *y += bf(e) * bf(v.to_f32() * sv);
+                    }
+                }
+            }
+            for (y, x) in out[r * d..(r + 1) * d].iter_mut().zip(&o) {
+                *y = (x / sum) as f32;
+            }
+            stats.push((m as f32, sum as f32));
+        }
+        (out, stats)
+    }
+
+    /// The bf16 form against `reference_bf16` (the same roundings: tight) and against the exact
+    /// reference (`attn::tile_scalar`: within bf16's rounding of queries, keys, values and
+    /// weights).
+    fn check_bf16<T: KvElem>(
+        b: Avx512Bf16,
+        c: &Case,
+        from: usize,
+        k: &[T],
+        v: &[T],
+        scales: Option<(&[half::f16], &[half::f16])>,
+    ) -> Result<(), TestCaseError> {
+        let t = Tile {
+            q: &c.q,
+            from,
+            ctx: &c.ctx,
+            rows: &c.rows,
+            k,
+            v,
+            d: c.d,
+            scales,
+        };
+        let (want, want_stats) = reference_bf16(&t);
+        let mut exact = vec![0f32; c.q.len()];
+        tile_scalar(&t, &mut exact);
+        let mut got = vec![f32::NAN; c.q.len()];
+        let stats = tile(Width::Bf16(b), &t, &mut got);
+        for (i, ((a, w), x)) in got.iter().zip(&want).zip(&exact).enumerate() {
+            // F32 sums of bf16 products, and a weight may round the other way at a bf16 boundary.
+            prop_assert!(
+                (a - w).abs() <= 4e-3 * (1.0 + w.abs()),
+                "value {i} (row {}): {a} vs the bf16 reference {w}",
+                i / c.d
+            );
+            prop_assert!(
+                (a - x).abs() <= 5e-2 * (1.0 + x.abs()),
+                "value {i} (row {}): {a} vs the exact reference {x}",
+                i / c.d
+            );
+        }
+        for (r, ((m, s), (wm, ws))) in stats.iter().zip(&want_stats).enumerate() {
+            prop_assert!(
+                (m - wm).abs() <= 1e-4 * (1.0 + wm.abs()),
+                "row {r}'s largest score: {m} vs {wm}"
+            );
+            prop_assert!((s - ws).abs() <= 1e-4 * ws, "row {r}'s sum: {s} vs {ws}");
+        }
+        Ok(())
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 40, rng_algorithm: proptest::test_runner::RngAlgorithm::ChaCha, ..ProptestConfig::default() })]
+        /// The bf16 form (AVX-512 BF16) equals the reference computed from its roundings, and the
+        /// exact one within them, on the shapes `blocks_equal_the_reference` takes.
+        #[test]
+        fn bf16_blocks_equal_the_reference_of_their_roundings(
+            seed in any::<u64>(),
+            d in prop::sample::select(vec![64usize, 128]),
+            n_rows in 1usize..110,
+            ctx0 in 0usize..200,
+            per_token in 1usize..4,
+            from_share in 0usize..4,
+        ) {
+            let Some(b) = Avx512Bf16::detect() else {
+                eprintln!("bf16_blocks_equal_the_reference_of_their_roundings: skipped, this CPU has no AVX-512 BF16");
+                return Ok(());
+            };
+            let c = case(seed, d, n_rows, ctx0, per_token);
+            let k16: Vec<half::f16> = c.k.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let v16: Vec<half::f16> = c.v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let q = q8(&c);
+            let from = c.ctx.iter().min().map_or(0, |&m| m.saturating_sub(1) * from_share / 4);
+            check_bf16::<f32>(b, &c, from, &c.k, &c.v, None)?;
+            check_bf16(b, &c, from, &k16, &v16, None)?;
+            check_bf16(b, &c, from, &q.k.0, &q.v.0, Some((&q.k.1, &q.v.1)))?;
+        }
+
         /// The blocked kernel equals the reference: row counts that leave partial register tiles,
         /// contexts that end inside a block and rows that start in a later block than others,
         /// one to three rows per token, both head sizes, F32, F16 and Q8 caches, both widths; from

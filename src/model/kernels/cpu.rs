@@ -1,14 +1,16 @@
 //! CPU capabilities as values. A token for an instruction set can only be obtained from runtime
-//! detection (`Avx2::detect`, `Avx512Vnni::detect`, `Amx::detect`, or `Isa::best`, which uses
-//! them), and every
+//! detection (`Avx2::detect`, `Avx512Vnni::detect`, `Avx512Bf16::detect`, `Amx::detect`, or
+//! `Isa::best`, which uses them), and every
 //! SIMD kernel entry point takes an `Isa`: the `unsafe` blocks that run `#[target_feature]` code
 //! rely on the token, so safe code cannot run AVX2 on a CPU without it, whatever a caller or a test
 //! passes. (The pattern of `pulp`'s and `multiversion`'s tokens, written here in a few lines because
 //! the kernels need nothing else from those crates.)
 //!
 //! `Isa::best()` is what the engine runs: the highest level detected, capped by the environment
-//! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`, `avx512vnni`, `amx`) so that one binary can be
-//! measured at each level.
+//! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`, `avx512vnni`, `avx512bf16`, `amx`) so that one
+//! binary can be measured at each level. `avx512bf16` (Zen 4 and later, Cooper Lake) differs from
+//! `avx512vnni` only where a kernel may round to bf16: a prompt's attention (`attn_flash`), as the
+//! tile units' level does.
 //!
 //! AMX is detected by CPUID and XCR0 rather than `is_x86_feature_detected!` (whose AMX names are
 //! unstable in Rust 1.95), and only counts once Linux grants this process the tile data state
@@ -69,6 +71,32 @@ impl Avx512Vnni {
     }
 }
 
+/// Proof that the CPU has everything `Avx512Vnni` stands for plus AVX-512 BF16 (`vdpbf16ps`: pairs
+/// of bf16 products summed into F32 lanes, twice the F32 FMA's products an instruction).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Avx512Bf16(());
+
+impl Avx512Bf16 {
+    /// The token, when this CPU has the features.
+    pub fn detect() -> Option<Avx512Bf16> {
+        static HAS: OnceLock<bool> = OnceLock::new();
+        let has = *HAS.get_or_init(|| {
+            #[cfg(target_arch = "x86_64")]
+            {
+                Avx512Vnni::detect().is_some() && is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            false
+        });
+        has.then_some(Avx512Bf16(()))
+    }
+
+    /// The AVX-512 VNNI token this one implies.
+    pub fn vnni(self) -> Avx512Vnni {
+        Avx512Vnni(())
+    }
+}
+
 /// Proof that the CPU has everything `Avx512Vnni` stands for plus AVX-512 BF16, AMX-TILE,
 /// AMX-BF16 and AMX-INT8 (Intel Sapphire Rapids and later), the OS saves the tile state, and this
 /// process may use it.
@@ -92,6 +120,11 @@ impl Amx {
     /// The AVX-512 VNNI token this one implies.
     pub fn vnni(self) -> Avx512Vnni {
         Avx512Vnni(())
+    }
+
+    /// The AVX-512 BF16 token this one implies (`detect` checks the feature).
+    pub fn bf16(self) -> Avx512Bf16 {
+        Avx512Bf16(())
     }
 }
 
@@ -153,7 +186,9 @@ pub enum Isa {
     Scalar,
     Avx2(Avx2),
     Avx512Vnni(Avx512Vnni),
-    /// AVX-512 VNNI plus the tile units: the VNNI kernels for small steps, bf16 tiles for big ones.
+    /// AVX-512 VNNI plus BF16: a prompt's attention on bf16 dot products (`attn_flash`).
+    Avx512Bf16(Avx512Bf16),
+    /// AVX-512 VNNI and BF16 plus the tile units: the VNNI kernels for small steps, bf16 tiles for big ones.
     Amx(Amx),
 }
 
@@ -187,6 +222,7 @@ impl Isa {
         let mut v = vec![Isa::Scalar];
         v.extend(Avx2::detect().map(Isa::Avx2));
         v.extend(Avx512Vnni::detect().map(Isa::Avx512Vnni));
+        v.extend(Avx512Bf16::detect().map(Isa::Avx512Bf16));
         v.extend(Amx::detect().map(Isa::Amx));
         v
     }
@@ -211,6 +247,7 @@ impl Isa {
             Isa::Scalar => None,
             Isa::Avx2(t) => Some(t),
             Isa::Avx512Vnni(t) => Some(t.avx2()),
+            Isa::Avx512Bf16(t) => Some(t.vnni().avx2()),
             Isa::Amx(t) => Some(t.vnni().avx2()),
         }
     }
@@ -219,7 +256,17 @@ impl Isa {
     pub fn avx512_vnni(self) -> Option<Avx512Vnni> {
         match self {
             Isa::Avx512Vnni(t) => Some(t),
+            Isa::Avx512Bf16(t) => Some(t.vnni()),
             Isa::Amx(t) => Some(t.vnni()),
+            _ => None,
+        }
+    }
+
+    /// The AVX-512 BF16 token, when this level includes it.
+    pub fn avx512_bf16(self) -> Option<Avx512Bf16> {
+        match self {
+            Isa::Avx512Bf16(t) => Some(t),
+            Isa::Amx(t) => Some(t.bf16()),
             _ => None,
         }
     }
@@ -238,6 +285,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2(_) => "avx2",
             Isa::Avx512Vnni(_) => "avx512vnni",
+            Isa::Avx512Bf16(_) => "avx512bf16",
             Isa::Amx(_) => "amx",
         }
     }
@@ -298,8 +346,11 @@ mod tests {
             if i.avx512_vnni().is_some() {
                 assert!(i.avx2().is_some(), "VNNI implies AVX2");
             }
+            if i.avx512_bf16().is_some() {
+                assert!(i.avx512_vnni().is_some(), "BF16 implies VNNI");
+            }
             if i.amx().is_some() {
-                assert!(i.avx512_vnni().is_some(), "AMX implies VNNI");
+                assert!(i.avx512_bf16().is_some(), "AMX implies BF16");
             }
         }
         assert!(all.contains(&Isa::best()));
