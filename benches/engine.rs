@@ -563,7 +563,7 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let show = |r: &Roof, when: &str| {
         println!(
-            "roof {when}, {} threads, {}: int8 {:.0} GOP/s (256-bit) / {} (512-bit) | f32 {:.0} GFLOP/s (256-bit) / {} (512-bit) | read {:.1} GB/s{}",
+            "roof {when}, {} threads, {}: int8 {:.0} GOP/s (256-bit) / {} (512-bit) | f32 {:.0} GFLOP/s (256-bit) / {} (512-bit) | read {:.1} GB/s{}{}",
             r.threads,
             r.isa,
             r.int8_256,
@@ -571,6 +571,8 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
             r.f32_256,
             opt(r.f32_512),
             r.read_gbs,
+            r.bf16_512
+                .map_or(String::new(), |b| format!(" | bf16 {b:.0} GFLOP/s (512-bit)")),
             r.amx_bf16
                 .map_or(String::new(), |a| format!(" | tile units (AMX): bf16 {a:.0} GFLOP/s"))
         );
@@ -625,7 +627,15 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
     );
     // Each part of those steps (`model::profile`): milliseconds a step, share of the step, and
     // against the roof its part is bound by: the projections' 8-bit operations (or at one row
-    // their weight bytes), attention's K/V bytes read.
+    // their weight bytes), attention's K/V bytes read, or in a prefill from an empty cache its
+    // products (each row against the positions it sees: `4 d` operations a head and position)
+    // against the peak of the form it runs on (the tile units' bf16, AVX-512 BF16, else F32).
+    let attn_ops_per_pos = 4.0 * c.num_layers as f64 * (c.num_heads * c.head_dim) as f64;
+    let (attn_peak, attn_unit) = match (r.amx_bf16, r.bf16_512) {
+        (Some(a), _) => (a, "amx"),
+        (None, Some(b)) => (b, "bf16"),
+        (None, None) => (r.f32(), "f32"),
+    };
     let layers = c.num_layers as f64;
     let kv_bytes_per_pos = 2.0 * layers * kv as f64 * 2.0; // K and V, F16
     let parts_of = |e: &mut Engine,
@@ -688,6 +698,13 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
                     "{:.0}% read",
                     100.0 * ctx * kv_bytes_per_pos / secs / 1e9 / r.read_gbs
                 ),
+                (Part::Attention, _) if rows > 1 => {
+                    let seen = (rows * (rows + 1) / 2) as f64;
+                    format!(
+                        "{:.0}% {attn_unit}",
+                        100.0 * seen * attn_ops_per_pos / secs / 1e9 / attn_peak
+                    )
+                }
                 _ => String::new(),
             };
             println!(

@@ -36,6 +36,9 @@ pub struct Roof {
     pub read_gbs: f64,
     /// bf16 multiply-adds on the tile units (`tdpbf16ps`), in GFLOP/s, where AMX is detected.
     pub amx_bf16: Option<f64>,
+    /// bf16 pair products summed into F32 (`vdpbf16ps`, 512-bit), in GFLOP/s, where AVX-512 BF16
+    /// is detected: the roof of a prompt's attention there (`attn_flash`).
+    pub bf16_512: Option<f64>,
 }
 
 impl Roof {
@@ -58,7 +61,13 @@ impl Roof {
             amx_bf16: isa
                 .amx()
                 .map(|t| median_rate(reps, threads, |iters| super::amx::peak(t, iters))),
+            bf16_512: isa.avx512_bf16().map(|_| peak(Width::W512, Kind::Bf16)),
         }
+    }
+
+    /// The best F32 FMA rate this machine showed, at either width.
+    pub fn f32(&self) -> f64 {
+        self.f32_256.max(self.f32_512.unwrap_or(0.0))
     }
 
     /// The best 8-bit rate this machine showed, at either width.
@@ -84,6 +93,7 @@ impl Roof {
             f32_512: hi_opt(self.f32_512, other.f32_512),
             read_gbs: hi(self.read_gbs, other.read_gbs),
             amx_bf16: hi_opt(self.amx_bf16, other.amx_bf16),
+            bf16_512: hi_opt(self.bf16_512, other.bf16_512),
         }
     }
 }
@@ -98,6 +108,7 @@ enum Width {
 enum Kind {
     Int8,
     F32,
+    Bf16,
 }
 
 /// Accumulators per loop: more than latency x throughput of `vpdpbusd` and `vfmadd` on every
@@ -118,10 +129,12 @@ fn peak_loop(isa: Isa, width: Width, kind: Kind, iters: usize) -> (usize, i64) {
     #[cfg(target_arch = "x86_64")]
     {
         let (vnni, avx2) = (isa.avx512_vnni().is_some(), isa.avx2().is_some());
+        let bf16 = isa.avx512_bf16().is_some();
         // SAFETY: each loop runs only with the token that proves its features (`vnni`: AVX-512
-        // F/BW/VL/VNNI; `avx2`: AVX2 and FMA).
+        // F/BW/VL/VNNI; `bf16`: AVX-512 F and BF16; `avx2`: AVX2 and FMA).
         unsafe {
             match (kind, width) {
+                (Kind::Bf16, _) if bf16 => return (64, x86::dpbf16_512(iters)),
                 (Kind::Int8, Width::W512) if vnni => return (128, x86::dpbusd_512(iters)),
                 (Kind::F32, Width::W512) if vnni => return (32, x86::fma_512(iters)),
                 (Kind::Int8, _) if vnni => return (64, x86::dpbusd_256(iters)),
@@ -136,7 +149,7 @@ fn peak_loop(isa: Isa, width: Width, kind: Kind, iters: usize) -> (usize, i64) {
     let _ = (isa, width);
     match kind {
         Kind::Int8 => (2, scalar_int8(iters)),
-        Kind::F32 => (2, scalar_f32(iters) as i64),
+        Kind::F32 | Kind::Bf16 => (2, scalar_f32(iters) as i64),
     }
 }
 
@@ -334,6 +347,24 @@ mod x86 {
         _mm512_reduce_add_ps(s) as i64
     }
 
+    /// `vdpbf16ps`: each of 16 lanes adds two bf16 products (here 1 x 1) an instruction.
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub(super) unsafe fn dpbf16_512(iters: usize) -> i64 {
+        let one = std::hint::black_box(_mm512_set1_epi16(0x3f80));
+        // SAFETY: both are 64 bytes of plain vector data.
+        let one = std::mem::transmute::<__m512i, __m512bh>(one);
+        let mut acc = [_mm512_setzero_ps(); ACC];
+        for _ in 0..iters {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbf16_ps(*x, one, one);
+            }
+        }
+        let s = acc
+            .iter()
+            .fold(_mm512_setzero_ps(), |s, &x| _mm512_add_ps(s, x));
+        _mm512_reduce_add_ps(s) as i64
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn fma_256(iters: usize) -> i64 {
         let (a, b) = std::hint::black_box((_mm256_set1_ps(1.000_001), _mm256_set1_ps(1e-7)));
@@ -386,6 +417,7 @@ mod tests {
             f32_512: None,
             read_gbs: 42.0,
             amx_bf16: Some(6000.0),
+            bf16_512: None,
         };
         let b = Roof {
             int8_256: 900.0,
@@ -394,6 +426,7 @@ mod tests {
             f32_512: Some(490.0),
             read_gbs: 31.0,
             amx_bf16: None,
+            bf16_512: Some(700.0),
             ..a.clone()
         };
         let want = Roof {
@@ -403,6 +436,7 @@ mod tests {
             f32_512: Some(490.0),
             read_gbs: 42.0,
             amx_bf16: Some(6000.0),
+            bf16_512: Some(700.0),
             ..a.clone()
         };
         assert_eq!(a.best_of(&b), want);
@@ -440,6 +474,12 @@ mod tests {
             // F32: (1 + 1e-7 per step) stays near 1 in each of ACC accumulators.
             let (flops, sum) = run(isa, Width::W256, Kind::F32, 10);
             assert!(flops > 0.0 && sum > 0, "{}", isa.name());
+            // bf16: each of 16 lanes adds 1 x 1 + 1 x 1 an iteration in each accumulator.
+            if isa.avx512_bf16().is_some() {
+                let (flops, sum) = run(isa, Width::W512, Kind::Bf16, 10);
+                assert_eq!(sum, (ACC * 16 * 2 * 10) as i64, "{}", isa.name());
+                assert_eq!(flops, (ACC * 64 * 10) as f64);
+            }
         }
     }
 }
