@@ -648,14 +648,7 @@ mod simd {
                 for c in (0..reach).step_by(64) {
                     let q = qb.as_ptr().add(r * D / 2);
                     let (k, sp) = (kt.as_ptr().add(c), s.as_mut_ptr().add(r * BLOCK + c));
-                    match nr {
-                        6 => scores_bf16::<D, 6>(q, k, sp),
-                        5 => scores_bf16::<D, 5>(q, k, sp),
-                        4 => scores_bf16::<D, 4>(q, k, sp),
-                        3 => scores_bf16::<D, 3>(q, k, sp),
-                        2 => scores_bf16::<D, 2>(q, k, sp),
-                        _ => scores_bf16::<D, 1>(q, k, sp),
-                    }
+                    pair_tile(nr, q, D / 2, k, BLOCK, D / 2, sp, BLOCK, false);
                 }
                 r += nr;
             }
@@ -678,14 +671,7 @@ mod simd {
                 let w = wb.as_ptr().add(r * BLOCK / 2);
                 for c in (0..D).step_by(64) {
                     let (v, o) = (vb.as_ptr().add(c), out.as_mut_ptr().add(r * D + c));
-                    match nr {
-                        6 => values_bf16::<D, 6>(w, v, o, span),
-                        5 => values_bf16::<D, 5>(w, v, o, span),
-                        4 => values_bf16::<D, 4>(w, v, o, span),
-                        3 => values_bf16::<D, 3>(w, v, o, span),
-                        2 => values_bf16::<D, 2>(w, v, o, span),
-                        _ => values_bf16::<D, 1>(w, v, o, span),
-                    }
+                    pair_tile(nr, w, BLOCK / 2, v, D, span, o, D, true);
                 }
                 r += nr;
             }
@@ -767,57 +753,69 @@ mod simd {
         }
     }
 
-    /// `s[r][0..64] = q[r] . kt[.][0..64]` for `NR` query rows (`qb`: `D / 2` words a row; `s`
-    /// rows `BLOCK` apart) against a block's transposed key pairs (`kt` rows `BLOCK` apart).
+    /// `out[r][0..64] = sum_i a[r][i] . b[i][0..64]` (from zero) or `+=` (with `add`) for `nr`
+    /// rows (`nr <= 6`) of bf16 pairs, one word a step: `a`'s rows `a_row` words apart, `b`'s
+    /// steps `b_row` words apart, `out`'s rows `o_row` values apart. The scores are the query
+    /// rows' dimension pairs against a block's transposed key pairs; the weighted sums are the
+    /// weights' position pairs against the values' rows of pairs.
     #[inline(always)]
-    unsafe fn scores_bf16<const D: usize, const NR: usize>(
-        qb: *const u32,
-        kt: *const u32,
-        s: *mut f32,
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pair_tile(
+        nr: usize,
+        a: *const u32,
+        a_row: usize,
+        b: *const u32,
+        b_row: usize,
+        steps: usize,
+        out: *mut f32,
+        o_row: usize,
+        add: bool,
     ) {
-        let mut acc = [[_mm512_setzero_ps(); 4]; NR];
-        for i in 0..D / 2 {
-            let kv: [__m512bh; 4] =
-                std::array::from_fn(|j| bh(_mm512_loadu_si512(kt.add(i * BLOCK + j * 16) as _)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let qv = bh(_mm512_set1_epi32(*qb.add(r * D / 2 + i) as i32));
-                for j in 0..4 {
-                    a[j] = _mm512_dpbf16_ps(a[j], qv, kv[j]);
-                }
-            }
-        }
-        for (r, a) in acc.iter().enumerate() {
-            for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(s.add(r * BLOCK + j * 16), *x);
-            }
+        let args = (a, a_row, b, b_row, steps, out, o_row, add);
+        match nr {
+            6 => pair_products::<6>(args),
+            5 => pair_products::<5>(args),
+            4 => pair_products::<4>(args),
+            3 => pair_products::<3>(args),
+            2 => pair_products::<2>(args),
+            _ => pair_products::<1>(args),
         }
     }
 
-    /// `o[r][0..64] += sum_p w[r][p] * v[p][0..64]` for `NR` rows over `span` position pairs
-    /// (`w`: `BLOCK / 2` words of weight pairs a row; `vb` and `o` rows `D` apart).
+    /// `pair_tile` for `NR` rows: `NR` x 4 accumulators.
     #[inline(always)]
-    unsafe fn values_bf16<const D: usize, const NR: usize>(
-        w: *const u32,
-        vb: *const u32,
-        o: *mut f32,
-        span: usize,
+    #[allow(clippy::type_complexity)]
+    unsafe fn pair_products<const NR: usize>(
+        (a, a_row, b, b_row, steps, out, o_row, add): (
+            *const u32,
+            usize,
+            *const u32,
+            usize,
+            usize,
+            *mut f32,
+            usize,
+            bool,
+        ),
     ) {
         let mut acc: [[__m512; 4]; NR] = std::array::from_fn(|r| {
-            std::array::from_fn(|j| _mm512_loadu_ps(o.add(r * D + j * 16)))
+            std::array::from_fn(|j| match add {
+                true => _mm512_loadu_ps(out.add(r * o_row + j * 16)),
+                false => _mm512_setzero_ps(),
+            })
         });
-        for pair in 0..span {
-            let vv: [__m512bh; 4] =
-                std::array::from_fn(|j| bh(_mm512_loadu_si512(vb.add(pair * D + j * 16) as _)));
-            for (r, a) in acc.iter_mut().enumerate() {
-                let wv = bh(_mm512_set1_epi32(*w.add(r * BLOCK / 2 + pair) as i32));
+        for i in 0..steps {
+            let bv: [__m512bh; 4] =
+                std::array::from_fn(|j| bh(_mm512_loadu_si512(b.add(i * b_row + j * 16) as _)));
+            for (r, x) in acc.iter_mut().enumerate() {
+                let av = bh(_mm512_set1_epi32(*a.add(r * a_row + i) as i32));
                 for j in 0..4 {
-                    a[j] = _mm512_dpbf16_ps(a[j], wv, vv[j]);
+                    x[j] = _mm512_dpbf16_ps(x[j], av, bv[j]);
                 }
             }
         }
-        for (r, a) in acc.iter().enumerate() {
-            for (j, x) in a.iter().enumerate() {
-                _mm512_storeu_ps(o.add(r * D + j * 16), *x);
+        for (r, x) in acc.iter().enumerate() {
+            for (j, v) in x.iter().enumerate() {
+                _mm512_storeu_ps(out.add(r * o_row + j * 16), *v);
             }
         }
     }
