@@ -217,6 +217,7 @@ impl Engine {
             model = %name, format, layers = cfg.num_layers, hidden = cfg.hidden_size,
             heads = cfg.num_heads, kv_heads = cfg.num_kv_heads, vocab = cfg.vocab_size,
             context = max_positions, attention = ?imp, weights = %weight_types.join(", "),
+            cpu_kernels = crate::model::kernels::cpu::Isa::best().name(),
             "model loaded"
         );
         if Isa::best().amx().is_some() && opts.device.is_cpu() {
