@@ -126,6 +126,12 @@ impl Packed {
         Some((self.tiles.as_ref()?, t))
     }
 
+    /// Whether a `rows`-row step runs on the quantized 8-row kernels (`matmul_quantized`) at
+    /// this CPU's level.
+    pub fn quantized_rows_at(&self, rows: usize) -> bool {
+        self.quantized_at(rows, Isa::best())
+    }
+
     /// The bf16 copy and the token to run it, when a `rows`-row step runs on the tile units.
     pub fn tiles_at(&self, rows: usize) -> Option<(&amx::Tiles, Amx)> {
         self.on_tiles(rows, Isa::best())

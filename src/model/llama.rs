@@ -26,7 +26,7 @@ use super::kernels::cpu::{Amx, Isa};
 use super::kernels::f16::round_to_f16;
 use super::kernels::norm::{rms_norm_row, rms_norm_rows};
 use super::kernels::rope::{rope_half, rope_half_in_place};
-use super::kernels::silu::silu_mul_rows;
+use super::kernels::silu::{silu_mul_quantized, silu_mul_rows};
 use super::kernels::with_cpu_slice;
 use super::linear::{mlp_on_tiles, Linear, Packed, PackedGroup, ProjectionGroup};
 use super::loader::{Embedding, WeightSource};
@@ -370,8 +370,18 @@ impl DecoderLayer {
                 self.post_attention_layernorm.forward_rows(x, width)
             })?;
             let gu = time(Part::GateUp, || p.gate_up.forward_rows(&h, n))?;
-            let act = time(Part::Silu, || silu_mul(&gu, p.inter));
-            let d = time(Part::Down, || p.down.forward_rows(&act, n))?;
+            let d = if p.down.quantized_rows_at(n) {
+                // The activation goes straight to `down`'s 8-bit input, row by row (the same
+                // bits as quantizing it whole; its time is counted as SiLU's).
+                let (i, gu) = (p.inter, &gu);
+                let a = time(Part::Silu, || {
+                    silu_mul_quantized(gu, 2 * i, &gu[i..], 2 * i, i, n)
+                });
+                time(Part::Down, || p.down.matmul_quantized(&a))
+            } else {
+                let act = time(Part::Silu, || silu_mul(&gu, p.inter));
+                time(Part::Down, || p.down.forward_rows(&act, n))?
+            };
             time(Part::Residual, || add_assign(x, &d));
         }
         Ok(())

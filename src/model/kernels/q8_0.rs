@@ -48,6 +48,81 @@ pub fn quantize_rows(x: &[f32], rows: usize, k: usize) -> QuantizedRows {
     quantize_rows_with(x, rows, k, Isa::best())
 }
 
+/// `rows` rows of `k` values, each made by `row(r, out)` into a scratch row of the task that
+/// quantizes it (cache-hot, never written out as F32), quantized as `quantize_rows_with` quantizes
+/// them: the same bits as making all rows, then `quantize_rows_with`. Over the threads where the
+/// rows hold `par_values` values or more.
+pub fn quantize_rows_of(
+    rows: usize,
+    k: usize,
+    isa: Isa,
+    par_values: usize,
+    row: impl Fn(usize, &mut [f32]) + Sync,
+) -> QuantizedRows {
+    assert!(k.is_multiple_of(QK));
+    let blocks = k / QK;
+    let mut scales = vec![0f32; rows * blocks];
+    let mut sums = vec![0f32; rows * blocks];
+    let mut qs = vec![0i8; rows * k];
+    let per = if rows * k >= par_values {
+        team::per_task(rows)
+    } else {
+        rows.max(1)
+    };
+    let (q, sc, su) = (
+        SharedMut(qs.as_mut_ptr()),
+        SharedMut(scales.as_mut_ptr()),
+        SharedMut(sums.as_mut_ptr()),
+    );
+    team::run(rows.div_ceil(per), |t| {
+        let (r0, nr) = (t * per, per.min(rows - t * per));
+        let mut x = vec![0f32; k];
+        for r in r0..r0 + nr {
+            row(r, &mut x);
+            // SAFETY: task t alone owns rows r0..r0 + nr of each buffer, all inside them.
+            let (q, sc, su) = unsafe {
+                (
+                    q.slice(r * k, k),
+                    sc.slice(r * blocks, blocks),
+                    su.slice(r * blocks, blocks),
+                )
+            };
+            quantize_into(&x, q, sc, su, isa);
+        }
+    });
+    QuantizedRows {
+        rows,
+        blocks,
+        scales,
+        qs,
+        sums,
+    }
+}
+
+/// Whole blocks of `x` into their quants, scales and scaled sums, with the best kernel `isa`
+/// allows.
+fn quantize_into(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32], isa: Isa) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(_avx512) = isa.avx512_vnni() {
+        // SAFETY: the token proves AVX-512 F/BW/VL, AVX2, FMA and F16C; the slices hold whole
+        // blocks alike.
+        unsafe { avx512::quantize_blocks(x, qs, scales, sums) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(_avx2) = isa.avx2() {
+        // SAFETY: the token proves AVX2, FMA and F16C; the slices hold whole blocks alike.
+        unsafe { avx2::quantize_blocks(x, qs, scales, sums) };
+        return;
+    }
+    for (i, (xb, q)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        let (d, isum) = quantize_block(xb.try_into().unwrap(), q.try_into().unwrap());
+        // As ggml: quantize with the f32 scale, store it as f16 (the kernels multiply by that).
+        scales[i] = f16::from_f32(d).to_f32();
+        sums[i] = scales[i] * isum as f32;
+    }
+}
+
 /// As `quantize_rows`, at level `isa` (tests run each).
 pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> QuantizedRows {
     assert_eq!(x.len(), rows * k);
@@ -57,25 +132,7 @@ pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> Quantiz
     let mut sums = vec![0f32; rows * blocks];
     let mut qs = vec![0i8; rows * k];
     let run = |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]| {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(_avx512) = isa.avx512_vnni() {
-            // SAFETY: the token proves AVX-512 F/BW/VL, AVX2, FMA and F16C; the slices hold
-            // whole blocks alike.
-            unsafe { avx512::quantize_blocks(x, qs, scales, sums) };
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if let Some(_avx2) = isa.avx2() {
-            // SAFETY: the token proves AVX2, FMA and F16C; the slices hold whole blocks alike.
-            unsafe { avx2::quantize_blocks(x, qs, scales, sums) };
-            return;
-        }
-        for (i, (xb, q)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
-            let (d, isum) = quantize_block(xb.try_into().unwrap(), q.try_into().unwrap());
-            // As ggml: quantize with the f32 scale, store it as f16 (the kernels multiply by that).
-            scales[i] = f16::from_f32(d).to_f32();
-            sums[i] = scales[i] * isum as f32;
-        }
+        quantize_into(x, qs, scales, sums, isa);
     };
     if rows >= 2 * QUANTIZE_ROWS_PER_TASK {
         let per = QUANTIZE_ROWS_PER_TASK;

@@ -11,6 +11,7 @@ use std::mem::MaybeUninit;
 use crate::model::team;
 
 use super::cpu::Isa;
+use super::q8_0::{quantize_rows_of, QuantizedRows};
 
 /// Values from which a call spreads over the threads: below it the work is shorter than handing
 /// half to the other worker (called from a pool thread as a step does, a 16-row decode step's
@@ -141,6 +142,39 @@ pub fn silu_mul_rows(
     out
 }
 
+/// `silu_mul_rows` quantized for the next projection (`q8_0::quantize_rows_of`): each row's
+/// activation made in a scratch row and quantized at once, so the `rows x width` F32 result is
+/// never written out and read back. The same bits as `quantize_rows(silu_mul_rows(..))` (test).
+pub fn silu_mul_quantized(
+    gate: &[f32],
+    g_stride: usize,
+    up: &[f32],
+    u_stride: usize,
+    width: usize,
+    rows: usize,
+) -> QuantizedRows {
+    silu_mul_quantized_with(gate, g_stride, up, u_stride, width, rows, Isa::best())
+}
+
+fn silu_mul_quantized_with(
+    gate: &[f32],
+    g_stride: usize,
+    up: &[f32],
+    u_stride: usize,
+    width: usize,
+    rows: usize,
+    isa: Isa,
+) -> QuantizedRows {
+    quantize_rows_of(rows, width, isa, PAR_VALUES, |r, out| {
+        let g = &gate[r * g_stride..][..width];
+        let u = &up[r * u_stride..][..width];
+        // SAFETY: `f32` and `MaybeUninit<f32>` have the same layout, and every value written
+        // through the view is a valid `f32`.
+        let out = unsafe { &mut *(out as *mut [f32] as *mut [MaybeUninit<f32>]) };
+        silu_mul_with(g, u, out, isa);
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -210,6 +244,41 @@ mod tests {
                 let (w, o): (Vec<u32>, Vec<u32>) =
                     (want.iter().map(|v| v.to_bits()).collect(), got.iter().map(|v| v.to_bits()).collect());
                 prop_assert_eq!(w, o, "{}", isa.name());
+            }
+        }
+    }
+
+    /// The fused activation and quantization gives the bits of the two steps apart, at every
+    /// level, from one row (on the caller's thread) to a prompt's (over the threads).
+    #[test]
+    fn quantized_activations_equal_the_two_steps_apart() {
+        use crate::model::kernels::q8_0::quantize_rows_with;
+        for (rows, width) in [(1, 64), (3, 1536), (16, 1536), (70, 96)] {
+            let gu: Vec<f32> = lcg(rows as u64, rows * 2 * width)
+                .iter()
+                .map(|v| v * 6.0)
+                .collect();
+            for isa in Isa::available() {
+                let fused = silu_mul_quantized_with(
+                    &gu,
+                    2 * width,
+                    &gu[width..],
+                    2 * width,
+                    width,
+                    rows,
+                    isa,
+                );
+                let act: Vec<f32> = (0..rows)
+                    .flat_map(|r| {
+                        let row = &gu[r * 2 * width..][..2 * width];
+                        run(&row[..width], &row[width..], isa)
+                    })
+                    .collect();
+                let apart = quantize_rows_with(&act, rows, width, isa);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(fused.qs, apart.qs, "{rows} x {width}, {}", isa.name());
+                assert_eq!(bits(&fused.scales), bits(&apart.scales), "{}", isa.name());
+                assert_eq!(bits(&fused.sums), bits(&apart.sums), "{}", isa.name());
             }
         }
     }
