@@ -828,15 +828,15 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn check<T: KvElem>(
-        width: Width,
-        c: &Case,
+    /// The case's rows over positions `from..` of the cache `k`, `v` (with a Q8 cache's scales).
+    fn tile_of<'a, T: KvElem>(
+        c: &'a Case,
         from: usize,
-        k: &[T],
-        v: &[T],
-        scales: Option<(&[half::f16], &[half::f16])>,
-    ) -> Result<(), TestCaseError> {
-        let t = Tile {
+        k: &'a [T],
+        v: &'a [T],
+        scales: Option<(&'a [half::f16], &'a [half::f16])>,
+    ) -> Tile<'a, T> {
+        Tile {
             q: &c.q,
             from,
             ctx: &c.ctx,
@@ -845,7 +845,18 @@ mod tests {
             v,
             d: c.d,
             scales,
-        };
+        }
+    }
+
+    fn check<T: KvElem>(
+        width: Width,
+        c: &Case,
+        from: usize,
+        k: &[T],
+        v: &[T],
+        scales: Option<(&[half::f16], &[half::f16])>,
+    ) -> Result<(), TestCaseError> {
+        let t = tile_of(c, from, k, v, scales);
         let mut want = vec![0f32; c.q.len()];
         let want_stats = tile_scalar(&t, &mut want);
         let mut got = vec![f32::NAN; c.q.len()];
@@ -924,16 +935,7 @@ mod tests {
         v: &[T],
         scales: Option<(&[half::f16], &[half::f16])>,
     ) -> Result<(), TestCaseError> {
-        let t = Tile {
-            q: &c.q,
-            from,
-            ctx: &c.ctx,
-            rows: &c.rows,
-            k,
-            v,
-            d: c.d,
-            scales,
-        };
+        let t = tile_of(c, from, k, v, scales);
         let (want, want_stats) = reference_bf16(&t);
         let mut exact = vec![0f32; c.q.len()];
         tile_scalar(&t, &mut exact);

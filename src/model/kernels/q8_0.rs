@@ -37,6 +37,21 @@ pub struct QuantizedRows {
     pub sums: Vec<f32>,
 }
 
+impl QuantizedRows {
+    /// `rows` rows of `k` values (whole blocks), every quant, scale and sum zero, to be filled.
+    fn zeroed(rows: usize, k: usize) -> QuantizedRows {
+        assert!(k.is_multiple_of(QK), "k = {k} is not a multiple of {QK}");
+        let blocks = k / QK;
+        QuantizedRows {
+            rows,
+            blocks,
+            scales: vec![0f32; rows * blocks],
+            qs: vec![0i8; rows * k],
+            sums: vec![0f32; rows * blocks],
+        }
+    }
+}
+
 /// Rows per parallel task when quantizing: below two tasks' worth a call stays on the caller's
 /// thread (a decode step's 16 x 1536 values take a few microseconds, less than waking the pool).
 const QUANTIZE_ROWS_PER_TASK: usize = 32;
@@ -59,20 +74,17 @@ pub fn quantize_rows_of(
     par_values: usize,
     row: impl Fn(usize, &mut [f32]) + Sync,
 ) -> QuantizedRows {
-    assert!(k.is_multiple_of(QK));
-    let blocks = k / QK;
-    let mut scales = vec![0f32; rows * blocks];
-    let mut sums = vec![0f32; rows * blocks];
-    let mut qs = vec![0i8; rows * k];
+    let mut out = QuantizedRows::zeroed(rows, k);
+    let blocks = out.blocks;
     let per = if rows * k >= par_values {
         team::per_task(rows)
     } else {
         rows.max(1)
     };
     let (q, sc, su) = (
-        SharedMut(qs.as_mut_ptr()),
-        SharedMut(scales.as_mut_ptr()),
-        SharedMut(sums.as_mut_ptr()),
+        SharedMut(out.qs.as_mut_ptr()),
+        SharedMut(out.scales.as_mut_ptr()),
+        SharedMut(out.sums.as_mut_ptr()),
     );
     team::run(rows.div_ceil(per), |t| {
         let (r0, nr) = (t * per, per.min(rows - t * per));
@@ -90,13 +102,7 @@ pub fn quantize_rows_of(
             quantize_into(&x, q, sc, su, isa);
         }
     });
-    QuantizedRows {
-        rows,
-        blocks,
-        scales,
-        qs,
-        sums,
-    }
+    out
 }
 
 /// Whole blocks of `x` into their quants, scales and scaled sums, with the best kernel `isa`
@@ -126,20 +132,14 @@ fn quantize_into(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32],
 /// As `quantize_rows`, at level `isa` (tests run each).
 pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> QuantizedRows {
     assert_eq!(x.len(), rows * k);
-    assert!(k.is_multiple_of(QK));
-    let blocks = k / QK;
-    let mut scales = vec![0f32; rows * blocks];
-    let mut sums = vec![0f32; rows * blocks];
-    let mut qs = vec![0i8; rows * k];
-    let run = |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]| {
-        quantize_into(x, qs, scales, sums, isa);
-    };
+    let mut out = QuantizedRows::zeroed(rows, k);
+    let blocks = out.blocks;
     if rows >= 2 * QUANTIZE_ROWS_PER_TASK {
         let per = QUANTIZE_ROWS_PER_TASK;
         let (q, s, u) = (
-            SharedMut(qs.as_mut_ptr()),
-            SharedMut(scales.as_mut_ptr()),
-            SharedMut(sums.as_mut_ptr()),
+            SharedMut(out.qs.as_mut_ptr()),
+            SharedMut(out.scales.as_mut_ptr()),
+            SharedMut(out.sums.as_mut_ptr()),
         );
         team::run(rows.div_ceil(per), |t| {
             let (r0, nr) = (t * per, per.min(rows - t * per));
@@ -151,18 +151,12 @@ pub fn quantize_rows_with(x: &[f32], rows: usize, k: usize, isa: Isa) -> Quantiz
                     u.slice(r0 * blocks, nr * blocks),
                 )
             };
-            run(&x[r0 * k..][..nr * k], q, s, u)
+            quantize_into(&x[r0 * k..][..nr * k], q, s, u, isa)
         });
     } else {
-        run(x, &mut qs, &mut scales, &mut sums);
+        quantize_into(x, &mut out.qs, &mut out.scales, &mut out.sums, isa);
     }
-    QuantizedRows {
-        rows,
-        blocks,
-        scales,
-        qs,
-        sums,
-    }
+    out
 }
 
 /// One 32-value block: quants into `q`; returns (the f32 scale `amax / 127`, the quants' sum).
