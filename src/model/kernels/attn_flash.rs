@@ -848,6 +848,23 @@ mod tests {
         }
     }
 
+    /// Each row's statistics as the reference's: the largest score within `max_tol` (relative,
+    /// plus as much absolute), the sum within 1e-4 of it.
+    fn same_stats(
+        stats: &[(f32, f32)],
+        want: &[(f32, f32)],
+        max_tol: f32,
+    ) -> Result<(), TestCaseError> {
+        for (r, ((m, s), (wm, ws))) in stats.iter().zip(want).enumerate() {
+            prop_assert!(
+                (m - wm).abs() <= max_tol * (1.0 + wm.abs()),
+                "row {r}'s largest score: {m} vs {wm}"
+            );
+            prop_assert!((s - ws).abs() <= 1e-4 * ws, "row {r}'s sum: {s} vs {ws}");
+        }
+        Ok(())
+    }
+
     fn check<T: KvElem>(
         width: Width,
         c: &Case,
@@ -868,14 +885,7 @@ mod tests {
                 i / c.d
             );
         }
-        for (r, ((m, s), (wm, ws))) in stats.iter().zip(&want_stats).enumerate() {
-            prop_assert!(
-                (m - wm).abs() <= 1e-5 * (1.0 + wm.abs()),
-                "row {r}'s largest score: {m} vs {wm}"
-            );
-            prop_assert!((s - ws).abs() <= 1e-4 * ws, "row {r}'s sum: {s} vs {ws}");
-        }
-        Ok(())
+        same_stats(&stats, &want_stats, 1e-5)
     }
 
     /// The bf16 form of `tile` computed in F64 from the kernel's roundings: the query rows, the
@@ -954,14 +964,7 @@ mod tests {
                 i / c.d
             );
         }
-        for (r, ((m, s), (wm, ws))) in stats.iter().zip(&want_stats).enumerate() {
-            prop_assert!(
-                (m - wm).abs() <= 1e-4 * (1.0 + wm.abs()),
-                "row {r}'s largest score: {m} vs {wm}"
-            );
-            prop_assert!((s - ws).abs() <= 1e-4 * ws, "row {r}'s sum: {s} vs {ws}");
-        }
-        Ok(())
+        same_stats(&stats, &want_stats, 1e-4)
     }
 
     proptest! {
