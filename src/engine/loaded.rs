@@ -202,6 +202,19 @@ impl Engine {
         amx::set_budget_mib(opts.amx_weights_mib);
         let model = Llama::load(src.as_mut(), &cfg, max_positions, imp, &opts.device)?;
         let weight_types = src.load_summary();
+        // The repacked weights onto 2 MiB pages (`model::huge_pages`).
+        let started = std::time::Instant::now();
+        let spans = model.weight_spans();
+        let pages = crate::model::huge_pages::collapse(&spans);
+        if pages.regions > 0 {
+            tracing::info!(
+                mib = spans.iter().map(|s| s.1).sum::<usize>() >> 20,
+                regions = pages.regions,
+                collapsed = pages.collapsed,
+                ms = started.elapsed().as_millis() as u64,
+                "weights on 2 MiB pages (regions collapsed of those the weights touch)"
+            );
+        }
         let spec = match opts.cache {
             CacheSize::Mib(m) => {
                 KvCacheSpec::from_bytes(cfg.kv_shape(), opts.kv_dtype, opts.block_size, m << 20)

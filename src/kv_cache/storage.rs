@@ -704,12 +704,6 @@ impl candle_core::InplaceOp1 for ShiftRows<'_> {
     }
 }
 
-/// Asks Linux to back a CPU tensor's untouched pages with 2 MiB pages (`MADV_HUGEPAGE`; a no-op
-/// elsewhere, on other devices, or where transparent huge pages are off). Attention reads each
-/// sequence's rows scattered over the whole cache, one layer after another: with 4 KiB pages a
-/// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (the step's time with and
-/// without: docs/performance.md, "Measurements behind constants in the code"). Pages
-/// are still touched only as sequences fill them, 2 MiB at a time.
 /// Zeros whose pages the allocator maps fresh (a zeroed allocation) instead of writing them:
 /// candle's `zeros` writes every F16 element one by one, which made a 1 GiB F16 cache resident
 /// the moment it was made. On the CPU the F16 buffer is allocated as zeroed `u16`s and
@@ -730,35 +724,22 @@ fn lazy_zeros(dims: (usize, usize, usize), dtype: DType, device: &Device) -> Res
     }
 }
 
+/// Asks Linux to back a CPU tensor's untouched pages with 2 MiB pages (`MADV_HUGEPAGE`; a no-op
+/// elsewhere, on other devices, or where transparent huge pages are off). Attention reads each
+/// sequence's rows scattered over the whole cache, one layer after another: with 4 KiB pages a
+/// 16-sequence decode step touches ~40,000 pages, far beyond the TLB (the step's time with and
+/// without: docs/performance.md, "Measurements behind constants in the code"). Pages
+/// are still touched only as sequences fill them, 2 MiB at a time.
 fn advise_huge_pages(t: &Tensor) {
-    #[cfg(target_os = "linux")]
-    {
-        use candle_core::{CpuStorage, Storage};
-        const HUGE: usize = 2 << 20;
-        let (storage, _) = t.storage_and_layout();
-        let (ptr, bytes) = match &*storage {
-            Storage::Cpu(CpuStorage::F32(v)) => (v.as_ptr() as usize, v.len() * 4),
-            Storage::Cpu(CpuStorage::F16(v)) => (v.as_ptr() as usize, v.len() * 2),
-            Storage::Cpu(CpuStorage::U8(v)) => (v.as_ptr() as usize, v.len()),
-            _ => return,
-        };
-        // Only whole huge pages inside the allocation.
-        let start = ptr.next_multiple_of(HUGE);
-        let end = (ptr + bytes) / HUGE * HUGE;
-        if end > start {
-            // SAFETY: the range lies inside a live allocation; MADV_HUGEPAGE changes how pages are
-            // backed, never their contents.
-            let rc = unsafe {
-                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE)
-            };
-            if rc != 0 {
-                tracing::debug!(
-                    "madvise(MADV_HUGEPAGE) on the KV cache failed: {}",
-                    std::io::Error::last_os_error()
-                );
-            }
-        }
-    }
+    use candle_core::{CpuStorage, Storage};
+    let (storage, _) = t.storage_and_layout();
+    let (ptr, bytes) = match &*storage {
+        Storage::Cpu(CpuStorage::F32(v)) => (v.as_ptr() as usize, v.len() * 4),
+        Storage::Cpu(CpuStorage::F16(v)) => (v.as_ptr() as usize, v.len() * 2),
+        Storage::Cpu(CpuStorage::U8(v)) => (v.as_ptr() as usize, v.len()),
+        _ => return,
+    };
+    crate::model::huge_pages::advise(ptr, bytes);
 }
 
 #[cfg(test)]

@@ -142,6 +142,15 @@ impl Packed {
         each_layout!(self, r => r.dims())
     }
 
+    /// The memory this matrix's kernels stream, as (address, bytes): its repacked groups, and
+    /// the bf16 copy where it has one (`huge_pages::collapse`).
+    pub fn spans(&self) -> Vec<(usize, usize)> {
+        let groups = each_layout!(self, r => r.groups(0, r.dims().0.div_ceil(q8_0x8::GROUP)));
+        let mut spans = vec![(groups.as_ptr() as usize, groups.len())];
+        spans.extend(self.tiles.as_ref().map(amx::Tiles::span));
+        spans
+    }
+
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         each_layout!(self, r => r.dequantize_row(row, out))
     }
@@ -220,6 +229,11 @@ impl Linear {
     }
 
     /// The repacked weight, when this projection has one (the CPU layer path needs it).
+    /// The memory of a repacked matrix (`Packed::spans`); none for candle's.
+    pub fn spans(&self) -> Vec<(usize, usize)> {
+        self.as_packed().map(Packed::spans).unwrap_or_default()
+    }
+
     pub fn as_packed(&self) -> Option<&Packed> {
         match &self.w {
             Weight::Packed(p) => Some(p),
@@ -331,6 +345,16 @@ impl ProjectionGroup {
                 outs,
             },
         })
+    }
+
+    /// The memory of the group's repacked matrices (`Packed::spans`).
+    pub fn spans(&self) -> Vec<(usize, usize)> {
+        match self {
+            ProjectionGroup::Stacked { linear, .. } => linear.spans(),
+            ProjectionGroup::Separate { linears, .. } => {
+                linears.iter().flat_map(Linear::spans).collect()
+            }
+        }
     }
 
     /// The group's repacked weights and each part's width, when every part is repacked.

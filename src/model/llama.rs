@@ -478,6 +478,19 @@ impl Llama {
         &self.cfg
     }
 
+    /// The memory of every repacked matrix the steps stream (the layers' projections and the LM
+    /// head), as (address, bytes).
+    pub fn weight_spans(&self) -> Vec<(usize, usize)> {
+        let mut spans = self.lm_head.spans();
+        for l in &self.layers {
+            spans.extend(l.self_attn.qkv.spans());
+            spans.extend(l.self_attn.o_proj.spans());
+            spans.extend(l.mlp.gate_up.spans());
+            spans.extend(l.mlp.down_proj.spans());
+        }
+        spans
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }

@@ -129,6 +129,11 @@ pub fn bf16_value(h: u16) -> f32 {
 }
 
 impl Tiles {
+    /// The copy's memory as (address, bytes).
+    pub fn span(&self) -> (usize, usize) {
+        (self.data.as_ptr() as usize, self.data.len() * 2)
+    }
+
     /// The copy of `w` (`[n, k]`, row-major F32; `k` a multiple of 32), when the budget has room
     /// for it (`w` gives its values only then); `amx` says the tiles can run it at all.
     pub fn within_budget(

@@ -232,11 +232,17 @@ fn on_threads(threads: usize, f: impl Fn() -> (f64, i64) + Sync) -> (f64, f64) {
 const STREAM_BYTES: usize = 128 << 20;
 
 /// GB/s of `threads` threads each summing its own `STREAM_BYTES` buffer (the median of `reps`
-/// passes, after one that faults the pages in).
+/// passes, after one that faults the pages in), on 2 MiB pages where the kernel gives them, as
+/// the weights are (`huge_pages`).
 fn read_bandwidth(isa: Isa, threads: usize, reps: usize) -> f64 {
     let bufs: Vec<Vec<u64>> = (0..threads)
         .map(|t| vec![t as u64 + 1; STREAM_BYTES / 8])
         .collect();
+    let spans: Vec<(usize, usize)> = bufs
+        .iter()
+        .map(|b| (b.as_ptr() as usize, b.len() * 8))
+        .collect();
+    crate::model::huge_pages::collapse(&spans);
     let pass = || {
         let next = std::sync::atomic::AtomicUsize::new(0);
         on_threads(threads, || {
