@@ -2,7 +2,8 @@
 //!
 //! Modules, in layers (each uses only those above it in this list; `tests/integration/layers.rs`
 //! checks it):
-//! - `error`: the engine's error enum with stable `error_type()` strings.
+//! - `error`: the engine's error enum with stable `error_type()` strings. `huge_pages`: which
+//!   memory sits on 2 MiB pages.
 //! - `files` (reading JSON and GGUF metadata), `default_model` (fetching and verifying the
 //!   embedded default model), `sampler` (logits to a token), `kv_cache` (paged K/V tensors, the
 //!   block pool, the KV manager: all block bookkeeping).
@@ -22,6 +23,7 @@ pub mod error;
 pub mod files;
 pub mod fuzz_harness;
 pub mod generate;
+pub mod huge_pages;
 pub mod kv_cache;
 pub mod metrics;
 pub mod model;

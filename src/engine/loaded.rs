@@ -202,10 +202,10 @@ impl Engine {
         amx::set_budget_mib(opts.amx_weights_mib);
         let model = Llama::load(src.as_mut(), &cfg, max_positions, imp, &opts.device)?;
         let weight_types = src.load_summary();
-        // The repacked weights onto 2 MiB pages (`model::huge_pages`).
+        // The repacked weights onto 2 MiB pages (`huge_pages`).
         let started = std::time::Instant::now();
         let spans = model.weight_spans();
-        let pages = crate::model::huge_pages::collapse(&spans);
+        let pages = crate::huge_pages::collapse(&spans);
         if pages.regions > 0 {
             tracing::info!(
                 mib = spans.iter().map(|s| s.1).sum::<usize>() >> 20,

@@ -739,7 +739,7 @@ fn advise_huge_pages(t: &Tensor) {
         Storage::Cpu(CpuStorage::U8(v)) => (v.as_ptr() as usize, v.len()),
         _ => return,
     };
-    crate::model::huge_pages::advise(ptr, bytes);
+    crate::huge_pages::advise(ptr, bytes);
 }
 
 #[cfg(test)]

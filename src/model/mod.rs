@@ -4,7 +4,6 @@
 pub mod attention;
 pub mod batch;
 pub mod config;
-pub mod huge_pages;
 pub mod kernels;
 pub mod linear;
 pub mod llama;

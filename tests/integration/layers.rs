@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// Lowest first; a module may use any module in an earlier layer.
 const LAYERS: &[&[&str]] = &[
-    &["error"],
+    &["error", "huge_pages"],
     &["files", "default_model", "sampler", "kv_cache"],
     &["model", "tokenizer"],
     &["engine", "metrics"],

@@ -242,7 +242,7 @@ fn read_bandwidth(isa: Isa, threads: usize, reps: usize) -> f64 {
         .iter()
         .map(|b| (b.as_ptr() as usize, b.len() * 8))
         .collect();
-    crate::model::huge_pages::collapse(&spans);
+    crate::huge_pages::collapse(&spans);
     let pass = || {
         let next = std::sync::atomic::AtomicUsize::new(0);
         on_threads(threads, || {
