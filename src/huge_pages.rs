@@ -2,15 +2,15 @@
 //! calls do nothing).
 //!
 //! - **Weights, after loading** (`collapse`). A decode step streams every weight byte once (~98 MB
-//!   for the default model); on 4 KiB pages that is ~24,000 pages a step, far past the TLB's reach,
-//!   and the hardware prefetchers stop at each 4 KiB boundary. The repacked matrices are ordinary
+//!   for the default model); on 4 KiB pages that is ~24,000 pages a step, far past the TLB's
+//!   reach, against ~50 huge pages. The repacked matrices are ordinary
 //!   heap allocations, written as they are repacked, and transparent huge pages default to
 //!   `madvise` mode, which such an allocation never asks for, so they sat on 4 KiB pages. Each
 //!   2 MiB region the weights touch is collapsed in place (`MADV_COLLAPSE`, Linux 6.1): the
 //!   matrices lie side by side in the heap, mostly smaller than 2 MiB, so a region also holds
 //!   whatever else the heap put there, which collapsing keeps byte for byte (it changes how the
-//!   pages are mapped, never what they hold). One stream's decode step ran 1.3-1.4x faster
-//!   (docs/performance.md, "Weights on 2 MiB pages").
+//!   pages are mapped, never what they hold). One stream's decode step ran 1.14x faster, four
+//!   streams' 1.31x (docs/performance.md, "Weights on 2 MiB pages").
 //! - **Fresh buffers** (`advise`): the KV cache asks before its pages are first touched
 //!   (`MADV_HUGEPAGE` over the whole 2 MiB pages inside the allocation), so pages fault in 2 MiB
 //!   at a time as sequences fill them.
@@ -99,8 +99,8 @@ pub fn advise(at: usize, bytes: usize) {
     let _ = (start, end);
 }
 
-/// The 2 MiB pages of this process's address space that `/proc/self/smaps` reports as backed
-/// by anonymous huge pages within `at..at + bytes` (Linux; `None` elsewhere or when unreadable).
+/// The bytes that `/proc/self/smaps` reports on anonymous huge pages in the mappings that overlap
+/// `at..at + bytes` (Linux; `None` elsewhere or when unreadable).
 #[cfg(test)]
 fn huge_bytes_within(at: usize, bytes: usize) -> Option<usize> {
     let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
