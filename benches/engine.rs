@@ -6,6 +6,8 @@
 //!                                   [--weights auto|keep|f32] [--kv f16|f32|q8_0] [--no-cpu-layers]
 //!                                   [--device cpu|cuda|cuda:N]
 //!     cargo bench --bench engine -- --compare-malloc     # prompt speed with and without malloc tuning
+//!     cargo bench --bench engine -- --prompt-only --touch-cache   # the prompts after every KV
+//!                                   # block was written once (no first-touch page faults)
 //!     cargo bench --bench engine -- --kernels            # the Q8_0 matmul kernels alone, GFLOP/s
 //!     cargo bench --bench engine -- --kernels-k          # Q4_K / Q6_K: ours against candle's
 //!     cargo bench --bench engine -- --roof [--threads 2]  # this machine's roof, and the engine's
@@ -35,6 +37,7 @@ struct Args {
     malloc_tuning: bool,
     compare_malloc: bool,
     prompt_only: bool,
+    touch_cache: bool,
     kernels: bool,
     kernels_k: bool,
     roof: bool,
@@ -58,6 +61,7 @@ fn parse() -> Args {
         malloc_tuning: true,
         compare_malloc: false,
         prompt_only: false,
+        touch_cache: false,
         kernels: false,
         kernels_k: false,
         roof: false,
@@ -82,6 +86,7 @@ fn parse() -> Args {
             "--no-malloc-tuning" => a.malloc_tuning = false,
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
+            "--touch-cache" => a.touch_cache = true,
             "--kernels" => a.kernels = true,
             "--kernels-k" => a.kernels_k = true,
             "--roof" => a.roof = true,
@@ -1026,6 +1031,17 @@ fn main() {
             n as f64 / t
         );
         return;
+    }
+    if a.touch_cache {
+        // Every block written once, untimed: a fresh cache block's first write faults its pages
+        // in (zeroing 2 MiB pages) inside the timed prefill otherwise.
+        let bs = e.cache.block_size();
+        let all = e.pool.free_count() * bs;
+        let t0 = Instant::now();
+        for from in (0..all).step_by(2048) {
+            prefill_once(&mut e, &tokens(2048.min(all - from), 7, vocab));
+        }
+        println!("touched the cache in {:.1} s", t0.elapsed().as_secs_f64());
     }
     for n in [100, 500] {
         let p = tokens(n, n as u64, vocab);
