@@ -401,6 +401,27 @@ mod simd {
         ctx.saturating_sub(pb).min(BLOCK)
     }
 
+    /// The first row that sees block `pb` and how far any row sees into it; `None` when no row
+    /// does (the rows' ends rise, so the rows from the first all see it).
+    fn block_rows<T: KvElem>(t: &Tile<T>, pb: usize) -> Option<(usize, usize)> {
+        let n = t.ctx.len();
+        let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
+        let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
+        (reach > 0).then_some((first, reach))
+    }
+
+    /// Each output row divided by its softmax sum.
+    #[inline(always)]
+    unsafe fn normalize<V: Vector, const D: usize>(out: &mut [f32], sum: &[f32]) {
+        for (r, o) in out.chunks_exact_mut(D).enumerate() {
+            let inv = V::splat(1.0 / sum[r]);
+            for c in (0..D).step_by(V::LANES) {
+                let p = o.as_mut_ptr().add(c);
+                V::mul(V::load(p), inv).store(p);
+            }
+        }
+    }
+
     /// The kernel (module doc) at width `V`.
     #[inline(always)]
     unsafe fn drive<V: Vector, T: KvElem, const D: usize>(
@@ -420,11 +441,9 @@ mod simd {
         let span = 4 * V::LANES;
         for pb in (t.from..cmax).step_by(BLOCK) {
             // The rows that see this block, and how far any of them sees into it.
-            let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
-            let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
-            if reach == 0 {
+            let Some((first, reach)) = block_rows(t, pb) else {
                 continue;
-            }
+            };
             V::keys::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
             values_in::<V, T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
             let mut r = first;
@@ -467,13 +486,7 @@ mod simd {
                 r += nr;
             }
         }
-        for (r, o) in out.chunks_exact_mut(D).enumerate() {
-            let inv = V::splat(1.0 / sum[r]);
-            for c in (0..D).step_by(V::LANES) {
-                let p = o.as_mut_ptr().add(c);
-                V::mul(V::load(p), inv).store(p);
-            }
-        }
+        normalize::<V, D>(out, &sum);
         max.into_iter().zip(sum).collect()
     }
 
@@ -635,11 +648,9 @@ mod simd {
         out.fill(0.0);
         let scale = |p: usize| t.scale(p);
         for pb in (t.from..cmax).step_by(BLOCK) {
-            let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
-            let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
-            if reach == 0 {
+            let Some((first, reach)) = block_rows(t, pb) else {
                 continue;
-            }
+            };
             keys_bf16::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
             values_in_bf16::<T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
             let mut r = first;
@@ -676,13 +687,7 @@ mod simd {
                 r += nr;
             }
         }
-        for (r, o) in out.chunks_exact_mut(D).enumerate() {
-            let inv = V512::splat(1.0 / sum[r]);
-            for c in (0..D).step_by(16) {
-                let p = o.as_mut_ptr().add(c);
-                V512::mul(V512::load(p), inv).store(p);
-            }
-        }
+        normalize::<V512, D>(out, &sum);
         max.into_iter().zip(sum).collect()
     }
 
