@@ -20,7 +20,9 @@
 //!     cargo bench --bench engine -- --attention 64 --context 1000 [--chunk 1] [--device cuda:0]
 //!                                   # one layer's attention alone, each implementation the
 //!                                   # device has (fast: CPU only; generic: any device;
-//!                                   # ATTENTION_FAST_ONLY=1: the fast one alone)
+//!                                   # ATTENTION_FAST_ONLY=1: the fast one alone;
+//!                                   # --evict: the caches flushed before each call, so
+//!                                   # the K/V rows come from DRAM as in a step)
 //!
 //! Never run it while something else uses the cores (a build, the tests): on two cores a second
 //! busy process cuts the numbers several-fold.
@@ -38,6 +40,7 @@ struct Args {
     compare_malloc: bool,
     prompt_only: bool,
     touch_cache: bool,
+    evict: bool,
     kernels: bool,
     kernels_k: bool,
     roof: bool,
@@ -62,6 +65,7 @@ fn parse() -> Args {
         compare_malloc: false,
         prompt_only: false,
         touch_cache: false,
+        evict: false,
         kernels: false,
         kernels_k: false,
         roof: false,
@@ -87,6 +91,7 @@ fn parse() -> Args {
             "--compare-malloc" => a.compare_malloc = true,
             "--prompt-only" => a.prompt_only = true,
             "--touch-cache" => a.touch_cache = true,
+            "--evict" => a.evict = true,
             "--kernels" => a.kernels = true,
             "--kernels-k" => a.kernels_k = true,
             "--roof" => a.roof = true,
@@ -447,14 +452,18 @@ fn kernels_k(reps: usize) {
 
 /// Paged attention alone, SmolLM2-135M's shapes (9 query heads, 3 KV heads, 64 wide) on one layer:
 /// `seqs` sequences, each `q_len` new tokens after `ctx` cached ones, scattered over a cache of 30
-/// layers' worth of blocks (so the rows come from DRAM, as in a step). Time per call and the K/V bytes
-/// it reads per second.
+/// layers' worth of blocks. Time per call and the K/V bytes it reads per second. The same rows are
+/// read by every call, so they stay in the last-level cache unless `evict`: then a buffer twice
+/// the size of this machine's caches is read, untimed, before each call, and the rows come from
+/// DRAM, as in a step, where the layer's weights pass through the caches in between.
+#[allow(clippy::too_many_arguments)]
 fn attention(
     seqs: usize,
     ctx: usize,
     q_len: usize,
     kv: llama_relay::kv_cache::KvDtype,
     reps: usize,
+    evict: bool,
     dev: &candle_core::Device,
 ) {
     use candle_core::Tensor;
@@ -539,6 +548,9 @@ fn attention(
             median(
                 (0..20 * reps.max(1))
                     .map(|_| {
+                        if evict {
+                            flush_caches();
+                        }
                         let t = Instant::now();
                         once();
                         t.elapsed().as_secs_f64()
@@ -554,6 +566,15 @@ fn attention(
             t * 30e3
         );
     }
+}
+
+/// Reads a 128 MiB buffer (made once), so that what an earlier call left in the caches (up to
+/// 32 MiB of last-level cache on the machines this runs on) is gone.
+fn flush_caches() {
+    static BUF: std::sync::OnceLock<Vec<u64>> = std::sync::OnceLock::new();
+    let buf = BUF.get_or_init(|| (0..16u64 << 20).collect());
+    let sum = buf.iter().step_by(8).fold(0u64, |a, &x| a.wrapping_add(x));
+    std::hint::black_box(sum);
 }
 
 /// This machine's roof (`kernels::roof`), then the engine's work as shares of it: a 512-token
@@ -911,7 +932,15 @@ fn main() {
     }
     if let Some(n) = a.attention {
         apply_process_settings(a.threads, a.malloc_tuning);
-        attention(n, a.context, a.chunk.unwrap_or(1), a.kv, a.reps, &a.device);
+        attention(
+            n,
+            a.context,
+            a.chunk.unwrap_or(1),
+            a.kv,
+            a.reps,
+            a.evict,
+            &a.device,
+        );
         return;
     }
     if a.compare_malloc {

@@ -614,6 +614,18 @@ unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
     }
 }
 
+/// Asks for `bytes` from `p` into L2 (a hint, as `prefetch_bytes`).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_bytes_l2<T>(p: *const T, bytes: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    let mut off = 0;
+    while off < bytes {
+        _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T1);
+        off += 64;
+    }
+}
+
 /// One pass of a decode-row kernel (`avx2::heads`, `avx512::heads`) over a group of query rows
 /// of one KV head: the rows' queries (scores pass) or softmax weights (values pass), the cache
 /// row offsets of positions `0..n`, this head's keys or values and the cache row's first head's
@@ -629,13 +641,20 @@ struct Pass<T> {
     kv0: *const T,
     out: *mut f32,
     pf: usize,
+    /// In the first scores pass, the values' first head, whose rows the pass asks for too (into
+    /// L2), so the values pass finds them close; null otherwise.
+    then: *const T,
 }
 
 /// The plan both decode-row kernels follow: each KV head's GQA group in groups of up to
 /// `per_group` query rows; scores by `qk(rows in the group, pass)`, each row's softmax, then the
 /// weighted values by `pv(rows in the group, pass)`, `cols` columns a pass. The first group of
 /// the first head asks for the whole cache rows ahead (keys in its scores pass, values in its
-/// first values pass), so the other heads find them in cache.
+/// first values pass), so the other heads find them in cache; its scores pass also asks for the
+/// values' rows into L2, and the first `PREFETCH_AHEAD` positions' rows are asked for before the
+/// passes, so neither pass starts on rows still in DRAM (a step's rows come from DRAM: the
+/// layer's weights pass through the caches in between; docs/performance.md, "Decode rows that
+/// start on rows in cache").
 ///
 /// # Safety
 /// AVX2 and FMA; `t` checked by `attend_heads`; `D == t.d`, a multiple of `cols`; `qk` and
@@ -655,6 +674,12 @@ unsafe fn heads_passes<T: KvElem, const D: usize>(
     let row_bytes = t.heads * D * std::mem::size_of::<T>();
     let mut s = vec![0f32; t.heads * g * n];
     let (q, k, v, sp) = (t.q.as_ptr(), t.k.as_ptr(), t.v.as_ptr(), s.as_mut_ptr());
+    // The first positions' rows, which the passes' prefetching (`PREFETCH_AHEAD` positions on)
+    // never asks for: keys into L1, values into L2.
+    for p in 0..n.min(PREFETCH_AHEAD) {
+        prefetch_bytes(k.add(*rows.add(p)), row_bytes);
+        prefetch_bytes_l2(v.add(*rows.add(p)), row_bytes);
+    }
     // (head, first row, rows).
     let groups: Vec<(usize, usize, usize)> = (0..t.heads)
         .flat_map(|h| {
@@ -672,6 +697,7 @@ unsafe fn heads_passes<T: KvElem, const D: usize>(
             kv0: k,
             out: sp.add(r * n),
             pf: if r == 0 { row_bytes } else { 0 },
+            then: if r == 0 { v } else { std::ptr::null() },
         };
         qk(nr, pass);
     }
@@ -687,6 +713,7 @@ unsafe fn heads_passes<T: KvElem, const D: usize>(
                 kv0: v,
                 out: op.add(r * D + col),
                 pf: if r == 0 && col == 0 { row_bytes } else { 0 },
+                then: std::ptr::null(),
             };
             pv(nr, pass);
         }
@@ -699,8 +726,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        heads_passes, prefetch_bytes, quantize_queries, scale_rows, softmax_avx2, Heads, KvElem,
-        Pass, Tile, POS_BLOCK, PREFETCH_AHEAD,
+        heads_passes, prefetch_bytes, prefetch_bytes_l2, quantize_queries, scale_rows,
+        softmax_avx2, Heads, KvElem, Pass, Tile, POS_BLOCK, PREFETCH_AHEAD,
     };
     use crate::model::kernels::cpu::Avx512Vnni;
 
@@ -1084,9 +1111,9 @@ mod avx2 {
     ) -> Vec<(f32, f32)> {
         // SAFETY (both closures): the passes lie inside `t`'s shapes, checked by `attend_heads`.
         let qk = |nr: usize, p: Pass<T>| match nr {
-            3 => qk_heads::<T, D, 3>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
-            2 => qk_heads::<T, D, 2>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
-            _ => qk_heads::<T, D, 1>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            3 => qk_heads::<T, D, 3>(p),
+            2 => qk_heads::<T, D, 2>(p),
+            _ => qk_heads::<T, D, 1>(p),
         };
         let pv = |nr: usize, p: Pass<T>| match nr {
             3 => pv_heads::<T, D, 3>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
@@ -1097,24 +1124,31 @@ mod avx2 {
     }
 
     /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
-    /// at `kh + rows[p]`, each key vector loaded once for the `NR` rows; with `pf` > 0, asks for
-    /// `pf` bytes of each row `PREFETCH_AHEAD` positions ahead from `k0 + rows[p]`.
+    /// at `kh + rows[p]`, each key vector loaded once for the `NR` rows (`Pass`'s fields); with
+    /// `pf` > 0, asks for `pf` bytes of each row `PREFETCH_AHEAD` positions ahead from
+    /// `k0 + rows[p]`, and from `then + rows[p]` into L2 where `then` is not null.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn qk_heads<T: KvElem, const D: usize, const NR: usize>(
-        q: *const f32,
-        rows: *const usize,
-        kh: *const T,
-        k0: *const T,
-        s: *mut f32,
-        n: usize,
-        pf: usize,
-    ) {
+    unsafe fn qk_heads<T: KvElem, const D: usize, const NR: usize>(p: Pass<T>) {
+        let Pass {
+            rows_in: q,
+            rows,
+            kv: kh,
+            kv0: k0,
+            then,
+            out: s,
+            n,
+            pf,
+        } = p;
         let mut p = 0;
         while p + 4 <= n {
             if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
                 for j in 0..4 {
-                    prefetch_bytes(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
+                    let at = *rows.add(p + PREFETCH_AHEAD + j);
+                    prefetch_bytes(k0.add(at), pf);
+                    if !then.is_null() {
+                        prefetch_bytes_l2(then.add(at), pf);
+                    }
                 }
             }
             let kr = [
@@ -1210,7 +1244,9 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    use super::{heads_passes, prefetch_bytes, Heads, KvElem, Pass, PREFETCH_AHEAD};
+    use super::{
+        heads_passes, prefetch_bytes, prefetch_bytes_l2, Heads, KvElem, Pass, PREFETCH_AHEAD,
+    };
     use crate::model::kernels::cpu::{wide_pays, Avx512Vnni};
 
     /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
@@ -1275,10 +1311,10 @@ mod avx512 {
     ) -> Vec<(f32, f32)> {
         // SAFETY (both closures): the passes lie inside `t`'s shapes, checked by `attend_heads`.
         let qk = |nr: usize, p: Pass<T>| match nr {
-            4 => qk::<T, D, 4>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
-            3 => qk::<T, D, 3>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
-            2 => qk::<T, D, 2>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
-            _ => qk::<T, D, 1>(p.rows_in, p.rows, p.kv, p.kv0, p.out, p.n, p.pf),
+            4 => qk::<T, D, 4>(p),
+            3 => qk::<T, D, 3>(p),
+            2 => qk::<T, D, 2>(p),
+            _ => qk::<T, D, 1>(p),
         };
         let pv = |nr: usize, p: Pass<T>| match nr {
             4 => pv::<T, D, 4>(p.rows_in, p.n, p.rows, p.kv, p.kv0, p.out, p.pf),
@@ -1316,24 +1352,31 @@ mod avx512 {
     }
 
     /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
-    /// at `kh + rows[p]`; with `pf` > 0, asks for `pf` bytes of each row `PREFETCH_AHEAD`
-    /// positions ahead from `k0 + rows[p]` (the row's first head).
+    /// at `kh + rows[p]` (`Pass`'s fields); with `pf` > 0, asks for `pf` bytes of each row
+    /// `PREFETCH_AHEAD` positions ahead from `k0 + rows[p]` (the row's first head), and from
+    /// `then + rows[p]` into L2 where `then` is not null.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(
-        q: *const f32,
-        rows: *const usize,
-        kh: *const T,
-        k0: *const T,
-        s: *mut f32,
-        n: usize,
-        pf: usize,
-    ) {
+    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(p: Pass<T>) {
+        let Pass {
+            rows_in: q,
+            rows,
+            kv: kh,
+            kv0: k0,
+            then,
+            out: s,
+            n,
+            pf,
+        } = p;
         let mut p = 0;
         while p + 4 <= n {
             if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
                 for j in 0..4 {
-                    prefetch_bytes(k0.add(*rows.add(p + PREFETCH_AHEAD + j)), pf);
+                    let at = *rows.add(p + PREFETCH_AHEAD + j);
+                    prefetch_bytes(k0.add(at), pf);
+                    if !then.is_null() {
+                        prefetch_bytes_l2(then.add(at), pf);
+                    }
                 }
             }
             let kr = [
