@@ -205,6 +205,28 @@ impl<T> Tile<'_, T> {
         cmax
     }
 
+    /// Asks for the keys and values of positions `from..to` (this head's `d` values of each) into
+    /// L2: a hint that never faults and never changes a result. A block
+    /// kernel asks for its next block while it works on this one, since a head's values are a
+    /// line or two at the stride of a whole cache row, a pattern the hardware prefetchers follow
+    /// poorly, and a step's rows come from DRAM.
+    pub(crate) fn prefetch_l2(&self, from: usize, to: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let bytes = self.d * std::mem::size_of::<T>();
+            let to = to.min(self.rows.len());
+            for &at in &self.rows[from.min(to)..to] {
+                // SAFETY: prefetching is a hint: it never faults, whatever the address.
+                unsafe {
+                    prefetch_bytes_l2(self.k.as_ptr().wrapping_add(at), bytes);
+                    prefetch_bytes_l2(self.v.as_ptr().wrapping_add(at), bytes);
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (from, to);
+    }
+
     /// Position `p`'s K and V scales (1 and 1 without a Q8 cache's scales).
     #[inline]
     pub(crate) fn scale(&self, p: usize) -> (f32, f32) {

@@ -439,7 +439,9 @@ mod simd {
         let scale = |p: usize| t.scale(p);
         // Positions (scores) and output columns (values) a register tile covers: 4 vectors.
         let span = 4 * V::LANES;
+        t.prefetch_l2(t.from, (t.from + BLOCK).min(cmax));
         for pb in (t.from..cmax).step_by(BLOCK) {
+            t.prefetch_l2(pb + BLOCK, (pb + 2 * BLOCK).min(cmax));
             // The rows that see this block, and how far any of them sees into it.
             let Some((first, reach)) = block_rows(t, pb) else {
                 continue;
@@ -647,7 +649,9 @@ mod simd {
         let mut sum = vec![0f32; n];
         out.fill(0.0);
         let scale = |p: usize| t.scale(p);
+        t.prefetch_l2(t.from, (t.from + BLOCK).min(cmax));
         for pb in (t.from..cmax).step_by(BLOCK) {
+            t.prefetch_l2(pb + BLOCK, (pb + 2 * BLOCK).min(cmax));
             let Some((first, reach)) = block_rows(t, pb) else {
                 continue;
             };
