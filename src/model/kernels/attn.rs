@@ -624,26 +624,27 @@ pub(crate) unsafe fn exp16_minus(
     _mm512_maskz_mul_ps(!tiny, e, pow2)
 }
 
-/// Asks for `bytes` from `p` (a hint: never faults, no effect on results).
+/// Asks for `bytes` from `p` into L1 (a hint: never faults, no effect on results).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_bytes<T>(p: *const T, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let mut off = 0;
-    while off < bytes {
-        _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T0);
-        off += 64;
-    }
+    prefetch_hinted::<{ std::arch::x86_64::_MM_HINT_T0 }, T>(p, bytes)
 }
 
 /// Asks for `bytes` from `p` into L2 (a hint, as `prefetch_bytes`).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn prefetch_bytes_l2<T>(p: *const T, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    prefetch_hinted::<{ std::arch::x86_64::_MM_HINT_T1 }, T>(p, bytes)
+}
+
+/// Every cache line of `bytes` from `p`, with `_mm_prefetch`'s `HINT`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn prefetch_hinted<const HINT: i32, T>(p: *const T, bytes: usize) {
     let mut off = 0;
     while off < bytes {
-        _mm_prefetch((p as *const i8).wrapping_add(off), _MM_HINT_T1);
+        std::arch::x86_64::_mm_prefetch::<HINT>((p as *const i8).wrapping_add(off));
         off += 64;
     }
 }
