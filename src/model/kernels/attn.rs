@@ -669,6 +669,28 @@ struct Pass<T> {
     then: *const T,
 }
 
+#[cfg(target_arch = "x86_64")]
+impl<T> Pass<T> {
+    /// A scores pass's prefetching at positions `p..p + 4`: with `pf` > 0, `pf` bytes of each of
+    /// the rows `PREFETCH_AHEAD` positions on, from `kv0` (into L1) and from `then` (into L2)
+    /// where it is not null.
+    ///
+    /// # Safety
+    /// `rows` must hold `n` offsets (the pass's shapes, checked by `attend_heads`).
+    #[inline(always)]
+    unsafe fn ask_ahead(&self, p: usize) {
+        if self.pf > 0 && p + PREFETCH_AHEAD + 4 <= self.n {
+            for j in 0..4 {
+                let at = *self.rows.add(p + PREFETCH_AHEAD + j);
+                prefetch_bytes(self.kv0.add(at), self.pf);
+                if !self.then.is_null() {
+                    prefetch_bytes_l2(self.then.add(at), self.pf);
+                }
+            }
+        }
+    }
+}
+
 /// The plan both decode-row kernels follow: each KV head's GQA group in groups of up to
 /// `per_group` query rows; scores by `qk(rows in the group, pass)`, each row's softmax, then the
 /// weighted values by `pv(rows in the group, pass)`, `cols` columns a pass. The first group of
@@ -749,8 +771,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        heads_passes, prefetch_bytes, prefetch_bytes_l2, quantize_queries, scale_rows,
-        softmax_avx2, Heads, KvElem, Pass, Tile, POS_BLOCK, PREFETCH_AHEAD,
+        heads_passes, prefetch_bytes, quantize_queries, scale_rows, softmax_avx2, Heads, KvElem,
+        Pass, Tile, POS_BLOCK, PREFETCH_AHEAD,
     };
     use crate::model::kernels::cpu::Avx512Vnni;
 
@@ -1147,33 +1169,15 @@ mod avx2 {
     }
 
     /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
-    /// at `kh + rows[p]`, each key vector loaded once for the `NR` rows (`Pass`'s fields); with
-    /// `pf` > 0, asks for `pf` bytes of each row `PREFETCH_AHEAD` positions ahead from
-    /// `k0 + rows[p]`, and from `then + rows[p]` into L2 where `then` is not null.
+    /// at `kh + rows[p]` (`Pass`'s fields), each key vector loaded once for the `NR` rows;
+    /// prefetching ahead as `Pass::ask_ahead` says.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn qk_heads<T: KvElem, const D: usize, const NR: usize>(p: Pass<T>) {
-        let Pass {
-            rows_in: q,
-            rows,
-            kv: kh,
-            kv0: k0,
-            then,
-            out: s,
-            n,
-            pf,
-        } = p;
+    unsafe fn qk_heads<T: KvElem, const D: usize, const NR: usize>(pass: Pass<T>) {
+        let (q, rows, kh, s, n) = (pass.rows_in, pass.rows, pass.kv, pass.out, pass.n);
         let mut p = 0;
         while p + 4 <= n {
-            if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
-                for j in 0..4 {
-                    let at = *rows.add(p + PREFETCH_AHEAD + j);
-                    prefetch_bytes(k0.add(at), pf);
-                    if !then.is_null() {
-                        prefetch_bytes_l2(then.add(at), pf);
-                    }
-                }
-            }
+            pass.ask_ahead(p);
             let kr = [
                 kh.add(*rows.add(p)),
                 kh.add(*rows.add(p + 1)),
@@ -1267,9 +1271,7 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::sync::OnceLock;
 
-    use super::{
-        heads_passes, prefetch_bytes, prefetch_bytes_l2, Heads, KvElem, Pass, PREFETCH_AHEAD,
-    };
+    use super::{heads_passes, prefetch_bytes, Heads, KvElem, Pass, PREFETCH_AHEAD};
     use crate::model::kernels::cpu::{wide_pays, Avx512Vnni};
 
     /// Query rows a pass takes at once (4 x 4 accumulators beside 4 keys fit 32 registers).
@@ -1375,33 +1377,15 @@ mod avx512 {
     }
 
     /// Scores of `NR` query rows (`q`, `D` apart) for positions `0..n` into `s[r * n + p]`, keys
-    /// at `kh + rows[p]` (`Pass`'s fields); with `pf` > 0, asks for `pf` bytes of each row
-    /// `PREFETCH_AHEAD` positions ahead from `k0 + rows[p]` (the row's first head), and from
-    /// `then + rows[p]` into L2 where `then` is not null.
+    /// at `kh + rows[p]` (`Pass`'s fields); prefetching ahead as `Pass::ask_ahead` says (from
+    /// the row's first head).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(p: Pass<T>) {
-        let Pass {
-            rows_in: q,
-            rows,
-            kv: kh,
-            kv0: k0,
-            then,
-            out: s,
-            n,
-            pf,
-        } = p;
+    unsafe fn qk<T: KvElem, const D: usize, const NR: usize>(pass: Pass<T>) {
+        let (q, rows, kh, s, n) = (pass.rows_in, pass.rows, pass.kv, pass.out, pass.n);
         let mut p = 0;
         while p + 4 <= n {
-            if pf > 0 && p + PREFETCH_AHEAD + 4 <= n {
-                for j in 0..4 {
-                    let at = *rows.add(p + PREFETCH_AHEAD + j);
-                    prefetch_bytes(k0.add(at), pf);
-                    if !then.is_null() {
-                        prefetch_bytes_l2(then.add(at), pf);
-                    }
-                }
-            }
+            pass.ask_ahead(p);
             let kr = [
                 kh.add(*rows.add(p)),
                 kh.add(*rows.add(p + 1)),
