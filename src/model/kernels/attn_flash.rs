@@ -401,13 +401,22 @@ mod simd {
         ctx.saturating_sub(pb).min(BLOCK)
     }
 
-    /// The first row that sees block `pb` and how far any row sees into it; `None` when no row
-    /// does (the rows' ends rise, so the rows from the first all see it).
-    fn block_rows<T: KvElem>(t: &Tile<T>, pb: usize) -> Option<(usize, usize)> {
+    /// The blocks of positions `t.from..cmax` that some row sees, in order, as (the block's first
+    /// position, the first row that sees it, how far any row sees into it): the rows' ends rise,
+    /// so the rows from the first all see it. Each block asks for the next one's rows into L2
+    /// (`Tile::prefetch_l2`) as it is handed out, so they arrive while it is worked on.
+    fn blocks<'t, T: KvElem>(
+        t: &'t Tile<T>,
+        cmax: usize,
+    ) -> impl Iterator<Item = (usize, usize, usize)> + 't {
         let n = t.ctx.len();
-        let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
-        let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
-        (reach > 0).then_some((first, reach))
+        t.prefetch_l2(t.from, (t.from + BLOCK).min(cmax));
+        (t.from..cmax).step_by(BLOCK).filter_map(move |pb| {
+            t.prefetch_l2(pb + BLOCK, (pb + 2 * BLOCK).min(cmax));
+            let first = (0..n).find(|&r| t.ctx[r] > pb).unwrap_or(n);
+            let reach = (first..n).map(|r| seen(t.ctx[r], pb)).max().unwrap_or(0);
+            (reach > 0).then_some((pb, first, reach))
+        })
     }
 
     /// Each output row divided by its softmax sum.
@@ -439,13 +448,7 @@ mod simd {
         let scale = |p: usize| t.scale(p);
         // Positions (scores) and output columns (values) a register tile covers: 4 vectors.
         let span = 4 * V::LANES;
-        t.prefetch_l2(t.from, (t.from + BLOCK).min(cmax));
-        for pb in (t.from..cmax).step_by(BLOCK) {
-            t.prefetch_l2(pb + BLOCK, (pb + 2 * BLOCK).min(cmax));
-            // The rows that see this block, and how far any of them sees into it.
-            let Some((first, reach)) = block_rows(t, pb) else {
-                continue;
-            };
+        for (pb, first, reach) in blocks(t, cmax) {
             V::keys::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
             values_in::<V, T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
             let mut r = first;
@@ -649,12 +652,7 @@ mod simd {
         let mut sum = vec![0f32; n];
         out.fill(0.0);
         let scale = |p: usize| t.scale(p);
-        t.prefetch_l2(t.from, (t.from + BLOCK).min(cmax));
-        for pb in (t.from..cmax).step_by(BLOCK) {
-            t.prefetch_l2(pb + BLOCK, (pb + 2 * BLOCK).min(cmax));
-            let Some((first, reach)) = block_rows(t, pb) else {
-                continue;
-            };
+        for (pb, first, reach) in blocks(t, cmax) {
             keys_bf16::<T, D>(t, pb, reach, &scale, kt.as_mut_ptr());
             values_in_bf16::<T, D>(t, pb, reach, &scale, vb.as_mut_ptr());
             let mut r = first;
