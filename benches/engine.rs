@@ -584,7 +584,9 @@ fn flush_caches() {
 /// once a step), and each projection's kernel alone (Q4_1 8-row layout, the default model's
 /// weights) at 1, 16 and 512 rows, its weights read from memory as they are in a step.
 fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
-    use llama_relay::model::kernels::{amx, cpu::Isa, q4_1x8, q8_0x8::RowGroups, roof::Roof};
+    use llama_relay::model::kernels::{
+        amx, cpu::Isa, prompt_form, q4_1x8, q8_0x8::RowGroups, roof::Roof,
+    };
     let isa = Isa::best();
     let opt = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.0}"));
     let show = |r: &Roof, when: &str| {
@@ -655,12 +657,13 @@ fn roof(e: &mut Engine, threads: usize, reps: usize, model_bytes: u64) {
     // against the roof its part is bound by: the projections' 8-bit operations (or at one row
     // their weight bytes), attention's K/V bytes read, or in a prefill from an empty cache its
     // products (each row against the positions it sees: `4 d` operations a head and position)
-    // against the peak of the form it runs on (the tile units' bf16, AVX-512 BF16, else F32).
+    // against the peak of the form it runs on (`kernels::prompt_form`: the tile units' bf16, AVX-512
+    // BF16 where it measures faster, else F32).
     let attn_ops_per_pos = 4.0 * c.num_layers as f64 * (c.num_heads * c.head_dim) as f64;
-    let (attn_peak, attn_unit) = match (r.amx_bf16, r.bf16_512) {
-        (Some(a), _) => (a, "amx"),
-        (None, Some(b)) => (b, "bf16"),
-        (None, None) => (r.f32(), "f32"),
+    let (attn_peak, attn_unit) = match (prompt_form(isa), r.amx_bf16, r.bf16_512) {
+        ("amx", Some(a), _) => (a, "amx"),
+        ("bf16", _, Some(b)) => (b, "bf16"),
+        _ => (r.f32(), "f32"),
     };
     let layers = c.num_layers as f64;
     let kv_bytes_per_pos = 2.0 * layers * kv as f64 * 2.0; // K and V, F16

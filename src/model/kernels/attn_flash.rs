@@ -18,7 +18,8 @@
 //! are `attn::attend`'s (largest score, sum of `exp(score - largest)`). Everything stays in F32; a
 //! Q8 cache's scales multiply keys and values as they are converted.
 //!
-//! Where the CPU has AVX-512 BF16 (Zen 4 and later) and the cache is F16 or Q8, the same blocks
+//! Where the CPU has AVX-512 BF16, the cache is F16 or Q8, and the bf16 form measures faster than
+//! the F32 one (`bf16_pays`: Zen 4, not Intel's Emerald Rapids without tile units), the same blocks
 //! run as bf16 dot products (`Width::Bf16`, `simd::tile_bf16`): `vdpbf16ps` sums two bf16
 //! products into each F32 lane, twice the products of an F32 FMA, so scores and weighted sums
 //! take half the instructions. Queries, scaled keys and values, and each block's weights are
@@ -46,10 +47,10 @@ pub(crate) fn supports(d: usize) -> bool {
 }
 
 /// The kernel's form, with the token that proves the CPU runs it: bf16 dot products on 512-bit
-/// registers where the level has AVX-512 BF16 (Zen 4 and later: `vdpbf16ps` sums two products a
-/// lane, twice the F32 FMA's), else F32 on 512-bit registers on AVX-512 (Ice Lake: half the
-/// instructions of the 256-bit form for the same FMAs), else AVX2's 256-bit ones (Zen 3 and
-/// older).
+/// registers where the level has AVX-512 BF16 and they measure faster (Zen 4: `vdpbf16ps` sums two
+/// products a lane, twice the F32 FMA's rate), else F32 on 512-bit registers on AVX-512 (Ice
+/// Lake: half the instructions of the 256-bit form for the same FMAs), else AVX2's 256-bit ones
+/// (Zen 3 and older).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Width {
     Bf16(Avx512Bf16),
@@ -62,12 +63,68 @@ impl Width {
     /// setting that asks for exact attention, as on the tile units) never bf16.
     pub(crate) fn of(isa: Isa, exact: bool) -> Option<Width> {
         match (isa.avx512_bf16(), isa.avx512_vnni(), isa.avx2()) {
-            (Some(b), _, _) if !exact => Some(Width::Bf16(b)),
+            (Some(b), _, _) if !exact && bf16_pays(b) => Some(Width::Bf16(b)),
             (_, Some(v), _) => Some(Width::W512(v)),
             (_, None, Some(a)) => Some(Width::W256(a)),
             _ => None,
         }
     }
+}
+
+/// The form a prompt's attention runs on at level `isa` with an F16 or Q8 cache, as the roof
+/// report names its peak: `amx` (the tile units, `attn_amx`), `bf16`, `f32`, or `none` (the
+/// generic kernel, without AVX2).
+pub fn prompt_form(isa: Isa) -> &'static str {
+    match (isa.amx(), Width::of(isa, false)) {
+        (Some(_), _) => "amx",
+        (None, Some(Width::Bf16(_))) => "bf16",
+        (None, Some(_)) => "f32",
+        (None, None) => "none",
+    }
+}
+
+/// Whether the bf16 form runs faster here than the 512-bit F32 one: `cpu::second_pays` with
+/// `LLAMA_RELAY_PROMPT_ATTENTION` (`f32` or `bf16`), timed once (a few milliseconds) on a chat
+/// turn's shape held in cache: 81 query rows (27 tokens of 3 heads a KV head) over 256 positions
+/// of an F16 cache, 64 values a head. `vdpbf16ps` takes two products a lane; on Zen 4 that is
+/// twice the F32 FMA's rate, on Intel cores without tile units half of it (Emerald Rapids:
+/// docs/performance.md, "bf16 attention measured, not assumed").
+fn bf16_pays(b: Avx512Bf16) -> bool {
+    use std::sync::OnceLock;
+    static PAYS: OnceLock<bool> = OnceLock::new();
+    *PAYS.get_or_init(|| {
+        let (d, n, rows) = (64, 256, 81);
+        let value = |i: usize| half::f16::from_f32((i * 37 % 101) as f32 / 50.0 - 1.0);
+        let k: Vec<half::f16> = (0..n * d).map(value).collect();
+        let v: Vec<half::f16> = (0..n * d).map(|i| value(i + 7)).collect();
+        let q: Vec<f32> = (0..rows * d)
+            .map(|i| (i % 13) as f32 / 52.0 - 0.1)
+            .collect();
+        let ctx: Vec<usize> = (0..rows).map(|r| n - rows / 3 + r / 3 + 1).collect();
+        let at: Vec<usize> = (0..n).map(|p| p * d).collect();
+        let t = Tile {
+            q: &q,
+            from: 0,
+            ctx: &ctx,
+            rows: &at,
+            k: &k,
+            v: &v,
+            d,
+            scales: None,
+        };
+        let pass = |w: Width, out: &mut [f32]| {
+            std::hint::black_box(tile(w, &t, out));
+        };
+        let (mut f32_out, mut bf16_out) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+        super::cpu::second_pays(
+            "a prompt's attention",
+            "LLAMA_RELAY_PROMPT_ATTENTION",
+            ["f32", "bf16"],
+            4,
+            || pass(Width::W512(b.vnni()), &mut f32_out),
+            || pass(Width::Bf16(b), &mut bf16_out),
+        )
+    })
 }
 
 /// `attn::attend` for a prompt's rows over positions `t.from..` (a part of a long history, merged

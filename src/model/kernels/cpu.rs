@@ -8,9 +8,10 @@
 //!
 //! `Isa::best()` is what the engine runs: the highest level detected, capped by the environment
 //! variable `LLAMA_RELAY_ISA` (`scalar`, `avx2`, `avx512vnni`, `avx512bf16`, `amx`) so that one
-//! binary can be measured at each level. `avx512bf16` (Zen 4 and later, Cooper Lake) differs from
-//! `avx512vnni` only where a kernel may round to bf16: a prompt's attention (`attn_flash`), as the
-//! tile units' level does.
+//! binary can be measured at each level. `avx512bf16` (Zen 4 and later, Cooper Lake, Intel cores
+//! whose tile units are hidden) differs from `avx512vnni` only where a kernel may round to bf16: a
+//! prompt's attention (`attn_flash`), as the tile units' level does, and there only where the bf16
+//! form measures faster (`attn_flash::bf16_pays`).
 //!
 //! AMX is detected by CPUID and XCR0 rather than `is_x86_feature_detected!` (whose AMX names are
 //! unstable in Rust 1.95), and only counts once Linux grants this process the tile data state
@@ -291,24 +292,40 @@ impl Isa {
     }
 }
 
-/// Whether a 512-bit kernel runs faster here than the 256-bit one it would replace: the
-/// environment variable `env` (`256` or `512`) when set, else timed: `narrow` and `wide` (each
-/// `reps` passes over the same cache-resident data) alternating, best of 7 rounds each; 512 bits
-/// must win by 5%. Measured, never assumed: a 512-bit op takes one issue slot for two 256-bit
-/// ones but has the same peak on Zen 4, and on other cores 512-bit code may lower the clock.
-/// Logs both times (`what`, per pass) at info. Callers keep the answer (a `OnceLock`).
+/// Whether a 512-bit kernel runs faster here than the 256-bit one it would replace
+/// (`second_pays` with the forms named `256` and `512`). Measured, never assumed: a 512-bit op
+/// takes one issue slot for two 256-bit ones but has the same peak on Zen 4, and on other cores
+/// 512-bit code may lower the clock.
 pub(crate) fn wide_pays(
     what: &str,
     env: &str,
     reps: usize,
-    mut narrow: impl FnMut(),
-    mut wide: impl FnMut(),
+    narrow: impl FnMut(),
+    wide: impl FnMut(),
+) -> bool {
+    second_pays(what, env, ["256", "512"], reps, narrow, wide)
+}
+
+/// Whether the second of two forms of a kernel runs faster here than the first: the environment
+/// variable `env` when it names one of `names` (the first's, then the second's), else timed:
+/// `first` and `second` (each `reps` passes over the same cache-resident data) alternating, best
+/// of 7 rounds each; the second must win by 5%. For choices whose answer differs between machine
+/// classes (a 512-bit op's rate and clock; `vdpbf16ps`, twice the F32 FMA's products on Zen 4 and
+/// half its rate on Intel cores without tile units), so the class is measured, not guessed from
+/// its feature flags. Logs both times (`what`, per pass) at info. Callers keep the answer (a
+/// `OnceLock`).
+pub(crate) fn second_pays(
+    what: &str,
+    env: &str,
+    names: [&str; 2],
+    reps: usize,
+    mut first: impl FnMut(),
+    mut second: impl FnMut(),
 ) -> bool {
     if let Ok(v) = std::env::var(env) {
-        match v.as_str() {
-            "512" => return true,
-            "256" => return false,
-            _ => tracing::warn!("{env}={v:?} is not 256 or 512; measuring"),
+        match names.iter().position(|n| *n == v.as_str()) {
+            Some(i) => return i == 1,
+            None => tracing::warn!("{env}={v:?} is not {} or {}; measuring", names[0], names[1]),
         }
     }
     let time = |f: &mut dyn FnMut()| {
@@ -318,18 +335,20 @@ pub(crate) fn wide_pays(
         }
         start.elapsed()
     };
-    let (mut n, mut w) = (std::time::Duration::MAX, std::time::Duration::MAX);
+    let (mut a, mut b) = (std::time::Duration::MAX, std::time::Duration::MAX);
     for _ in 0..7 {
-        n = n.min(time(&mut narrow));
-        w = w.min(time(&mut wide));
+        a = a.min(time(&mut first));
+        b = b.min(time(&mut second));
     }
-    let pick = w.as_secs_f64() < 0.95 * n.as_secs_f64();
+    let pick = b.as_secs_f64() < 0.95 * a.as_secs_f64();
     let per_pass = |d: std::time::Duration| d.as_secs_f64() * 1e6 / reps as f64;
     tracing::info!(
-        "{what}: 512-bit {:.1} us, 256-bit {:.1} us a pass; using {} bits",
-        per_pass(w),
-        per_pass(n),
-        if pick { 512 } else { 256 }
+        "{what}: {} {:.1} us, {} {:.1} us a pass; using {}",
+        names[1],
+        per_pass(b),
+        names[0],
+        per_pass(a),
+        names[usize::from(pick)]
     );
     pick
 }
@@ -355,5 +374,16 @@ mod tests {
         }
         assert!(all.contains(&Isa::best()));
         assert_eq!(Isa::Scalar.avx2(), None);
+    }
+
+    /// The timed choice takes the form that runs faster, whichever comes second, and needs it to
+    /// win (here by a millisecond a pass against none).
+    #[test]
+    fn second_pays_picks_the_faster_form() {
+        let slow = || std::thread::sleep(std::time::Duration::from_millis(1));
+        let names = ["first", "second"];
+        let unset = "LLAMA_RELAY_TEST_UNSET_CHOICE";
+        assert!(second_pays("test", unset, names, 1, slow, || ()));
+        assert!(!second_pays("test", unset, names, 1, || (), slow));
     }
 }

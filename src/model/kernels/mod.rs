@@ -104,6 +104,7 @@ pub mod amx_int8;
 pub mod attn;
 pub(crate) mod attn_amx;
 pub(crate) mod attn_flash;
+pub use attn_flash::prompt_form;
 pub mod cpu;
 pub mod f16;
 pub mod norm;
