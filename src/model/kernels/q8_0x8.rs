@@ -243,16 +243,6 @@ impl<const S: usize> RowGroups for Rows8<S> {
     }
 }
 
-/// The driver the 8-row kernels share: output columns in about four tasks a thread
-/// (`team::per_task`, an even count of groups where they go in pairs), each group (or pair) held in
-/// L1 while every row tile passes over it, each
-/// tile's results copied straight into the row-major `[m, n]` result (no per-task buffers to
-/// gather, and the result is not zeroed first: every element is written once, which matters for
-/// the 49152-column output projection). `groups(g, count)` is the bytes of groups
-/// `g..g + count` (adjacent in memory); `tile(w, count, a, r0, nr, out)` writes rows
-/// `r0..r0+nr` x `8 * count` columns of the `count` groups in `w` into `out`. With
-/// `pairs = Some(rows)`, a task's groups go two at a time (a lone last one alone), in tiles of up
-/// to `rows` activation rows; single groups in tiles of up to `TILE_ROWS`.
 /// Activation rows a task takes through all its groups before the next rows: 32 rows of a
 /// 576-wide input are 18 KiB of 8-bit values, which stay in L1 while the task's weights (in L2)
 /// pass by them. Without blocks each pair of groups passed over all of a prompt's rows, from L2.
@@ -261,6 +251,16 @@ impl<const S: usize> RowGroups for Rows8<S> {
 /// steps) the order is the same as without.
 const ROW_BLOCK: usize = 32;
 
+/// The driver the 8-row kernels share: output columns in about four tasks a thread
+/// (`team::per_task`, an even count of groups where they go in pairs), each group (or pair) held in
+/// L1 while the row tiles of a block of `ROW_BLOCK` rows pass over it, each tile's results copied
+/// straight into the row-major `[m, n]` result (no per-task buffers to gather, and the result is
+/// not zeroed first: every element is written once, which matters for the 49152-column output
+/// projection). `groups(g, count)` is the bytes of groups
+/// `g..g + count` (adjacent in memory); `tile(w, count, a, r0, nr, out)` writes rows
+/// `r0..r0+nr` x `8 * count` columns of the `count` groups in `w` into `out`. With
+/// `pairs = Some(rows)`, a task's groups go two at a time (a lone last one alone), in tiles of up
+/// to `rows` activation rows; single groups in tiles of up to `TILE_ROWS`.
 pub(crate) fn grouped_matmul<'w>(
     n: usize,
     a: &QuantizedRows,
