@@ -133,8 +133,10 @@ impl FastCpuPlan {
         let kv_dim = d.num_kv_heads * d.head_dim;
         let group = d.num_heads / d.num_kv_heads;
         let amx = (isa.amx()).filter(|_| tiles && attn_amx::supports(d.head_dim));
-        let flash = attn_flash::Width::of(isa, !tiles)
-            .filter(|_| isa.amx().is_none() && attn_flash::supports(d.head_dim));
+        // Asked only where the tile units do not take prompts: `Width::of` may time the bf16 form.
+        let flash = (isa.amx().is_none() && attn_flash::supports(d.head_dim))
+            .then(|| attn_flash::Width::of(isa, !tiles))
+            .flatten();
         let per_seq: Vec<bool> = seqs
             .iter()
             .map(|s| {

@@ -75,11 +75,13 @@ impl Width {
 /// report names its peak: `amx` (the tile units, `attn_amx`), `bf16`, `f32`, or `none` (the
 /// generic kernel, without AVX2).
 pub fn prompt_form(isa: Isa) -> &'static str {
-    match (isa.amx(), Width::of(isa, false)) {
-        (Some(_), _) => "amx",
-        (None, Some(Width::Bf16(_))) => "bf16",
-        (None, Some(_)) => "f32",
-        (None, None) => "none",
+    if isa.amx().is_some() {
+        return "amx";
+    }
+    match Width::of(isa, false) {
+        Some(Width::Bf16(_)) => "bf16",
+        Some(_) => "f32",
+        None => "none",
     }
 }
 
